@@ -1,0 +1,142 @@
+"""Lease keys: validation, Redis key names and key templates.
+
+A lease key is a non-empty string chosen by the user, such as
+``"invoice:42"``. A :class:`KeyTemplate` builds one from a function's
+arguments, either from a ``str.format`` template (``"invoice:{invoice_id}"``)
+or from a callable taking the same arguments as the function.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import string
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from .errors import LeaseConfigError, LeaseKeyError
+
+#: The default prefix of every Redis key this package writes.
+DEFAULT_PREFIX = "dramatiq-leases"
+
+#: The longest lease key accepted, in characters.
+MAX_KEY_LENGTH = 1024
+
+
+def validate_key(key: object, *, what: str = "lease key") -> str:
+    """Return ``key`` if it is a usable lease key, else raise :class:`LeaseKeyError`."""
+    if not isinstance(key, str) or not key:
+        raise LeaseKeyError(f"{what} must be a non-empty string, got {key!r}")
+    if len(key) > MAX_KEY_LENGTH:
+        raise LeaseKeyError(f"{what} is {len(key)} characters long; the limit is {MAX_KEY_LENGTH}: {key[:64]!r}...")
+    return key
+
+
+def validate_prefix(prefix: object) -> str:
+    """Return ``prefix`` if it is a usable key prefix, else raise :class:`LeaseConfigError`."""
+    if not isinstance(prefix, str) or not prefix or any(c in prefix for c in "{}*?[]"):
+        raise LeaseConfigError(f"prefix must be a non-empty string without braces or glob characters, got {prefix!r}")
+    return prefix
+
+
+def hash_tag(key: str) -> str:
+    """The Redis Cluster hash tag shared by all Redis keys of one lease key.
+
+    The key itself where that is safe, so ``redis-cli`` shows readable names;
+    a digest when the key contains braces, which would end the tag early.
+    """
+    if "{" in key or "}" in key:
+        return "h:" + hashlib.sha1(key.encode()).hexdigest()
+    return key
+
+
+def lease_name(prefix: str, key: str) -> str:
+    """The Redis key of the hash holding the lease on ``key``."""
+    return f"{prefix}:lease:{{{hash_tag(key)}}}"
+
+
+def fence_name(prefix: str, key: str) -> str:
+    """The Redis key of the fencing counter of ``key``; it never expires."""
+    return f"{prefix}:fence:{{{hash_tag(key)}}}"
+
+
+def lease_pattern(prefix: str, match: str = "*") -> str:
+    """A ``SCAN MATCH`` pattern for lease hashes whose tag matches ``match``."""
+    return f"{prefix}:lease:{{{match}}}"
+
+
+class KeyTemplate:
+    """Renders lease keys from the arguments of a function.
+
+    Parameters:
+      spec: a ``str.format`` template whose fields name parameters of ``fn``
+        (``"invoice:{invoice_id}"``, ``"user:{user.id}"``), or a callable
+        taking the same arguments as ``fn`` and returning the key.
+      fn: the function whose arguments fill the template.
+      owner: who declared the template, for error messages (an actor name).
+
+    Raises:
+      LeaseConfigError: if ``spec`` is neither, is an empty template, or names
+        a parameter that ``fn`` does not have.
+    """
+
+    def __init__(self, spec: str | Callable[..., str], fn: Callable[..., Any], *, owner: str) -> None:
+        self.spec = spec
+        self.owner = owner
+        self.signature = inspect.signature(fn)
+        if isinstance(spec, str):
+            self._check_template(spec)
+        elif not callable(spec):
+            raise LeaseConfigError(f"{owner}: lock_key must be a template string or a callable, got {spec!r}")
+
+    def _check_template(self, spec: str) -> None:
+        if not spec:
+            raise LeaseConfigError(f"{self.owner}: lock_key must be a non-empty string, got {spec!r}")
+        try:
+            fields = [name for _, name, _, _ in string.Formatter().parse(spec) if name is not None]
+        except ValueError as e:
+            raise LeaseConfigError(f"{self.owner}: lock_key {spec!r} is not a valid template: {e}") from None
+        params = self.signature.parameters
+        takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+        for field in fields:
+            # "{user.id}" and "{items[0]}" name the parameter before the first "." or "[".
+            name = field.split(".", 1)[0].split("[", 1)[0]
+            if not name or name.isdigit():
+                raise LeaseConfigError(
+                    f"{self.owner}: lock_key {spec!r} must name parameters, not positions ({{{field}}})"
+                )
+            positional_only = name in params and params[name].kind is inspect.Parameter.POSITIONAL_ONLY
+            if (name not in params and not takes_kwargs) or positional_only:
+                raise LeaseConfigError(
+                    f"{self.owner}: lock_key {spec!r} names parameter {name!r}, "
+                    f"which is not among its parameters {list(params)}"
+                )
+
+    def render(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
+        """Return the lease key for these arguments.
+
+        Raises:
+          LeaseKeyError: if the arguments do not fit the function, lack a
+            field of the template, or render to something that is not a
+            valid key.
+        """
+        try:
+            bound = self.signature.bind(*args, **kwargs)
+        except TypeError as e:
+            raise LeaseKeyError(f"{self.owner}: cannot render lock_key from args={args!r} kwargs={kwargs!r}: {e}") from None
+        bound.apply_defaults()
+        values = dict(bound.arguments)
+        for p in self.signature.parameters.values():
+            if p.kind is inspect.Parameter.VAR_KEYWORD:
+                values.update(values.pop(p.name, {}))
+        try:
+            if isinstance(self.spec, str):
+                key = self.spec.format_map(values)
+            else:
+                key = self.spec(*args, **kwargs)
+        except Exception as e:
+            raise LeaseKeyError(
+                f"{self.owner}: cannot render lock_key {self.spec!r} from args={args!r} kwargs={kwargs!r}: "
+                f"{type(e).__name__}: {e}"
+            ) from None
+        return validate_key(key, what=f"{self.owner}: the key rendered by lock_key {self.spec!r}")

@@ -1,0 +1,188 @@
+"""Metrics: the one place every other module reports to.
+
+:class:`LeaseMetrics` is the reporting interface (every method a no-op);
+:class:`PrometheusMetrics` implements it with ``prometheus_client``. Labels
+are ``actor_name`` and ``queue_name`` (taken from a lease's ``actor`` and
+``queue`` metadata), never the lease key: keys are unbounded and often carry
+user ids.
+
+``prometheus_client`` is imported on first use, not at import time: in
+Dramatiq's multiprocess mode the choice between in-process and shared-file
+values is made when ``prometheus_client`` is imported, and that must happen
+after ``PROMETHEUS_MULTIPROC_DIR`` is set at process boot.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+#: Buckets (seconds) for acquire, release and renewal round trips.
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+#: Buckets (seconds) for waits and holds, which last as long as jobs do.
+DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0)
+
+Meta = Mapping[str, str]
+
+
+def labels_of(meta: Meta) -> tuple[str, str]:
+    """The ``(actor_name, queue_name)`` labels of a lease's metadata."""
+    return meta.get("actor", ""), meta.get("queue", "")
+
+
+class LeaseMetrics:
+    """What the lease core and the middleware report. This base class records nothing."""
+
+    def acquire(self, meta: Meta, outcome: str, seconds: float) -> None:
+        """One acquire attempt took ``seconds``; ``outcome`` is acquired, busy or error."""
+
+    def wait(self, meta: Meta, seconds: float) -> None:
+        """A message acquired its lease ``seconds`` after its first attempt."""
+
+    def busy_retry(self, meta: Meta) -> None:
+        """A message went back to the queue because its lease was busy."""
+
+    def gave_up(self, meta: Meta) -> None:
+        """A message exhausted its wait budget."""
+
+    def held(self, meta: Meta, delta: int) -> None:
+        """The number of leases held changed by ``delta``."""
+
+    def hold(self, meta: Meta, seconds: float) -> None:
+        """A lease was held for ``seconds`` and has ended."""
+
+    def renewal(self, meta: Meta, outcome: str) -> None:
+        """One lease renewal ended with ``outcome``: ok, lost or error."""
+
+    def renew_round(self, seconds: float) -> None:
+        """One heartbeat round (all due leases of the process) took ``seconds``."""
+
+    def lost(self, meta: Meta, reason: str) -> None:
+        """A held lease was lost for ``reason``: gone, stolen, unreachable or max_hold."""
+
+    def redis_error(self, operation: str) -> None:
+        """Redis failed during ``operation``: acquire, renew, release or scan."""
+
+
+#: Records nothing; the default where no metrics are wanted.
+NULL_METRICS = LeaseMetrics()
+
+
+def _enable_multiprocess_values() -> None:
+    """Make metrics created from now on use shared files when ``PROMETHEUS_MULTIPROC_DIR`` is set.
+
+    Someone may have imported ``prometheus_client`` before the variable was
+    set (an app module importing it at the top); its value class was then
+    fixed to in-process values, which the exposition would never see.
+    """
+    from prometheus_client import values
+
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR") and values.ValueClass.__name__ == "MutexValue":
+        values.ValueClass = values.get_value_class()
+
+
+class PrometheusMetrics(LeaseMetrics):
+    """:class:`LeaseMetrics` on ``prometheus_client`` (names documented in ``docs/metrics.md``).
+
+    Parameters:
+      registry: where to register; ``None`` for the default registry. In
+        multiprocess mode values go to ``PROMETHEUS_MULTIPROC_DIR`` and any
+        exposition that reads that directory serves them.
+    """
+
+    def __init__(self, registry: Any = None) -> None:
+        self._registry = registry
+        self._lock = threading.Lock()
+        self._m: dict[str, Any] | None = None
+
+    def _metrics(self) -> dict[str, Any]:
+        if self._m is None:
+            with self._lock:
+                if self._m is None:
+                    self._m = self._create()
+        return self._m
+
+    def _create(self) -> dict[str, Any]:
+        _enable_multiprocess_values()
+        from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+
+        reg = self._registry if self._registry is not None else REGISTRY
+        actor = ["actor_name", "queue_name"]
+        return {
+            "acquire": Histogram(
+                "dramatiq_lease_acquire_duration_seconds",
+                "Time to ask Redis for a lease, by outcome (acquired, busy, error).",
+                [*actor, "outcome"], buckets=LATENCY_BUCKETS, registry=reg,
+            ),
+            "wait": Histogram(
+                "dramatiq_lease_wait_duration_seconds",
+                "Time from a message's first acquire attempt to acquisition: time lost to contention.",
+                actor, buckets=DURATION_BUCKETS, registry=reg,
+            ),
+            "busy": Counter(
+                "dramatiq_lease_busy_retries_total",
+                "Messages sent back to the queue because their lease was busy.", actor, registry=reg,
+            ),
+            "gave_up": Counter(
+                "dramatiq_lease_gave_up_total",
+                "Messages that exhausted their wait budget for a lease.", actor, registry=reg,
+            ),
+            "held": Gauge(
+                "dramatiq_lease_held", "Leases held now.", actor, registry=reg, multiprocess_mode="livesum",
+            ),
+            "hold": Histogram(
+                "dramatiq_lease_hold_duration_seconds",
+                "How long leases were held.", actor, buckets=DURATION_BUCKETS, registry=reg,
+            ),
+            "renewals": Counter(
+                "dramatiq_lease_renewals_total",
+                "Lease renewals by outcome (ok, lost, error).", [*actor, "outcome"], registry=reg,
+            ),
+            "round": Histogram(
+                "dramatiq_lease_renew_duration_seconds",
+                "Duration of one heartbeat round renewing all due leases of a process.",
+                buckets=LATENCY_BUCKETS, registry=reg,
+            ),
+            "lost": Counter(
+                "dramatiq_lease_lost_total",
+                "Held leases lost, by reason (gone, stolen, unreachable, max_hold).",
+                [*actor, "reason"], registry=reg,
+            ),
+            "redis_errors": Counter(
+                "dramatiq_lease_redis_errors_total",
+                "Redis errors by operation (acquire, renew, release, scan).", ["operation"], registry=reg,
+            ),
+        }
+
+    def acquire(self, meta: Meta, outcome: str, seconds: float) -> None:  # noqa: D102
+        self._metrics()["acquire"].labels(*labels_of(meta), outcome).observe(seconds)
+
+    def wait(self, meta: Meta, seconds: float) -> None:  # noqa: D102
+        self._metrics()["wait"].labels(*labels_of(meta)).observe(seconds)
+
+    def busy_retry(self, meta: Meta) -> None:  # noqa: D102
+        self._metrics()["busy"].labels(*labels_of(meta)).inc()
+
+    def gave_up(self, meta: Meta) -> None:  # noqa: D102
+        self._metrics()["gave_up"].labels(*labels_of(meta)).inc()
+
+    def held(self, meta: Meta, delta: int) -> None:  # noqa: D102
+        self._metrics()["held"].labels(*labels_of(meta)).inc(delta)
+
+    def hold(self, meta: Meta, seconds: float) -> None:  # noqa: D102
+        self._metrics()["hold"].labels(*labels_of(meta)).observe(seconds)
+
+    def renewal(self, meta: Meta, outcome: str) -> None:  # noqa: D102
+        self._metrics()["renewals"].labels(*labels_of(meta), outcome).inc()
+
+    def renew_round(self, seconds: float) -> None:  # noqa: D102
+        self._metrics()["round"].observe(seconds)
+
+    def lost(self, meta: Meta, reason: str) -> None:  # noqa: D102
+        self._metrics()["lost"].labels(*labels_of(meta), reason).inc()
+
+    def redis_error(self, operation: str) -> None:  # noqa: D102
+        self._metrics()["redis_errors"].labels(operation).inc()

@@ -1,0 +1,510 @@
+"""The Dramatiq middleware: a thin adapter from actors to the lease core."""
+
+from __future__ import annotations
+
+import contextvars
+import ctypes
+import functools
+import logging
+import os
+import random
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import dramatiq
+import redis
+from dramatiq.middleware import Interrupt, Middleware, SkipMessage
+from dramatiq.middleware.middleware import MiddlewareError
+from dramatiq.middleware.time_limit import TimeLimit
+from dramatiq.threading import raise_thread_exception
+
+from .core.errors import LeaseConfigError, LeaseKeyError, LeaseUnavailableError
+from .core.heartbeat import Heartbeat
+from .core.keys import DEFAULT_PREFIX, KeyTemplate
+from .core.lease import Busy, Lease, Leases
+from .metrics import LeaseMetrics, PrometheusMetrics
+
+logger = logging.getLogger(__name__)
+
+#: Actor options, each also accepted as a message option (``send_with_options``).
+ACTOR_OPTIONS = frozenset({
+    "lock_key",
+    "lock_ttl",
+    "lock_renew_interval",
+    "lock_max_hold",
+    "lock_backoff_min",
+    "lock_backoff_max",
+    "lock_max_wait",
+    "lock_give_up",
+})
+
+#: Message option carrying a lease acquired by the producer, to be adopted by the worker.
+LEASE_OPTION = "lease"
+
+#: Message options this middleware keeps across busy retries.
+ATTEMPTS_OPTION = "lease_busy_attempts"
+FIRST_ATTEMPT_OPTION = "lease_first_attempt_ms"
+
+GIVE_UP_ACTIONS = ("fail", "drop")
+
+
+class LeaseLost(Interrupt):
+    """Raised inside an actor whose lease was lost while it ran.
+
+    The actor stops and the message fails like any other exception (Retries
+    retries it). It never reaches an actor that has already returned.
+    """
+
+
+class LeaseOptionError(LeaseConfigError, MiddlewareError):
+    """An actor or message declares lease options that cannot work."""
+
+
+class LeaseKeyRenderError(LeaseKeyError, MiddlewareError):
+    """A message's arguments do not render its actor's ``lock_key``; raised to the producer."""
+
+
+class LeaseWaitExceeded(SkipMessage):
+    """Stored as the failure of a message that waited longer than ``lock_max_wait`` for its lease."""
+
+
+_current: contextvars.ContextVar[Lease | None] = contextvars.ContextVar("dramatiq_leases_current", default=None)
+
+
+def current_lease() -> Lease:
+    """The lease held by the running actor (works in sync and async actors).
+
+    Raises:
+      RuntimeError: outside an actor that holds a lease.
+    """
+    lease = _current.get()
+    if lease is None:
+        raise RuntimeError("current_lease() was called outside an actor that holds a lease (is lock_key set?)")
+    return lease
+
+
+@dataclass(frozen=True)
+class _Options:
+    ttl: int
+    renew_interval: int
+    max_hold: int | None
+    backoff_min: int
+    backoff_max: int
+    max_wait: int | None
+    give_up: str
+
+
+def _positive_ms(owner: str, name: str, value: Any, *, optional: bool = False) -> int | None:
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value <= 0:
+        raise LeaseOptionError(f"{owner}: {name} must be a positive number of milliseconds, got {value!r}")
+    if value == float("inf"):
+        if optional:
+            return None
+        raise LeaseOptionError(f"{owner}: {name} must be finite, got {value!r}")
+    return int(value)
+
+
+class _Run:
+    """One message's hold on its lease, shared by the worker thread and the heartbeat."""
+
+    __slots__ = ("ended", "injected", "lease", "lock", "lost_reason", "started", "state", "thread_id")
+
+    def __init__(self, lease: Lease, thread_id: int) -> None:
+        self.lease = lease
+        self.thread_id = thread_id
+        self.lock = threading.Lock()
+        self.state = "ready"  # ready -> running -> done
+        self.lost_reason: str | None = None
+        self.injected = False
+        self.ended = False
+        self.started = time.monotonic()
+
+    def begin(self) -> None:
+        with self.lock:
+            if self.lost_reason is None and self.lease.remaining() <= 0:
+                self.lost_reason = "unreachable"
+            if self.lost_reason is not None:
+                self.state = "done"
+                raise LeaseLost(self.describe())
+            self.state = "running"
+
+    def finish(self) -> None:
+        with self.lock:
+            self.state = "done"
+            if self.injected:
+                # Cancel a LeaseLost injected but not yet delivered: the actor has finished.
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.thread_id), None)
+
+    def lost(self, lease: Lease, reason: str) -> None:
+        with self.lock:
+            self.lost_reason = reason
+            if self.state == "running" and not self.injected:
+                self.injected = True
+                raise_thread_exception(self.thread_id, LeaseLost)
+
+    def describe(self) -> str:
+        lease = self.lease
+        return f"lease {lease.key!r} (fence {lease.fence}) was lost: {self.lost_reason}"
+
+
+class LeaseMiddleware(Middleware):
+    """Runs each message of an actor with ``lock_key`` only while it holds a Redis lease on that key.
+
+    The lease is acquired before the actor runs, renewed by a heartbeat
+    while it runs, and released (owner-checked) when it returns or raises.
+    A message whose key is busy goes back to the queue with exponential
+    backoff and full jitter: no worker thread waits and Retries' budget is
+    untouched. A lease lost mid-run interrupts the actor with
+    :class:`LeaseLost`. If Redis cannot be reached, the actor does not run.
+
+    Parameters:
+      redis_url: where leases are stored (``redis://...``); or pass ``client``.
+      client: a ready ``redis.Redis`` or ``RedisCluster`` client instead of a URL.
+      prefix: prefix of every Redis key written. Default ``"dramatiq-leases"``.
+      ttl: default ``lock_ttl`` in ms. Default 30 000.
+      renew_interval: default ``lock_renew_interval`` in ms. Default ``lock_ttl / 3``.
+      max_hold: default ``lock_max_hold`` in ms; default the actor's
+        ``time_limit`` (from TimeLimit), so a hung actor cannot hold forever.
+      backoff_min: default ``lock_backoff_min`` in ms. Default 100.
+      backoff_max: default ``lock_backoff_max`` in ms. Default 10 000.
+      max_wait: default ``lock_max_wait`` in ms, the wait budget; ``None``
+        waits forever. Default 3 600 000 (an hour).
+      give_up: default ``lock_give_up``: ``"fail"`` (dead-letter the message)
+        or ``"drop"`` (acknowledge it without running). Default ``"fail"``.
+      metrics: where to report; default :class:`PrometheusMetrics`.
+
+    Actor and message options (a message option beats the actor option,
+    which beats the default above): ``lock_key`` (a template such as
+    ``"invoice:{invoice_id}"`` or a callable taking the actor's arguments),
+    ``lock_ttl``, ``lock_renew_interval``, ``lock_max_hold``,
+    ``lock_backoff_min``, ``lock_backoff_max``, ``lock_max_wait``,
+    ``lock_give_up``. ``send_with_options(lease=lease)`` hands a lease
+    acquired by the producer to the worker.
+    """
+
+    def __init__(
+        self,
+        redis_url: str | None = None,
+        *,
+        client: Any = None,
+        prefix: str = DEFAULT_PREFIX,
+        ttl: int = 30_000,
+        renew_interval: int | None = None,
+        max_hold: int | None = None,
+        backoff_min: int = 100,
+        backoff_max: int = 10_000,
+        max_wait: int | None = 3_600_000,
+        give_up: str = "fail",
+        metrics: LeaseMetrics | None = None,
+    ) -> None:
+        if (redis_url is None) == (client is None):
+            raise LeaseConfigError("LeaseMiddleware needs exactly one of redis_url or client")
+        if client is None:
+            client = redis.Redis.from_url(redis_url or "", socket_timeout=2.0, socket_connect_timeout=2.0)
+        self.leases = Leases(client, prefix=prefix)
+        self.metrics = metrics if metrics is not None else PrometheusMetrics()
+        self.heartbeat = Heartbeat(self.leases, metrics=self.metrics)
+        self.defaults = {
+            "lock_ttl": ttl,
+            "lock_renew_interval": renew_interval,
+            "lock_max_hold": max_hold,
+            "lock_backoff_min": backoff_min,
+            "lock_backoff_max": backoff_max,
+            "lock_max_wait": max_wait,
+            "lock_give_up": give_up,
+        }
+        self._options("LeaseMiddleware", {})  # validate the defaults now
+        self._templates: dict[str, KeyTemplate] = {}
+        self._runs: dict[int, _Run] = {}
+        self._time_limit: float | None = None
+        self._host = socket.gethostname()
+
+    @property
+    def actor_options(self) -> set[str]:
+        return set(ACTOR_OPTIONS)
+
+    # Options -----------------------------------------------------------------
+
+    def _options(self, owner: str, *sources: Mapping[str, Any]) -> _Options:
+        """Resolve options from the first source that has each (message, actor), then the defaults."""
+
+        def get(name: str) -> Any:
+            for source in sources:
+                if source.get(name) is not None:
+                    return source[name]
+            return self.defaults[name]
+
+        ttl = _positive_ms(owner, "lock_ttl", get("lock_ttl"))
+        assert ttl is not None
+        interval = _positive_ms(owner, "lock_renew_interval", get("lock_renew_interval"), optional=True)
+        if interval is None:
+            interval = max(1, ttl // 3)
+        elif interval * 2 > ttl:
+            raise LeaseOptionError(
+                f"{owner}: lock_renew_interval={interval} must be at most half of lock_ttl={ttl}, "
+                "so that a failed renewal is retried before the lease expires"
+            )
+        backoff_min = _positive_ms(owner, "lock_backoff_min", get("lock_backoff_min"))
+        backoff_max = _positive_ms(owner, "lock_backoff_max", get("lock_backoff_max"))
+        assert backoff_min is not None and backoff_max is not None
+        if backoff_max < backoff_min:
+            raise LeaseOptionError(f"{owner}: lock_backoff_max={backoff_max} is below lock_backoff_min={backoff_min}")
+        give_up = get("lock_give_up")
+        if give_up not in GIVE_UP_ACTIONS:
+            raise LeaseOptionError(f"{owner}: lock_give_up must be one of {GIVE_UP_ACTIONS}, got {give_up!r}")
+        return _Options(
+            ttl=ttl,
+            renew_interval=interval,
+            max_hold=_positive_ms(owner, "lock_max_hold", get("lock_max_hold"), optional=True),
+            backoff_min=backoff_min,
+            backoff_max=backoff_max,
+            max_wait=_positive_ms(owner, "lock_max_wait", get("lock_max_wait"), optional=True),
+            give_up=give_up,
+        )
+
+    def _max_hold(self, opts: _Options, message: Any, actor: Any) -> int | None:
+        if opts.max_hold is not None:
+            return opts.max_hold
+        limit = message.options.get("time_limit") or actor.options.get("time_limit") or self._time_limit
+        return None if limit is None or limit == float("inf") else int(limit)
+
+    # Declaration and send ---------------------------------------------------
+
+    def before_declare_actor(self, broker: dramatiq.Broker, actor: dramatiq.Actor[Any, Any]) -> None:
+        """Check the actor's lease options and prepare its key template; raises :class:`LeaseOptionError`."""
+        name = f"actor {actor.actor_name!r}"
+        spec = actor.options.get("lock_key")
+        if spec is None:
+            stray = sorted(ACTOR_OPTIONS & {k for k, v in actor.options.items() if v is not None})
+            if stray:
+                raise LeaseOptionError(f"{name}: {', '.join(stray)} given without lock_key")
+            return
+        self._options(name, actor.options)
+        try:
+            self._templates[actor.actor_name] = KeyTemplate(spec, actor.fn, owner=name)
+        except LeaseConfigError as e:
+            raise LeaseOptionError(str(e)) from None
+        actor.fn = self._guarded(actor.fn)
+
+    def after_process_boot(self, broker: dramatiq.Broker) -> None:
+        """Note TimeLimit's default, which bounds how long a lease may be held."""
+        for m in broker.middleware:
+            if isinstance(m, TimeLimit):
+                self._time_limit = m.time_limit
+
+    def before_enqueue(self, broker: dramatiq.Broker, message: dramatiq.Message[Any], delay: int | None) -> None:
+        """Refuse, at send time, a message whose options are invalid or whose key cannot be rendered."""
+        template = self._templates.get(message.actor_name)
+        if template is None:
+            return
+        owner = f"actor {message.actor_name!r}"
+        if set(message.options) & ACTOR_OPTIONS:
+            self._options(owner, message.options, broker.get_actor(message.actor_name).options)
+        try:
+            key = template.render(tuple(message.args), message.kwargs)
+        except LeaseKeyError as e:
+            raise LeaseKeyRenderError(str(e)) from None
+        handed = message.options.get(LEASE_OPTION)
+        if isinstance(handed, Lease):
+            if handed.key != key:
+                raise LeaseKeyRenderError(
+                    f"{owner}: the lease handed over is on {handed.key!r}, but this message's key is {key!r}"
+                )
+            # Only what the worker needs to prove ownership travels with the message.
+            message.options[LEASE_OPTION] = {"key": handed.key, "token": handed.token}
+
+    # Processing -------------------------------------------------------------
+
+    def before_process_message(self, broker: dramatiq.Broker, message: Any) -> None:
+        """Acquire (or adopt) the message's lease, or send the message back and skip it."""
+        template = self._templates.get(message.actor_name)
+        if template is None:
+            return
+        actor = broker.get_actor(message.actor_name)
+        owner = f"actor {message.actor_name!r}"
+        meta = {
+            "actor": message.actor_name,
+            "queue": message.queue_name,
+            "message_id": message.message_id,
+            "host": self._host,
+            "pid": str(os.getpid()),
+        }
+        try:
+            opts = self._options(owner, message.options, actor.options)
+            key = template.render(tuple(message.args), message.kwargs)
+        except (LeaseConfigError, LeaseKeyError) as e:
+            # Only reachable when the producer had no LeaseMiddleware to refuse it at send time.
+            logger.error("Message %s cannot run: %s. Moving it to the dead-letter queue.", message.message_id, e)
+            message.fail()
+            raise SkipMessage(str(e)) from None
+
+        started = time.monotonic()
+        try:
+            result = self._acquire(key, opts, self._max_hold(opts, message, actor), meta, message.options)
+        except Exception as e:
+            # Fail closed: no lease, no run. Dramatiq would swallow the error and run the actor.
+            self.metrics.acquire(meta, "error", time.monotonic() - started)
+            self.metrics.redis_error("acquire")
+            logger.warning("Could not acquire lease %r for message %s: %s. Retrying later.", key, message.message_id, e)
+            self._send_back(broker, message, opts, count_attempt=False)
+            raise SkipMessage(f"lease {key!r} unavailable: {e}") from None
+
+        if isinstance(result, Busy):
+            self.metrics.acquire(meta, "busy", time.monotonic() - started)
+            self._on_busy(broker, message, opts, result, meta)
+            raise SkipMessage(f"lease {key!r} is busy")
+
+        lease = result
+        self.metrics.acquire(meta, "acquired", time.monotonic() - started)
+        first = message.options.get(FIRST_ATTEMPT_OPTION)
+        self.metrics.wait(meta, max(0.0, time.time() - first / 1000) if first else 0.0)
+        self.metrics.held(meta, 1)
+        run = _Run(lease, threading.get_ident())
+        self._runs[run.thread_id] = run
+        _current.set(lease)
+        self.heartbeat.track(lease, run.lost)
+        logger.debug("Acquired lease %r (fence %d) for message %s.", key, lease.fence, message.message_id)
+
+    def _acquire(
+        self, key: str, opts: _Options, max_hold: int | None, meta: dict[str, str], options: Mapping[str, Any]
+    ) -> Lease | Busy:
+        handed = options.get(LEASE_OPTION)
+        if isinstance(handed, dict) and handed.get("key") == key and handed.get("token"):
+            adopted = self.leases.adopt(key, handed["token"], opts.ttl, interval=opts.renew_interval, meta=meta)
+            if adopted is not None:
+                return adopted
+            logger.info("Lease %r handed over with the message has ended; acquiring anew.", key)
+        return self.leases.try_acquire(key, opts.ttl, interval=opts.renew_interval, max_hold=max_hold, meta=meta)
+
+    def _on_busy(self, broker: dramatiq.Broker, message: Any, opts: _Options, busy: Busy, meta: dict[str, str]) -> None:
+        now_ms = int(time.time() * 1000)
+        first = message.options.get(FIRST_ATTEMPT_OPTION) or now_ms
+        waited = now_ms - first
+        attempts = int(message.options.get(ATTEMPTS_OPTION, 0)) + 1
+        if opts.max_wait is not None and waited >= opts.max_wait:
+            self.metrics.gave_up(meta)
+            logger.error(
+                "Gave up on message %s of actor %r: lease %r stayed busy for %d attempts over %.1fs "
+                "(lock_max_wait=%d ms); %s.",
+                message.message_id, message.actor_name, busy.key, attempts, waited / 1000, opts.max_wait,
+                "moving it to the dead-letter queue" if opts.give_up == "fail" else "dropping it",
+            )
+            if opts.give_up == "fail":
+                message.fail()
+                raise LeaseWaitExceeded(
+                    f"lease {busy.key!r} stayed busy for {attempts} attempts over {waited / 1000:.1f}s"
+                )
+            self._suppress_result(message)
+            return
+        self.metrics.busy_retry(meta)
+        self._send_back(broker, message, opts, count_attempt=True, first_ms=first)
+
+    def _send_back(
+        self, broker: dramatiq.Broker, message: Any, opts: _Options, *, count_attempt: bool, first_ms: int | None = None
+    ) -> None:
+        """Re-enqueue the same message (same id) after a backoff with full jitter."""
+        attempts = int(message.options.get(ATTEMPTS_OPTION, 0))
+        cap = min(opts.backoff_max, opts.backoff_min * 2 ** min(attempts, 32))
+        delay = random.randint(opts.backoff_min, max(opts.backoff_min, cap))
+        options: dict[str, Any] = {ATTEMPTS_OPTION: attempts + 1 if count_attempt else attempts}
+        if first_ms is not None:
+            options[FIRST_ATTEMPT_OPTION] = first_ms
+            if opts.max_wait is not None:
+                # Land the last retry at the end of the budget rather than past it.
+                delay = max(1, min(delay, first_ms + opts.max_wait - int(time.time() * 1000)))
+        try:
+            broker.enqueue(message.copy(options=options), delay=delay)
+        except Exception:
+            logger.exception("Could not send message %s back to the queue; failing it instead.", message.message_id)
+            message.fail()
+            return
+        self._suppress_result(message)
+
+    @staticmethod
+    def _suppress_result(message: Any) -> None:
+        # This delivery is skipped, not finished: Results must not store None for it.
+        message.options["store_results"] = False
+
+    def _guarded(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """Wrap an actor's function so the lease is checked at entry and released the moment it returns."""
+        runs = self._runs
+
+        @functools.wraps(fn)
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            run = runs.get(threading.get_ident())
+            if run is None or run.state != "ready":
+                return fn(*args, **kwargs)  # called directly, not by a worker holding a lease
+            completed = False
+            error: BaseException | None = None
+            try:
+                run.begin()
+                result = fn(*args, **kwargs)
+                completed = True
+            except BaseException as e:
+                error = e
+            # A LeaseLost injected just as fn returned may still be delivered at any call
+            # below; absorb it here, where we know the actor completed.
+            while True:
+                try:
+                    run.finish()
+                    break
+                except LeaseLost as e:
+                    if not completed and error is None:
+                        error = e
+            self._end(run)
+            if error is not None:
+                if isinstance(error, LeaseLost) and run.lost_reason is not None and not error.args:
+                    raise LeaseLost(run.describe()) from None
+                raise error
+            return result
+
+        return guarded
+
+    def _end(self, run: _Run) -> None:
+        """Stop renewing and release the lease, once."""
+        with run.lock:
+            if run.ended:
+                return
+            run.ended = True
+        lease = run.lease
+        self.heartbeat.untrack(lease)
+        self.metrics.held(lease.meta, -1)
+        self.metrics.hold(lease.meta, time.monotonic() - run.started)
+        try:
+            if not self.leases.release(lease) and run.lost_reason is None:
+                logger.warning("Lease %r (fence %d) was no longer held at release.", lease.key, lease.fence)
+        except LeaseUnavailableError as e:
+            self.metrics.redis_error("release")
+            logger.warning("Could not release lease %r: %s. It expires within %d ms.", lease.key, e, lease.ttl)
+
+    def _forget(self, message: Any) -> None:
+        run = self._runs.pop(threading.get_ident(), None)
+        if run is not None:
+            with run.lock:
+                run.state = "done"
+            self._end(run)
+        _current.set(None)
+
+    def after_process_message(
+        self, broker: dramatiq.Broker, message: Any, *, result: Any = None, exception: BaseException | None = None
+    ) -> None:
+        """Release the lease if the actor did not (a middleware failed before it ran)."""
+        self._forget(message)
+
+    def after_skip_message(self, broker: dramatiq.Broker, message: Any) -> None:
+        """Release the lease of a message skipped after it was acquired."""
+        self._forget(message)
+
+    def after_worker_shutdown(self, broker: dramatiq.Broker, worker: dramatiq.Worker) -> None:
+        """Release every lease still held by this process, so a graceful stop leaves none behind."""
+        for lease in self.heartbeat.stop():
+            try:
+                self.leases.release(lease)
+            except LeaseUnavailableError as e:
+                logger.warning("Could not release lease %r at shutdown: %s.", lease.key, e)
