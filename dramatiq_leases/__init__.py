@@ -2,20 +2,48 @@
 
 Declare ``lock_key`` on an actor and add :class:`LeaseMiddleware` to the
 broker; each message then runs only while it holds a lease on its key.
+
+The lease core (:class:`Leases`, :class:`Lease`, :class:`Busy`) does not
+import Dramatiq; the middleware names are loaded on first use, so a web app
+that only takes leases never imports the worker machinery.
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 from .core import Busy, Lease, LeaseConfigError, LeaseError, LeaseInfo, LeaseKeyError, Leases, LeaseUnavailableError
 from .metrics import LeaseMetrics, PrometheusMetrics
-from .middleware import (
-    LeaseKeyRenderError,
-    LeaseLost,
-    LeaseMiddleware,
-    LeaseOptionError,
-    LeaseWaitExceeded,
-    current_lease,
-)
+
+if TYPE_CHECKING:
+    from .middleware import (
+        LeaseKeyRenderError,
+        LeaseLost,
+        LeaseMiddleware,
+        LeaseOptionError,
+        LeaseWaitExceeded,
+        current_lease,
+    )
 
 __version__ = "0.1.0"
+
+_MIDDLEWARE_NAMES = {
+    "LeaseKeyRenderError",
+    "LeaseLost",
+    "LeaseMiddleware",
+    "LeaseOptionError",
+    "LeaseWaitExceeded",
+    "current_lease",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MIDDLEWARE_NAMES:
+        from . import middleware
+
+        return getattr(middleware, name)
+    raise AttributeError(f"module 'dramatiq_leases' has no attribute {name!r}")
+
 
 __all__ = [
     "Busy",

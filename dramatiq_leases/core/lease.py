@@ -438,20 +438,29 @@ class Leases:
         return out
 
     def _run_batches(self, leases: Sequence[Lease], batches: list[list[int]]) -> list[list[Any]]:
-        def call(batch: list[int], client: Any = None) -> Any:
-            keys = [self.lease_name(leases[i].key) for i in batch]
+        def keys_args(batch: list[int]) -> tuple[list[str], list[Any]]:
             args: list[Any] = []
             for i in batch:
                 args += [leases[i].token, leases[i].ttl]
-            return self._renew_many(keys=keys, args=args, client=client)
+            return [self.lease_name(leases[i].key) for i in batch], args
 
         if self._cluster or len(batches) == 1:
             # A cluster routes each call to its slot's node: one round trip per slot.
-            return [call(batch) for batch in batches]
-        pipe = self.client.pipeline(transaction=False)
-        for batch in batches:
-            call(batch, pipe)
-        return list(pipe.execute())
+            return [self._renew_many(*keys_args(batch)) for batch in batches]
+        # redis-py would check SCRIPT EXISTS before a pipeline (an extra round trip);
+        # send bare EVALSHAs and load the script only if Redis lost it (a restart).
+        for attempt in (1, 2):
+            pipe = self.client.pipeline(transaction=False)
+            for batch in batches:
+                keys, args = keys_args(batch)
+                pipe.evalsha(self._renew_many.sha, len(keys), *keys, *args)
+            try:
+                return list(pipe.execute())
+            except redis.exceptions.NoScriptError:
+                if attempt == 2:
+                    raise
+                self.client.script_load(scripts.RENEW_MANY)
+        raise AssertionError("unreachable")
 
     def release(self, lease: Lease) -> bool:
         """Release ``lease`` if its token still holds it; ``False`` if it did not (nothing touched).

@@ -1,0 +1,250 @@
+"""The lease core against a real Redis: ownership, fencing, TTLs, one script per operation."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import redis
+from redis.cluster import key_slot
+
+from dramatiq_leases.core import Busy, Lease, LeaseKeyError, Leases, LeaseUnavailableError, Renewal, State
+from dramatiq_leases.core.keys import fence_name, lease_name
+from dramatiq_leases.embedded import EmbeddedRedis, free_port
+
+from .conftest import wait_for
+
+CORE = pathlib.Path(__file__).parents[1] / "dramatiq_leases" / "core"
+
+
+def commandstats(client: redis.Redis) -> dict[str, int]:
+    return {name.removeprefix("cmdstat_"): int(v["calls"]) for name, v in client.info("commandstats").items()}
+
+
+def calls_during(client: redis.Redis, action) -> dict[str, int]:  # type: ignore[no-untyped-def]
+    """Redis commands (by name) executed while ``action`` ran, excluding INFO itself."""
+    before = commandstats(client)
+    action()
+    after = commandstats(client)
+    diff = {k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)}
+    diff.pop("info", None)
+    return diff
+
+
+@pytest.fixture
+def leases(redis_client: redis.Redis) -> Leases:
+    return Leases(redis_client)
+
+
+def test_acquire_busy_release_is_owner_checked(leases: Leases) -> None:
+    lease = leases.try_acquire("invoice:42", ttl=5_000, meta={"actor": "send_invoice"})
+    assert isinstance(lease, Lease)
+    assert len(bytes.fromhex(lease.token)) * 8 >= 128
+
+    busy = leases.try_acquire("invoice:42", ttl=5_000)
+    assert isinstance(busy, Busy) and not busy
+    assert 4_000 < busy.ttl_left <= 5_000
+    assert busy.fence == lease.fence
+    assert busy.retry_after == 5
+
+    assert leases.release_token("invoice:42", "not-the-owner") is False
+    assert leases.inspect("invoice:42") is not None
+    assert leases.release(lease) is True
+    assert leases.release(lease) is False  # released once
+    assert leases.inspect("invoice:42") is None
+
+
+def test_different_keys_do_not_contend(leases: Leases) -> None:
+    a = leases.try_acquire("invoice:1", ttl=5_000)
+    b = leases.try_acquire("invoice:2", ttl=5_000)
+    assert isinstance(a, Lease) and isinstance(b, Lease)
+
+
+def test_fence_strictly_increases_across_release_and_expiry(leases: Leases) -> None:
+    fences = []
+    for _ in range(3):
+        lease = leases.try_acquire("k", ttl=5_000)
+        assert isinstance(lease, Lease)
+        fences.append(lease.fence)
+        leases.release(lease)
+    expiring = leases.try_acquire("k", ttl=50)
+    assert isinstance(expiring, Lease)
+    fences.append(expiring.fence)
+    after = wait_for(lambda: leases.try_acquire("k", ttl=5_000) or None, what="the 50 ms lease to expire")
+    fences.append(after.fence)
+    assert fences == sorted(set(fences)) and len(fences) == 5
+    # The grant that ended by TTL is recorded as such; the released ones are not.
+    assert leases.fence_state("k") == {"fence": after.fence, "released": fences[2], "expired": expiring.fence}
+
+
+def test_renew_restores_ttl_only_for_the_owner(leases: Leases, redis_client: redis.Redis) -> None:
+    lease = leases.try_acquire("k", ttl=2_000)
+    assert isinstance(lease, Lease)
+    redis_client.pexpire(lease_name(leases.prefix, "k"), 500)
+    assert leases.renew(lease) is Renewal.OK
+    assert redis_client.pttl(lease_name(leases.prefix, "k")) > 1_500
+
+    stranger = Lease(key="k", token="x" * 32, fence=0, ttl=2_000, interval=600, max_hold=None, acquired_at=0,
+                     meta={}, sent_at=0)
+    assert leases.renew(stranger) is Renewal.STOLEN
+    leases.release(lease)
+    assert leases.renew(lease) is Renewal.GONE
+
+
+def test_renewal_never_extends_past_max_hold(leases: Leases, redis_client: redis.Redis) -> None:
+    lease = leases.try_acquire("k", ttl=10_000, max_hold=300)
+    assert isinstance(lease, Lease)
+    assert redis_client.pttl(lease_name(leases.prefix, "k")) <= 300
+    assert leases.renew(lease) is Renewal.OK
+    assert redis_client.pttl(lease_name(leases.prefix, "k")) <= 300
+    wait_for(lambda: leases.renew(lease) is not Renewal.OK, what="max hold to end renewals")
+    assert lease.remaining() == 0 or lease.hold_until < lease.valid_until + 1
+
+
+class RoundTrips:
+    """Counts requests sent to Redis by this process (a pipeline counts once)."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.count = 0
+        self.original = redis.connection.Connection.send_packed_command
+
+    def __enter__(self) -> RoundTrips:
+        original = self.original
+
+        def send_counted(conn, *a, **kw):  # type: ignore[no-untyped-def]
+            self.count += 1
+            return original(conn, *a, **kw)
+
+        redis.connection.Connection.send_packed_command = send_counted  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        redis.connection.Connection.send_packed_command = self.original  # type: ignore[method-assign]
+
+
+def test_every_operation_is_one_script_call_in_one_round_trip(leases: Leases, redis_client: redis.Redis) -> None:
+    # Load the scripts once; from then on every call is a single EVALSHA.
+    warm = leases.try_acquire("warm", ttl=1_000)
+    assert isinstance(warm, Lease)
+    leases.renew(warm)
+    leases.release(warm)
+    box: dict[str, object] = {}
+    operations = {
+        "acquire": lambda: box.update(lease=leases.try_acquire("k", ttl=1_000)),
+        "renew": lambda: leases.renew(box["lease"]),  # type: ignore[arg-type]
+        "release": lambda: leases.release(box["lease"]),  # type: ignore[arg-type]
+    }
+    for name, operation in operations.items():
+        with RoundTrips(redis_client) as trips:
+            calls = calls_during(redis_client, operation)
+        assert calls.get("evalsha") == 1 and "eval" not in calls, name
+        assert trips.count == 1 + 2, name  # plus the two INFO calls of calls_during
+
+
+def test_renewing_many_leases_is_one_round_trip(leases: Leases, redis_client: redis.Redis) -> None:
+    held = [leases.try_acquire(f"job:{i}", ttl=10_000) for i in range(2_500)]
+    assert all(isinstance(lease, Lease) for lease in held)
+    leases.renew(held[0])  # type: ignore[arg-type]  # Redis loads the script on first use
+    with RoundTrips(redis_client) as trips:
+        results = leases.renew_many(held)  # type: ignore[arg-type]
+    assert results == [Renewal.OK] * 2_500
+    assert trips.count == 1  # three script calls of up to 1 000 leases, pipelined
+
+
+def test_all_keys_of_a_lease_share_one_hash_slot() -> None:
+    for key in ["invoice:42", "a{b}c", "}x{", "{", "tenant:{7}:user:9", "ünïcødé", "x" * 1000]:
+        assert key_slot(lease_name("p", key).encode()) == key_slot(fence_name("p", key).encode()), key
+
+
+def test_scan_lists_leases_and_states(leases: Leases, redis_client: redis.Redis) -> None:
+    alive = leases.try_acquire("alive", ttl=10_000, interval=1_000)
+    dead = leases.try_acquire("dead", ttl=60_000, interval=10)
+    assert isinstance(alive, Lease) and isinstance(dead, Lease)
+    orphan = lease_name(leases.prefix, "orphan")
+    redis_client.hset(orphan, mapping={"token": "t", "fence": 1, "key": "orphan"})  # no TTL: the classic orphan
+    redis_client.set("unrelated", "x")
+    states = wait_for(
+        lambda: (s := {i.key: i.state for i in leases.scan()}).get("dead") is State.HOLDER_DEAD and s,
+        what="the silent holder to count as dead",
+    )
+    assert states == {"alive": State.ALIVE, "dead": State.HOLDER_DEAD, "orphan": State.NO_TTL}
+    assert [i.key for i in leases.scan("ali*")] == ["alive"]
+
+
+def test_release_if_dead_spares_a_live_holder(leases: Leases) -> None:
+    live = leases.try_acquire("live", ttl=60_000, interval=20_000)
+    assert isinstance(live, Lease)
+    released, age, fence = leases.release_if_dead("live")
+    assert released is False and age < 1 and fence == live.fence
+    assert leases.inspect("live") is not None
+
+    silent = leases.try_acquire("silent", ttl=60_000, interval=10)
+    assert isinstance(silent, Lease)
+    wait_for(lambda: leases.release_if_dead("silent")[0], what="the silent holder to be released")
+    assert leases.inspect("silent") is None
+    assert leases.release_if_dead("never-held") == (None, 0.0, 0)
+
+
+def test_adopt_needs_the_token(leases: Leases) -> None:
+    lease = leases.try_acquire("export:7", ttl=5_000)
+    assert isinstance(lease, Lease)
+    adopted = leases.adopt("export:7", lease.token, ttl=10_000, meta={"actor": "export"})
+    assert isinstance(adopted, Lease) and adopted.fence == lease.fence
+    assert leases.inspect("export:7").meta["actor"] == "export"  # type: ignore[union-attr]
+    assert isinstance(leases.adopt("export:7", "f" * 32, ttl=10_000), Busy)
+    leases.release(adopted)
+    assert leases.adopt("export:7", lease.token, ttl=10_000) is None
+
+
+def test_bad_keys_are_refused(leases: Leases) -> None:
+    for bad in ["", None, 42, "x" * 5000]:
+        with pytest.raises(LeaseKeyError):
+            leases.try_acquire(bad, ttl=1_000)  # type: ignore[arg-type]
+
+
+def test_unreachable_redis_raises_and_grants_nothing() -> None:
+    leases = Leases(redis.Redis(port=free_port(), socket_connect_timeout=0.2))
+    with pytest.raises(LeaseUnavailableError, match="could not acquire lease 'k'"):
+        leases.try_acquire("k", ttl=1_000)
+
+
+def test_works_on_redis_cluster() -> None:
+    """Three masters: every script's keys live in one slot, so Cluster runs them as they are."""
+    nodes = [EmbeddedRedis(extra_args=("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"))
+             for _ in range(3)]
+    try:
+        for node in nodes:
+            node.start()
+        subprocess.run(
+            ["redis-cli", "--cluster", "create", *[f"127.0.0.1:{n.port}" for n in nodes], "--cluster-yes"],
+            check=True, capture_output=True, timeout=30,
+        )
+        client = redis.cluster.RedisCluster(host="127.0.0.1", port=nodes[0].port)
+        wait_for(lambda: client.cluster_info().get("cluster_state") == "ok", what="cluster to be ok")
+        leases = Leases(client)
+        held = [leases.try_acquire(f"invoice:{i}", ttl=10_000) for i in range(50)]
+        assert all(isinstance(x, Lease) for x in held)
+        assert len({key_slot(lease_name(leases.prefix, x.key).encode()) for x in held}) > 10  # spread over slots
+        assert leases.renew_many(held) == [Renewal.OK] * 50  # type: ignore[arg-type]
+        assert isinstance(leases.try_acquire("invoice:3", ttl=1_000), Busy)
+        assert sorted(i.key for i in leases.scan()) == sorted(f"invoice:{i}" for i in range(50))
+        assert all(leases.release(x) for x in held)  # type: ignore[arg-type]
+        client.close()
+    finally:
+        for node in nodes:
+            node.close()
+
+
+def test_core_does_not_import_dramatiq_and_never_uses_keys() -> None:
+    code = "import sys, dramatiq_leases.core; print('dramatiq' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+    for path in CORE.parent.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr == "keys" and isinstance(node.value, ast.Name):
+                assert node.value.id not in {"client", "redis_client", "r"}, f"KEYS used in {path}"
+        assert "'KEYS'" not in path.read_text() and '"KEYS"' not in path.read_text(), path
