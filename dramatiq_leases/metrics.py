@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -84,6 +85,62 @@ def _enable_multiprocess_values() -> None:
         values.ValueClass = values.get_value_class()
 
 
+_created: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
+_created_lock = threading.Lock()
+
+
+def _create(reg: Any) -> dict[str, Any]:
+    _enable_multiprocess_values()
+    from prometheus_client import Counter, Gauge, Histogram
+
+    actor = ["actor_name", "queue_name"]
+    return {
+        "acquire": Histogram(
+            "dramatiq_lease_acquire_duration_seconds",
+            "Time to ask Redis for a lease, by outcome (acquired, busy, error).",
+            [*actor, "outcome"], buckets=LATENCY_BUCKETS, registry=reg,
+        ),
+        "wait": Histogram(
+            "dramatiq_lease_wait_duration_seconds",
+            "Time from a message's first acquire attempt to acquisition: time lost to contention.",
+            actor, buckets=DURATION_BUCKETS, registry=reg,
+        ),
+        "busy": Counter(
+            "dramatiq_lease_busy_retries_total",
+            "Messages sent back to the queue because their lease was busy.", actor, registry=reg,
+        ),
+        "gave_up": Counter(
+            "dramatiq_lease_gave_up_total",
+            "Messages that exhausted their wait budget for a lease.", actor, registry=reg,
+        ),
+        "held": Gauge(
+            "dramatiq_lease_held", "Leases held now.", actor, registry=reg, multiprocess_mode="livesum",
+        ),
+        "hold": Histogram(
+            "dramatiq_lease_hold_duration_seconds",
+            "How long leases were held.", actor, buckets=DURATION_BUCKETS, registry=reg,
+        ),
+        "renewals": Counter(
+            "dramatiq_lease_renewals_total",
+            "Lease renewals by outcome (ok, lost, error).", [*actor, "outcome"], registry=reg,
+        ),
+        "round": Histogram(
+            "dramatiq_lease_renew_duration_seconds",
+            "Duration of one heartbeat round renewing all due leases of a process.",
+            buckets=LATENCY_BUCKETS, registry=reg,
+        ),
+        "lost": Counter(
+            "dramatiq_lease_lost_total",
+            "Held leases lost, by reason (gone, stolen, unreachable, max_hold).",
+            [*actor, "reason"], registry=reg,
+        ),
+        "redis_errors": Counter(
+            "dramatiq_lease_redis_errors_total",
+            "Redis errors by operation (acquire, renew, release, scan).", ["operation"], registry=reg,
+        ),
+    }
+
+
 class PrometheusMetrics(LeaseMetrics):
     """:class:`LeaseMetrics` on ``prometheus_client`` (names documented in ``docs/metrics.md``).
 
@@ -95,67 +152,20 @@ class PrometheusMetrics(LeaseMetrics):
 
     def __init__(self, registry: Any = None) -> None:
         self._registry = registry
-        self._lock = threading.Lock()
         self._m: dict[str, Any] | None = None
 
     def _metrics(self) -> dict[str, Any]:
         if self._m is None:
-            with self._lock:
-                if self._m is None:
-                    self._m = self._create()
+            with _created_lock:
+                if self._registry is None:
+                    from prometheus_client import REGISTRY
+
+                    self._registry = REGISTRY
+                # A registry takes each name once: every instance on it shares the same metrics.
+                if self._registry not in _created:
+                    _created[self._registry] = _create(self._registry)
+                self._m = _created[self._registry]
         return self._m
-
-    def _create(self) -> dict[str, Any]:
-        _enable_multiprocess_values()
-        from prometheus_client import REGISTRY, Counter, Gauge, Histogram
-
-        reg = self._registry if self._registry is not None else REGISTRY
-        actor = ["actor_name", "queue_name"]
-        return {
-            "acquire": Histogram(
-                "dramatiq_lease_acquire_duration_seconds",
-                "Time to ask Redis for a lease, by outcome (acquired, busy, error).",
-                [*actor, "outcome"], buckets=LATENCY_BUCKETS, registry=reg,
-            ),
-            "wait": Histogram(
-                "dramatiq_lease_wait_duration_seconds",
-                "Time from a message's first acquire attempt to acquisition: time lost to contention.",
-                actor, buckets=DURATION_BUCKETS, registry=reg,
-            ),
-            "busy": Counter(
-                "dramatiq_lease_busy_retries_total",
-                "Messages sent back to the queue because their lease was busy.", actor, registry=reg,
-            ),
-            "gave_up": Counter(
-                "dramatiq_lease_gave_up_total",
-                "Messages that exhausted their wait budget for a lease.", actor, registry=reg,
-            ),
-            "held": Gauge(
-                "dramatiq_lease_held", "Leases held now.", actor, registry=reg, multiprocess_mode="livesum",
-            ),
-            "hold": Histogram(
-                "dramatiq_lease_hold_duration_seconds",
-                "How long leases were held.", actor, buckets=DURATION_BUCKETS, registry=reg,
-            ),
-            "renewals": Counter(
-                "dramatiq_lease_renewals_total",
-                "Lease renewals by outcome (ok, lost, error).", [*actor, "outcome"], registry=reg,
-            ),
-            "round": Histogram(
-                "dramatiq_lease_renew_duration_seconds",
-                "Duration of one heartbeat round renewing all due leases of a process.",
-                buckets=LATENCY_BUCKETS, registry=reg,
-            ),
-            "lost": Counter(
-                "dramatiq_lease_lost_total",
-                "Held leases lost, by reason (gone, stolen, unreachable, max_hold).",
-                [*actor, "reason"], registry=reg,
-            ),
-            "redis_errors": Counter(
-                "dramatiq_lease_redis_errors_total",
-                "Redis errors by operation (acquire, renew, release, scan).", ["operation"], registry=reg,
-            ),
-        }
 
     def acquire(self, meta: Meta, outcome: str, seconds: float) -> None:  # noqa: D102
         self._metrics()["acquire"].labels(*labels_of(meta), outcome).observe(seconds)

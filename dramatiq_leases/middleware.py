@@ -51,6 +51,23 @@ FIRST_ATTEMPT_OPTION = "lease_first_attempt_ms"
 
 GIVE_UP_ACTIONS = ("fail", "drop")
 
+#: Set on a skipped delivery so Dramatiq's "was skipped" warning can be muted: a busy lease is routine.
+_SKIP_MARK = "lease_skipped"
+
+
+class _RoutineSkipFilter(logging.Filter):
+    """Drops Dramatiq's WARNING for deliveries this middleware sent back on purpose (it logs its own)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and args and record.msg == "Message %s was skipped.":
+            options = getattr(args[0], "options", None)
+            return not (isinstance(options, dict) and options.get(_SKIP_MARK))
+        return True
+
+
+_skip_filter = _RoutineSkipFilter()
+
 
 class LeaseLost(Interrupt):
     """Raised inside an actor whose lease was lost while it ran.
@@ -58,6 +75,17 @@ class LeaseLost(Interrupt):
     The actor stops and the message fails like any other exception (Retries
     retries it). It never reaches an actor that has already returned.
     """
+
+
+def _lease_lost_with(detail: str) -> type[LeaseLost]:
+    """A LeaseLost subclass that carries ``detail``: an exception raised in another thread is given as a class."""
+
+    class DetailedLeaseLost(LeaseLost):
+        def __init__(self, *args: object) -> None:
+            super().__init__(*(args or (detail,)))
+
+    DetailedLeaseLost.__name__ = DetailedLeaseLost.__qualname__ = "LeaseLost"
+    return DetailedLeaseLost
 
 
 class LeaseOptionError(LeaseConfigError, MiddlewareError):
@@ -146,7 +174,7 @@ class _Run:
             self.lost_reason = reason
             if self.state == "running" and not self.injected:
                 self.injected = True
-                raise_thread_exception(self.thread_id, LeaseLost)
+                raise_thread_exception(self.thread_id, _lease_lost_with(self.describe()))
 
     def describe(self) -> str:
         lease = self.lease
@@ -221,9 +249,10 @@ class LeaseMiddleware(Middleware):
         }
         self._options("LeaseMiddleware", {})  # validate the defaults now
         self._templates: dict[str, KeyTemplate] = {}
-        self._runs: dict[int, _Run] = {}
+        self._runs: dict[int, _Run | None] = {}
         self._time_limit: float | None = None
         self._host = socket.gethostname()
+        logging.getLogger("dramatiq.worker.WorkerThread").addFilter(_skip_filter)
 
     @property
     def actor_options(self) -> set[str]:
@@ -326,6 +355,10 @@ class LeaseMiddleware(Middleware):
         template = self._templates.get(message.actor_name)
         if template is None:
             return
+        thread_id = threading.get_ident()
+        # Until a lease is registered below, the guarded actor refuses to run in this thread:
+        # Dramatiq swallows unexpected errors from this hook and would run the actor anyway.
+        self._runs[thread_id] = None
         actor = broker.get_actor(message.actor_name)
         owner = f"actor {message.actor_name!r}"
         meta = {
@@ -348,7 +381,7 @@ class LeaseMiddleware(Middleware):
         try:
             result = self._acquire(key, opts, self._max_hold(opts, message, actor), meta, message.options)
         except Exception as e:
-            # Fail closed: no lease, no run. Dramatiq would swallow the error and run the actor.
+            # Fail closed: no lease, no run.
             self.metrics.acquire(meta, "error", time.monotonic() - started)
             self.metrics.redis_error("acquire")
             logger.warning("Could not acquire lease %r for message %s: %s. Retrying later.", key, message.message_id, e)
@@ -360,16 +393,15 @@ class LeaseMiddleware(Middleware):
             self._on_busy(broker, message, opts, result, meta)
             raise SkipMessage(f"lease {key!r} is busy")
 
-        lease = result
+        run = _Run(result, thread_id)
+        self._runs[thread_id] = run
+        _current.set(result)
+        self.heartbeat.track(result, run.lost)
         self.metrics.acquire(meta, "acquired", time.monotonic() - started)
         first = message.options.get(FIRST_ATTEMPT_OPTION)
         self.metrics.wait(meta, max(0.0, time.time() - first / 1000) if first else 0.0)
         self.metrics.held(meta, 1)
-        run = _Run(lease, threading.get_ident())
-        self._runs[run.thread_id] = run
-        _current.set(lease)
-        self.heartbeat.track(lease, run.lost)
-        logger.debug("Acquired lease %r (fence %d) for message %s.", key, lease.fence, message.message_id)
+        logger.debug("Acquired lease %r (fence %d) for message %s.", key, result.fence, message.message_id)
 
     def _acquire(
         self, key: str, opts: _Options, max_hold: int | None, meta: dict[str, str], options: Mapping[str, Any]
@@ -403,6 +435,8 @@ class LeaseMiddleware(Middleware):
             self._suppress_result(message)
             return
         self.metrics.busy_retry(meta)
+        logger.info("Lease %r is busy (%d ms left); message %s goes back to the queue (attempt %d).",
+                    busy.key, busy.ttl_left, message.message_id, attempts)
         self._send_back(broker, message, opts, count_attempt=True, first_ms=first)
 
     def _send_back(
@@ -430,6 +464,7 @@ class LeaseMiddleware(Middleware):
     def _suppress_result(message: Any) -> None:
         # This delivery is skipped, not finished: Results must not store None for it.
         message.options["store_results"] = False
+        message.options[_SKIP_MARK] = True
 
     def _guarded(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """Wrap an actor's function so the lease is checked at entry and released the moment it returns."""
@@ -437,9 +472,14 @@ class LeaseMiddleware(Middleware):
 
         @functools.wraps(fn)
         def guarded(*args: Any, **kwargs: Any) -> Any:
-            run = runs.get(threading.get_ident())
-            if run is None or run.state != "ready":
-                return fn(*args, **kwargs)  # called directly, not by a worker holding a lease
+            thread_id = threading.get_ident()
+            if thread_id not in runs:
+                return fn(*args, **kwargs)  # called directly, not by a worker
+            run = runs[thread_id]
+            if run is None:
+                raise LeaseLost("the actor was about to run without its lease; refusing (see the log)")
+            if run.state != "ready":
+                return fn(*args, **kwargs)  # a direct call from inside the running actor
             completed = False
             error: BaseException | None = None
             try:
@@ -459,8 +499,6 @@ class LeaseMiddleware(Middleware):
                         error = e
             self._end(run)
             if error is not None:
-                if isinstance(error, LeaseLost) and run.lost_reason is not None and not error.args:
-                    raise LeaseLost(run.describe()) from None
                 raise error
             return result
 

@@ -1,0 +1,88 @@
+"""An in-process Dramatiq stack for tests: a real broker, a real Worker, LeaseMiddleware on a real Redis."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from typing import Any
+
+import dramatiq
+from dramatiq import Worker
+from dramatiq.brokers.redis import RedisBroker
+from dramatiq.middleware import Middleware
+
+from dramatiq_leases import LeaseMiddleware
+
+
+class Recorder(Middleware):
+    """Records what happened to each message id: acks, nacks, enqueues (with their delay)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Condition()
+        self.acked: list[str] = []
+        self.nacked: list[str] = []
+        self.enqueues: list[tuple[str, int | None, dict[str, Any]]] = []
+        self.events: defaultdict[str, list[str]] = defaultdict(list)
+
+    def after_ack(self, broker: dramatiq.Broker, message: Any) -> None:
+        with self.lock:
+            self.acked.append(message.message_id)
+            self.lock.notify_all()
+
+    def after_nack(self, broker: dramatiq.Broker, message: Any) -> None:
+        with self.lock:
+            self.nacked.append(message.message_id)
+            self.lock.notify_all()
+
+    def after_enqueue(self, broker: dramatiq.Broker, message: Any, delay: int | None) -> None:
+        with self.lock:
+            self.enqueues.append((message.message_id, delay, dict(message.options)))
+
+    def wait_settled(self, message_id: str, timeout: float = 20.0) -> str:
+        """Wait until the message's last delivery was acked without a pending re-enqueue, or nacked."""
+        deadline = time.monotonic() + timeout
+        with self.lock:
+            while True:
+                if message_id in self.nacked:
+                    return "nacked"
+                sent = sum(1 for mid, _, _ in self.enqueues if mid == message_id)
+                if sent and self.acked.count(message_id) >= sent:
+                    return "acked"
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise AssertionError(f"message {message_id} not settled after {timeout}s")
+                self.lock.wait(remaining)
+
+    def delays(self, message_id: str) -> list[int]:
+        """Delays of the message's re-enqueues, in order (its first send has none)."""
+        return [d for mid, d, _ in self.enqueues if mid == message_id and d is not None]
+
+
+class Stack:
+    """Broker + LeaseMiddleware + Recorder; call :meth:`start` once the actors are declared."""
+
+    def __init__(self, broker_url: str, leases_url: str, *, threads: int = 4, broker: Any = None,
+                 middleware: LeaseMiddleware | None = None, **lease_options: Any) -> None:
+        self.broker = broker or RedisBroker(url=broker_url)
+        self.recorder = Recorder()
+        self.leases_mw = middleware or LeaseMiddleware(redis_url=leases_url, **lease_options)
+        self.broker.add_middleware(self.recorder)
+        self.broker.add_middleware(self.leases_mw)
+        self.leases = self.leases_mw.leases
+        self.threads = threads
+        self.worker: Worker | None = None
+
+    def actor(self, **options: Any) -> Any:
+        return dramatiq.actor(broker=self.broker, **options)
+
+    def start(self) -> Stack:
+        self.broker.emit_after("process_boot")
+        self.worker = Worker(self.broker, worker_threads=self.threads, worker_timeout=20)
+        self.worker.start()
+        return self
+
+    def stop(self) -> None:
+        if self.worker is not None:
+            self.worker.stop(timeout=10_000)
+        self.broker.close()

@@ -1,0 +1,476 @@
+"""LeaseMiddleware inside a real Dramatiq Worker, on real Redis (and RabbitMQ) brokers."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import dramatiq
+import pytest
+from dramatiq.brokers.rabbitmq import RabbitmqBroker
+from dramatiq.middleware import AsyncIO
+from dramatiq.results import Results
+from dramatiq.results.backends import RedisBackend
+
+from dramatiq_leases import LeaseKeyRenderError, LeaseLost, LeaseOptionError, current_lease
+from dramatiq_leases.embedded import EmbeddedRedis
+
+from .conftest import wait_for
+from .stack import Stack
+
+
+@pytest.fixture
+def lease_server() -> Iterator[EmbeddedRedis]:
+    """The Redis holding leases, separate from the broker's so it can go down on its own."""
+    server = EmbeddedRedis(persist=True).start()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def make_stack(redis_server: EmbeddedRedis, lease_server: EmbeddedRedis) -> Iterator[Any]:
+    stacks: list[Stack] = []
+
+    def make(**options: Any) -> Stack:
+        stack = Stack(redis_server.url(0), lease_server.url(0), **options)
+        stacks.append(stack)
+        return stack
+
+    yield make
+    for stack in stacks:
+        stack.stop()
+
+
+class Runs:
+    """Run intervals recorded by actors: (key, start, end, fence, exception name)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.items: list[dict[str, Any]] = []
+
+    def add(self, **item: Any) -> None:
+        with self.lock:
+            self.items.append(item)
+
+    def count(self, **match: Any) -> int:
+        with self.lock:
+            return sum(1 for i in self.items if all(i.get(k) == v for k, v in match.items()))
+
+
+# Declaration and send time ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        ({"lock_key": "inv:{invoice_id}", "lock_ttl": 0}, "lock_ttl must be a positive number of milliseconds, got 0"),
+        ({"lock_key": "inv:{invoice_id}", "lock_ttl": -5}, "lock_ttl must be a positive number of milliseconds, got -5"),
+        ({"lock_key": "inv:{invoice_id}", "lock_ttl": "15s"}, "lock_ttl must be a positive number of milliseconds, got '15s'"),
+        ({"lock_key": "inv:{invoice_id}", "lock_ttl": True}, "lock_ttl must be a positive number"),
+        ({"lock_key": "inv:{invoice_id}", "lock_ttl": 3000, "lock_renew_interval": 3000},
+         "lock_renew_interval=3000 must be at most half of lock_ttl=3000"),
+        ({"lock_key": "inv:{invoice_id}", "lock_ttl": 3000, "lock_renew_interval": 5000},
+         "lock_renew_interval=5000 must be at most half of lock_ttl=3000"),
+        ({"lock_key": "inv:{customer}"}, "names parameter 'customer', which is not among its parameters ['invoice_id']"),
+        ({"lock_key": "inv:{0}"}, "must name parameters, not positions"),
+        ({"lock_key": "inv:{invoice_id"}, "is not a valid template"),
+        ({"lock_key": ""}, "lock_key must be a non-empty string, got ''"),
+        ({"lock_key": 42}, "lock_key must be a template string or a callable, got 42"),
+        ({"lock_ttl": 3000}, "lock_ttl given without lock_key"),
+        ({"lock_key": "inv:{invoice_id}", "lock_give_up": "explode"}, "lock_give_up must be one of"),
+        ({"lock_key": "inv:{invoice_id}", "lock_backoff_min": 500, "lock_backoff_max": 100},
+         "lock_backoff_max=100 is below lock_backoff_min=500"),
+    ],
+)
+def test_bad_options_fail_at_declaration(make_stack: Any, options: dict[str, Any], expected: str) -> None:
+    stack = make_stack()
+    with pytest.raises(LeaseOptionError) as info:
+
+        @stack.actor(actor_name="send_invoice", **options)
+        def send_invoice(invoice_id: int) -> None:
+            pass
+
+    assert "actor 'send_invoice'" in str(info.value)
+    assert expected in str(info.value)
+
+
+def test_bad_middleware_defaults_fail_at_construction(lease_server: EmbeddedRedis) -> None:
+    from dramatiq_leases import LeaseMiddleware
+
+    with pytest.raises(LeaseOptionError, match="lock_ttl must be a positive number of milliseconds, got 0"):
+        LeaseMiddleware(redis_url=lease_server.url(), ttl=0)
+
+
+def test_unrenderable_messages_are_refused_at_send_time(make_stack: Any) -> None:
+    stack = make_stack()
+
+    @stack.actor(lock_key="inv:{invoice_id}")
+    def send_invoice(invoice_id: int, note: str = "") -> None:
+        pass
+
+    @stack.actor(lock_key=lambda user: user["tenant"])
+    def by_tenant(user: dict[str, str]) -> None:
+        pass
+
+    @stack.actor(lock_key="{name}")
+    def by_name(name: str) -> None:
+        pass
+
+    with pytest.raises(LeaseKeyRenderError, match=r"actor 'send_invoice': cannot render lock_key .*missing a required argument: 'invoice_id'"):
+        send_invoice.send(note="x")
+    with pytest.raises(LeaseKeyRenderError, match="rendered by lock_key .* must be a non-empty string, got ''"):
+        by_name.send("")
+    with pytest.raises(LeaseKeyRenderError, match="KeyError: 'tenant'"):
+        by_tenant.send({"name": "x"})
+    with pytest.raises(LeaseOptionError, match="actor 'send_invoice': lock_ttl must be a positive number of milliseconds, got -1"):
+        send_invoice.send_with_options(args=(1,), lock_ttl=-1)
+    assert stack.recorder.enqueues == []  # nothing reached the queue
+
+
+def test_keys_render_from_positional_keyword_and_callable(make_stack: Any) -> None:
+    stack = make_stack()
+    seen: list[str] = []
+
+    @stack.actor(lock_key="inv:{invoice_id}:{kind}")
+    def send_invoice(invoice_id: int, kind: str = "email") -> None:
+        seen.append(current_lease().key)
+
+    @stack.actor(lock_key=lambda order, **_: f"order:{order['id']}")
+    def ship(order: dict[str, int], fast: bool = False) -> None:
+        seen.append(current_lease().key)
+
+    stack.start()
+    messages = [send_invoice.send(7), send_invoice.send(invoice_id=8, kind="pdf"), ship.send({"id": 3}, fast=True)]
+    for m in messages:
+        assert stack.recorder.wait_settled(m.message_id) == "acked"
+    assert sorted(seen) == ["inv:7:email", "inv:8:pdf", "order:3"]
+
+
+# Mutual exclusion and contention ------------------------------------------------
+
+
+def test_same_key_never_overlaps_different_keys_do(make_stack: Any) -> None:
+    stack = make_stack(threads=8, backoff_min=20, backoff_max=200)
+    runs = Runs()
+
+    @stack.actor(lock_key="inv:{invoice_id}", lock_ttl=2_000)
+    def work(invoice_id: int) -> None:
+        start = time.monotonic()
+        time.sleep(0.15)
+        runs.add(key=invoice_id, start=start, end=time.monotonic(), fence=current_lease().fence)
+
+    stack.start()
+    messages = [work.send(i % 2) for i in range(8)]
+    for m in messages:
+        assert stack.recorder.wait_settled(m.message_id) == "acked"
+    for key in (0, 1):
+        spans = sorted((r["start"], r["end"], r["fence"]) for r in runs.items if r["key"] == key)
+        assert len(spans) == 4
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), f"overlap on key {key}: {spans}"
+        assert [f for *_, f in spans] == sorted(f for *_, f in spans)  # fences rise with each grant
+    k0 = [(r["start"], r["end"]) for r in runs.items if r["key"] == 0]
+    k1 = [(r["start"], r["end"]) for r in runs.items if r["key"] == 1]
+    assert any(a0 < b1 and a1 < b0 for a0, b0 in k0 for a1, b1 in k1), "different keys never ran in parallel"
+
+
+def test_busy_messages_back_off_with_jitter_and_keep_their_retries(make_stack: Any, caplog: Any) -> None:
+    stack = make_stack(backoff_min=40, backoff_max=640)
+    holder_started = threading.Event()
+    release_holder = threading.Event()
+    options_seen: list[dict[str, Any]] = []
+
+    @stack.actor(lock_key="report:{n}", max_retries=1)
+    def report(n: int, hold: bool) -> None:
+        options_seen.append(dict(dramatiq.middleware.CurrentMessage.get_current_message().options)
+                            if dramatiq.middleware.CurrentMessage.get_current_message() else {})
+        if hold:
+            holder_started.set()
+            release_holder.wait(10)
+
+    stack.broker.add_middleware(dramatiq.middleware.CurrentMessage())
+    stack.start()
+    holder = report.send(1, True)
+    assert holder_started.wait(10)
+    waiter = report.send(1, False)
+    wait_for(lambda: len(stack.recorder.delays(waiter.message_id)) >= 6, what="six busy retries")
+    release_holder.set()
+    assert stack.recorder.wait_settled(waiter.message_id) == "acked"
+    assert stack.recorder.wait_settled(holder.message_id) == "acked"
+
+    delays = stack.recorder.delays(waiter.message_id)
+    for attempt, delay in enumerate(delays):
+        assert 40 <= delay <= min(640, 40 * 2**attempt), (attempt, delay, delays)
+    assert max(delays[3:]) > 80, f"backoff did not grow: {delays}"
+    waiter_run = options_seen[-1]
+    assert waiter_run.get("retries", 0) == 0  # Retries' budget untouched
+    assert waiter_run["lease_busy_attempts"] == len(delays)
+
+
+@pytest.mark.parametrize("give_up", ["fail", "drop"])
+def test_wait_budget_gives_up(make_stack: Any, caplog: Any, give_up: str) -> None:
+    stack = make_stack(backoff_min=20, backoff_max=50)
+    runs = Runs()
+    holding = threading.Event()
+    done = threading.Event()
+
+    @stack.actor(lock_key="export:{user}", lock_max_wait=300, lock_give_up=give_up)
+    def export(user: int, hold: bool) -> None:
+        runs.add(hold=hold)
+        if hold:
+            holding.set()
+            done.wait(10)
+
+    stack.start()
+    export.send(5, True)
+    assert holding.wait(10)
+    with caplog.at_level(logging.ERROR, logger="dramatiq_leases.middleware"):
+        waiter = export.send(5, False)
+        outcome = stack.recorder.wait_settled(waiter.message_id)
+    done.set()
+    assert outcome == ("nacked" if give_up == "fail" else "acked")
+    assert runs.count(hold=False) == 0
+    record = next(r for r in caplog.records if "Gave up" in r.getMessage())
+    text = record.getMessage()
+    assert waiter.message_id in text and "actor 'export'" in text and "'export:5'" in text
+    assert "attempts over" in text and "lock_max_wait=300 ms" in text
+
+
+def test_results_never_see_none_from_a_busy_skip(make_stack: Any, redis_server: EmbeddedRedis) -> None:
+    stack = make_stack(backoff_min=20, backoff_max=100)
+    backend = RedisBackend(url=redis_server.url(2))
+    stack.broker.add_middleware(Results(backend=backend))
+    holding = threading.Event()
+    go = threading.Event()
+
+    @stack.actor(lock_key="sum:{a}", store_results=True)
+    def add(a: int, b: int, hold: bool = False) -> int:
+        if hold:
+            holding.set()
+            go.wait(10)
+        return a + b
+
+    stack.start()
+    add.send(1, 100, hold=True)
+    assert holding.wait(10)
+    waiter = add.send(1, 2)
+    wait_for(lambda: stack.recorder.delays(waiter.message_id), what="a busy retry")
+    go.set()
+    assert waiter.get_result(backend=backend, block=True, timeout=20_000) == 3
+
+
+# Loss mid-run ---------------------------------------------------------------------
+
+
+def test_a_lease_deleted_mid_run_interrupts_the_actor(make_stack: Any) -> None:
+    stack = make_stack()
+    runs = Runs()
+    started = threading.Event()
+
+    @stack.actor(lock_key="call:{n}", lock_ttl=3_000, lock_renew_interval=200, max_retries=0)
+    def call_api(n: int) -> None:
+        started.set()
+        try:
+            while True:
+                time.sleep(0.01)
+        except LeaseLost as e:
+            runs.add(lost_at=time.monotonic(), error=str(e))
+            raise
+
+    stack.start()
+    message = call_api.send(1)
+    assert started.wait(10)
+    deleted_at = time.monotonic()
+    stack.leases.client.delete(stack.leases.lease_name("call:1"))
+    assert stack.recorder.wait_settled(message.message_id) == "nacked"
+    [run] = runs.items
+    assert run["lost_at"] - deleted_at < 0.2 + 0.5  # within one renewal interval (+ slack)
+    assert "'call:1'" in run["error"] and "gone" in run["error"]
+
+
+def test_a_late_lease_lost_never_hits_a_finished_actor(make_stack: Any) -> None:
+    """Injects the loss at varied instants around the actor's return, many times over."""
+    stack = make_stack(threads=4)
+    runs = Runs()
+    mw = stack.leases_mw
+
+    @stack.actor(lock_key="race:{i}", lock_ttl=5_000, max_retries=0)
+    def racer(i: int, spin: int) -> None:
+        entry = mw.heartbeat._entries[current_lease().token]
+
+        def lose() -> None:
+            for _ in range(spin):
+                pass
+            entry.on_lost(entry.lease, "stolen")
+
+        threading.Thread(target=lose).start()
+        for _ in range(spin // 2):
+            pass
+        runs.add(i=i, completed=True)
+
+    stack.start()
+    messages = [racer.send(i, (i * 37) % 400) for i in range(300)]
+    outcomes = {m.message_id: stack.recorder.wait_settled(m.message_id) for m in messages}
+    completed = {r["i"] for r in runs.items}
+    for i, m in enumerate(messages):
+        if i in completed:
+            assert outcomes[m.message_id] == "acked", f"message {i} completed but was failed by a late LeaseLost"
+        else:
+            assert outcomes[m.message_id] == "nacked"
+    assert runs.count(completed=True) == len(completed)  # nothing ran twice
+
+
+def test_redis_down_during_renewal_interrupts_before_expiry(make_stack: Any, lease_server: EmbeddedRedis) -> None:
+    stack = make_stack()
+    runs = Runs()
+    started = threading.Event()
+
+    @stack.actor(lock_key="job:{n}", lock_ttl=1_500, max_retries=0)
+    def job(n: int) -> None:
+        started.set()
+        try:
+            while True:
+                time.sleep(0.01)
+        except LeaseLost as e:
+            runs.add(at=time.monotonic(), error=str(e))
+            raise
+
+    stack.start()
+    message = job.send(1)
+    assert started.wait(10)
+    lease_server.stop()
+    stopped = time.monotonic()
+    assert stack.recorder.wait_settled(message.message_id) == "nacked"
+    [run] = runs.items
+    assert "unreachable" in run["error"]
+    assert run["at"] - stopped < 1.5  # before the TTL could run out on the server
+
+
+# Fail closed and release -------------------------------------------------------------
+
+
+def test_redis_down_at_acquire_means_no_run_until_it_is_back(make_stack: Any, lease_server: EmbeddedRedis) -> None:
+    stack = make_stack(backoff_min=50, backoff_max=200)
+    runs = Runs()
+
+    @stack.actor(lock_key="bill:{n}")
+    def bill(n: int) -> None:
+        runs.add(n=n)
+
+    stack.start()
+    lease_server.stop()
+    message = bill.send(1)
+    wait_for(lambda: len(stack.recorder.delays(message.message_id)) >= 3, what="three acquire failures")
+    assert runs.count() == 0  # never ran unprotected
+    lease_server.start()
+    assert stack.recorder.wait_settled(message.message_id) == "acked"
+    assert runs.count(n=1) == 1
+
+
+def test_release_happens_before_retries_requeue(make_stack: Any) -> None:
+    stack = make_stack()
+    attempts = Runs()
+
+    @stack.actor(lock_key="flaky:{n}", min_backoff=10, max_backoff=20, max_retries=3)
+    def flaky(n: int) -> None:
+        attempts.add(n=n)
+        if attempts.count(n=n) < 3:
+            raise RuntimeError("try again")
+
+    stack.start()
+    message = flaky.send(1)
+    assert stack.recorder.wait_settled(message.message_id) == "acked"
+    assert attempts.count(n=1) == 3
+    # No retry ever found its own previous lease still held.
+    assert all(d is None or opts.get("lease_busy_attempts", 0) == 0
+               for mid, d, opts in stack.recorder.enqueues if mid == message.message_id)
+    assert list(stack.leases.scan()) == []
+
+
+def test_default_max_hold_is_the_time_limit_and_ends_a_hung_actor(make_stack: Any) -> None:
+    stack = make_stack()
+    seen: list[int | None] = []
+    runs = Runs()
+
+    @stack.actor(lock_key="t:{n}", time_limit=60_000)
+    def limited(n: int) -> None:
+        seen.append(current_lease().max_hold)
+
+    @stack.actor(lock_key="h:{n}", lock_ttl=600, lock_max_hold=1_000, max_retries=0)
+    def hung(n: int) -> None:
+        try:
+            while True:
+                time.sleep(0.01)
+        except LeaseLost as e:
+            runs.add(error=str(e))
+            raise
+
+    stack.start()
+    assert stack.recorder.wait_settled(limited.send(1).message_id) == "acked"
+    assert seen == [60_000]
+    assert stack.recorder.wait_settled(hung.send(1).message_id) == "nacked"
+    assert "maximum hold" in runs.items[0]["error"] or "max_hold" in runs.items[0]["error"]
+
+
+# Other parts of Dramatiq ------------------------------------------------------------
+
+
+def test_async_actors_hold_and_lose_leases(make_stack: Any) -> None:
+    stack = make_stack()
+    stack.broker.add_middleware(AsyncIO())
+    runs = Runs()
+    started = threading.Event()
+
+    @stack.actor(lock_key="a:{n}", lock_ttl=3_000, lock_renew_interval=200, max_retries=0)
+    async def fetch(n: int, forever: bool) -> None:
+        lease = current_lease()
+        runs.add(n=n, key=lease.key, fence=lease.fence)
+        if forever:
+            started.set()
+            try:
+                while True:
+                    await asyncio.sleep(0.01)
+            except asyncio.CancelledError:
+                runs.add(n=n, cancelled=True)
+                raise
+
+    stack.broker.emit_before("worker_boot", None)
+    stack.start()
+    assert stack.recorder.wait_settled(fetch.send(1, False).message_id) == "acked"
+    message = fetch.send(2, True)
+    assert started.wait(10)
+    stack.leases.client.delete(stack.leases.lease_name("a:2"))
+    assert stack.recorder.wait_settled(message.message_id) == "nacked"
+    assert runs.count(n=1, key="a:1") == 1 and runs.count(n=2, cancelled=True) == 1
+    stack.broker.emit_after("worker_shutdown", None)
+
+
+def test_rabbitmq_broker(lease_server: EmbeddedRedis) -> None:
+    queue = f"leases-test-{uuid.uuid4().hex[:8]}"
+    broker = RabbitmqBroker(url="amqp://guest:guest@127.0.0.1:5672")
+    stack = Stack("", lease_server.url(0), broker=broker, backoff_min=20, backoff_max=100)
+    runs = Runs()
+
+    @stack.actor(queue_name=queue, lock_key="inv:{n}")
+    def work(n: int) -> None:
+        start = time.monotonic()
+        time.sleep(0.1)
+        runs.add(n=n, start=start, end=time.monotonic())
+
+    try:
+        stack.start()
+        messages = [work.send(1) for _ in range(4)]
+        for m in messages:
+            assert stack.recorder.wait_settled(m.message_id) == "acked"
+        spans = sorted((r["start"], r["end"]) for r in runs.items)
+        assert len(spans) == 4 and all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+    finally:
+        stack.stop()
+        pika = RabbitmqBroker(url="amqp://guest:guest@127.0.0.1:5672")
+        for q in (queue, f"{queue}.DQ", f"{queue}.XQ"):
+            pika.channel.queue_delete(q)
+        pika.close()
