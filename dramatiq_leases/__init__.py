@@ -12,7 +12,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .core import Busy, Lease, LeaseConfigError, LeaseError, LeaseInfo, LeaseKeyError, Leases, LeaseUnavailableError
+from .core import (
+    Busy,
+    Lease,
+    LeaseConfigError,
+    LeaseError,
+    LeaseInfo,
+    LeaseKeyError,
+    Leases,
+    LeaseUnavailableError,
+)
 from .metrics import LeaseMetrics, PrometheusMetrics
 
 if TYPE_CHECKING:

@@ -51,6 +51,7 @@ class EmbeddedRedis:
     """
 
     def __init__(self, port: int | None = None, *, persist: bool = False, extra_args: tuple[str, ...] = ()) -> None:
+        self._auto_port = port is None
         self.port = port or free_port()
         self.persist = persist
         self.extra_args = extra_args
@@ -62,7 +63,21 @@ class EmbeddedRedis:
         return f"redis://127.0.0.1:{self.port}/{db}"
 
     def start(self, timeout: float = 10.0) -> EmbeddedRedis:
-        """Start the server and wait until it answers PING."""
+        """Start the server and wait until it answers PING.
+
+        A port picked automatically can be taken by someone else before the
+        server binds it; then another free port is tried.
+        """
+        for attempt in range(5):
+            if self._start_once(timeout):
+                self._auto_port = False  # a restart must come back on the same port
+                return self
+            if not self._auto_port or attempt == 4:
+                break
+            self.port = free_port()
+        raise RuntimeError(f"redis-server did not start on port {self.port}")
+
+    def _start_once(self, timeout: float) -> bool:
         persistence = ["--appendonly", "yes"] if self.persist else ["--save", "", "--appendonly", "no"]
         self.process = subprocess.Popen(
             [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
@@ -72,17 +87,18 @@ class EmbeddedRedis:
         )
         client = redis.Redis(port=self.port, socket_timeout=0.5, socket_connect_timeout=0.5)
         deadline = time.monotonic() + timeout
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                if self.process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"redis-server on port {self.port} did not start") from None
-                time.sleep(0.02)
-            finally:
-                client.close()
-        return self
+        try:
+            while True:
+                try:
+                    client.ping()
+                    return True
+                except redis.ConnectionError:
+                    if self.process.poll() is not None or time.monotonic() > deadline:
+                        self.stop()
+                        return False
+                    time.sleep(0.02)
+        finally:
+            client.close()
 
     def stop(self) -> None:
         """Stop the server (SIGTERM, then SIGKILL) and wait for it to exit."""

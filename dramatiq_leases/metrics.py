@@ -15,6 +15,7 @@ after ``PROMETHEUS_MULTIPROC_DIR`` is set at process boot.
 from __future__ import annotations
 
 import os
+import tempfile
 import threading
 import weakref
 from collections.abc import Mapping
@@ -27,6 +28,9 @@ LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0)
 
 Meta = Mapping[str, str]
+
+#: Why a held lease can be lost (the ``reason`` label of ``dramatiq_lease_lost_total``).
+LOST_REASONS = ("gone", "stolen", "unreachable", "max_hold")
 
 
 def labels_of(meta: Meta) -> tuple[str, str]:
@@ -67,6 +71,9 @@ class LeaseMetrics:
     def redis_error(self, operation: str) -> None:
         """Redis failed during ``operation``: acquire, renew, release or scan."""
 
+    def declare(self, meta: Meta) -> None:
+        """Create the series of an actor at zero, so that ``increase()`` sees its first event."""
+
 
 #: Records nothing; the default where no metrics are wanted.
 NULL_METRICS = LeaseMetrics()
@@ -82,7 +89,7 @@ def _enable_multiprocess_values() -> None:
     from prometheus_client import values
 
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR") and values.ValueClass.__name__ == "MutexValue":
-        values.ValueClass = values.get_value_class()
+        values.ValueClass = values.get_value_class()  # type: ignore[no-untyped-call]
 
 
 _created: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
@@ -167,32 +174,75 @@ class PrometheusMetrics(LeaseMetrics):
                 self._m = _created[self._registry]
         return self._m
 
-    def acquire(self, meta: Meta, outcome: str, seconds: float) -> None:  # noqa: D102
+    def acquire(self, meta: Meta, outcome: str, seconds: float) -> None:
         self._metrics()["acquire"].labels(*labels_of(meta), outcome).observe(seconds)
 
-    def wait(self, meta: Meta, seconds: float) -> None:  # noqa: D102
+    def wait(self, meta: Meta, seconds: float) -> None:
         self._metrics()["wait"].labels(*labels_of(meta)).observe(seconds)
 
-    def busy_retry(self, meta: Meta) -> None:  # noqa: D102
+    def busy_retry(self, meta: Meta) -> None:
         self._metrics()["busy"].labels(*labels_of(meta)).inc()
 
-    def gave_up(self, meta: Meta) -> None:  # noqa: D102
+    def gave_up(self, meta: Meta) -> None:
         self._metrics()["gave_up"].labels(*labels_of(meta)).inc()
 
-    def held(self, meta: Meta, delta: int) -> None:  # noqa: D102
+    def held(self, meta: Meta, delta: int) -> None:
         self._metrics()["held"].labels(*labels_of(meta)).inc(delta)
 
-    def hold(self, meta: Meta, seconds: float) -> None:  # noqa: D102
+    def hold(self, meta: Meta, seconds: float) -> None:
         self._metrics()["hold"].labels(*labels_of(meta)).observe(seconds)
 
-    def renewal(self, meta: Meta, outcome: str) -> None:  # noqa: D102
+    def renewal(self, meta: Meta, outcome: str) -> None:
         self._metrics()["renewals"].labels(*labels_of(meta), outcome).inc()
 
-    def renew_round(self, seconds: float) -> None:  # noqa: D102
+    def renew_round(self, seconds: float) -> None:
         self._metrics()["round"].observe(seconds)
 
-    def lost(self, meta: Meta, reason: str) -> None:  # noqa: D102
+    def lost(self, meta: Meta, reason: str) -> None:
         self._metrics()["lost"].labels(*labels_of(meta), reason).inc()
 
-    def redis_error(self, operation: str) -> None:  # noqa: D102
+    def redis_error(self, operation: str) -> None:
         self._metrics()["redis_errors"].labels(operation).inc()
+
+    def declare(self, meta: Meta) -> None:
+        m, labels = self._metrics(), labels_of(meta)
+        for name in ("busy", "gave_up", "held"):
+            m[name].labels(*labels)
+        for outcome in ("ok", "lost", "error"):
+            m["renewals"].labels(*labels, outcome)
+        for reason in LOST_REASONS:
+            m["lost"].labels(*labels, reason)
+        for operation in ("acquire", "renew", "release"):
+            m["redis_errors"].labels(operation)
+
+
+#: Where worker processes share metric values when this package serves its own endpoint.
+METRICS_DIR = os.environ.get(
+    "DRAMATIQ_LEASES_METRICS_DIR", os.path.join(tempfile.gettempdir(), "dramatiq-leases-prometheus")
+)
+#: Address of that endpoint (environment variables, as the endpoint runs in a process of its own).
+METRICS_HOST = os.environ.get("DRAMATIQ_LEASES_METRICS_HOST", "0.0.0.0")
+METRICS_PORT = int(os.environ.get("DRAMATIQ_LEASES_METRICS_PORT", "9192"))
+
+
+def use_multiprocess_dir(path: str) -> None:
+    """Make this process write metric values to ``path`` unless a multiprocess directory is already set."""
+    os.makedirs(path, exist_ok=True)
+    os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", path)
+    os.environ.setdefault("prometheus_multiproc_dir", os.environ["PROMETHEUS_MULTIPROC_DIR"])
+
+
+def serve_worker_metrics() -> int:
+    """Serve the metrics of every worker process on ``METRICS_HOST:METRICS_PORT`` until terminated.
+
+    Dramatiq runs this in a process of its own (a middleware "fork") when its
+    own Prometheus middleware is absent.
+    """
+    use_multiprocess_dir(METRICS_DIR)
+    from prometheus_client import CollectorRegistry, multiprocess, start_http_server
+
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry, path=os.environ["PROMETHEUS_MULTIPROC_DIR"])  # type: ignore[no-untyped-call]
+    _, thread = start_http_server(METRICS_PORT, addr=METRICS_HOST, registry=registry)
+    thread.join()
+    return 0

@@ -19,6 +19,8 @@ import dramatiq
 import redis
 from dramatiq.middleware import Interrupt, Middleware, SkipMessage
 from dramatiq.middleware.middleware import MiddlewareError
+from dramatiq.middleware.prometheus import DB_PATH as PROMETHEUS_DB_PATH
+from dramatiq.middleware.prometheus import Prometheus
 from dramatiq.middleware.time_limit import TimeLimit
 from dramatiq.threading import raise_thread_exception
 
@@ -26,7 +28,7 @@ from .core.errors import LeaseConfigError, LeaseKeyError, LeaseUnavailableError
 from .core.heartbeat import Heartbeat
 from .core.keys import DEFAULT_PREFIX, KeyTemplate
 from .core.lease import Busy, Lease, Leases
-from .metrics import LeaseMetrics, PrometheusMetrics
+from .metrics import METRICS_DIR, LeaseMetrics, PrometheusMetrics, serve_worker_metrics, use_multiprocess_dir
 
 logger = logging.getLogger(__name__)
 
@@ -174,7 +176,7 @@ class _Run:
             self.lost_reason = reason
             if self.state == "running" and not self.injected:
                 self.injected = True
-                raise_thread_exception(self.thread_id, _lease_lost_with(self.describe()))
+                raise_thread_exception(self.thread_id, _lease_lost_with(self.describe()))  # type: ignore[no-untyped-call]
 
     def describe(self) -> str:
         lease = self.lease
@@ -206,6 +208,10 @@ class LeaseMiddleware(Middleware):
       give_up: default ``lock_give_up``: ``"fail"`` (dead-letter the message)
         or ``"drop"`` (acknowledge it without running). Default ``"fail"``.
       metrics: where to report; default :class:`PrometheusMetrics`.
+      metrics_endpoint: when Dramatiq's own ``Prometheus`` middleware is
+        absent, serve the lease metrics of all worker processes on
+        ``$DRAMATIQ_LEASES_METRICS_PORT`` (default 9192). With it, they
+        appear on its endpoint (9191) whatever the order of the two.
 
     Actor and message options (a message option beats the actor option,
     which beats the default above): ``lock_key`` (a template such as
@@ -230,6 +236,7 @@ class LeaseMiddleware(Middleware):
         max_wait: int | None = 3_600_000,
         give_up: str = "fail",
         metrics: LeaseMetrics | None = None,
+        metrics_endpoint: bool = True,
     ) -> None:
         if (redis_url is None) == (client is None):
             raise LeaseConfigError("LeaseMiddleware needs exactly one of redis_url or client")
@@ -251,6 +258,9 @@ class LeaseMiddleware(Middleware):
         self._templates: dict[str, KeyTemplate] = {}
         self._runs: dict[int, _Run | None] = {}
         self._time_limit: float | None = None
+        self._metrics_endpoint = metrics_endpoint
+        self._serve_own_metrics = False
+        self._booted = False
         self._host = socket.gethostname()
         logging.getLogger("dramatiq.worker.WorkerThread").addFilter(_skip_filter)
 
@@ -320,12 +330,30 @@ class LeaseMiddleware(Middleware):
         except LeaseConfigError as e:
             raise LeaseOptionError(str(e)) from None
         actor.fn = self._guarded(actor.fn)
+        if self._booted:
+            self.metrics.declare({"actor": actor.actor_name, "queue": actor.queue_name})
+
+    @property
+    def forks(self) -> list[Callable[[], int]]:
+        """The metrics endpoint process, when this middleware serves its own."""
+        return [serve_worker_metrics] if self._serve_own_metrics else []
 
     def after_process_boot(self, broker: dramatiq.Broker) -> None:
-        """Note TimeLimit's default, which bounds how long a lease may be held."""
+        """Set up metrics for this worker process and note TimeLimit's default."""
         for m in broker.middleware:
             if isinstance(m, TimeLimit):
                 self._time_limit = m.time_limit
+        # Decide where metric values go before any is created: on Dramatiq's endpoint if it
+        # is there (its hook may run after this one), else on ours.
+        if any(isinstance(m, Prometheus) for m in broker.middleware):
+            use_multiprocess_dir(PROMETHEUS_DB_PATH)
+        elif self._metrics_endpoint:
+            use_multiprocess_dir(METRICS_DIR)
+            self._serve_own_metrics = True
+        self._booted = True
+        for actor_name in self._templates:
+            actor = broker.get_actor(actor_name)
+            self.metrics.declare({"actor": actor_name, "queue": actor.queue_name})
 
     def before_enqueue(self, broker: dramatiq.Broker, message: dramatiq.Message[Any], delay: int | None) -> None:
         """Refuse, at send time, a message whose options are invalid or whose key cannot be rendered."""
@@ -435,7 +463,7 @@ class LeaseMiddleware(Middleware):
             self._suppress_result(message)
             return
         self.metrics.busy_retry(meta)
-        logger.info("Lease %r is busy (%d ms left); message %s goes back to the queue (attempt %d).",
+        logger.debug("Lease %r is busy (%d ms left); message %s goes back to the queue (attempt %d).",
                     busy.key, busy.ttl_left, message.message_id, attempts)
         self._send_back(broker, message, opts, count_attempt=True, first_ms=first)
 
@@ -546,3 +574,7 @@ class LeaseMiddleware(Middleware):
                 self.leases.release(lease)
             except LeaseUnavailableError as e:
                 logger.warning("Could not release lease %r at shutdown: %s.", lease.key, e)
+        if self._serve_own_metrics:
+            from prometheus_client import multiprocess
+
+            multiprocess.mark_process_dead(os.getpid(), METRICS_DIR)  # type: ignore[no-untyped-call]

@@ -438,7 +438,6 @@ def test_async_actors_hold_and_lose_leases(make_stack: Any) -> None:
                 runs.add(n=n, cancelled=True)
                 raise
 
-    stack.broker.emit_before("worker_boot", None)
     stack.start()
     assert stack.recorder.wait_settled(fetch.send(1, False).message_id) == "acked"
     message = fetch.send(2, True)
@@ -446,7 +445,6 @@ def test_async_actors_hold_and_lose_leases(make_stack: Any) -> None:
     stack.leases.client.delete(stack.leases.lease_name("a:2"))
     assert stack.recorder.wait_settled(message.message_id) == "nacked"
     assert runs.count(n=1, key="a:1") == 1 and runs.count(n=2, cancelled=True) == 1
-    stack.broker.emit_after("worker_shutdown", None)
 
 
 def test_rabbitmq_broker(lease_server: EmbeddedRedis) -> None:

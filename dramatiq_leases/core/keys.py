@@ -123,17 +123,16 @@ class KeyTemplate:
         try:
             bound = self.signature.bind(*args, **kwargs)
         except TypeError as e:
-            raise LeaseKeyError(f"{self.owner}: cannot render lock_key from args={args!r} kwargs={kwargs!r}: {e}") from None
+            raise LeaseKeyError(
+                f"{self.owner}: cannot render lock_key from args={args!r} kwargs={kwargs!r}: {e}"
+            ) from None
         bound.apply_defaults()
         values = dict(bound.arguments)
         for p in self.signature.parameters.values():
             if p.kind is inspect.Parameter.VAR_KEYWORD:
                 values.update(values.pop(p.name, {}))
         try:
-            if isinstance(self.spec, str):
-                key = self.spec.format_map(values)
-            else:
-                key = self.spec(*args, **kwargs)
+            key = self.spec.format_map(values) if isinstance(self.spec, str) else self.spec(*args, **kwargs)
         except Exception as e:
             raise LeaseKeyError(
                 f"{self.owner}: cannot render lock_key {self.spec!r} from args={args!r} kwargs={kwargs!r}: "

@@ -12,6 +12,7 @@ This module knows nothing of Dramatiq.
 
 from __future__ import annotations
 
+import fnmatch
 import math
 import secrets
 import time
@@ -19,17 +20,19 @@ from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Union
+from typing import Any
 
 import redis
-from redis.cluster import RedisCluster, key_slot
+from redis.cluster import RedisCluster
+from redis.crc import key_slot
 
+from .. import tracing
 from . import scripts
 from .errors import LeaseConfigError, LeaseUnavailableError
 from .keys import DEFAULT_PREFIX, fence_name, lease_name, lease_pattern, validate_key, validate_prefix
 
 #: A client this package can work with.
-RedisClient = Union["redis.Redis[Any]", RedisCluster]
+RedisClient = redis.Redis | RedisCluster
 
 #: Largest number of leases renewed by one script call; bigger batches are
 #: split, and the calls still share one pipelined round trip.
@@ -201,13 +204,15 @@ class LeaseInfo:
             return State.NO_TTL
         if self.max_hold_until_ms and self.now_ms > self.max_hold_until_ms:
             return State.PAST_MAX_HOLD
-        if self.now_ms - self.renewed_ms > stale_after(self.interval or self.ttl // 3):
+        # interval 0: nobody heartbeats this lease (taken in a web request, say); only its TTL ends it.
+        if self.interval and self.now_ms - self.renewed_ms > stale_after(self.interval):
             return State.HOLDER_DEAD
         return State.ALIVE
 
     def as_dict(self) -> dict[str, Any]:
         """A JSON-ready view (without the owner token)."""
         return {
+            **self.meta,
             "key": self.key,
             "redis_key": self.redis_key,
             "fence": self.fence,
@@ -220,7 +225,6 @@ class LeaseInfo:
             "acquired_at": self.acquired_ms / 1000,
             "renewed_at": self.renewed_ms / 1000,
             "max_hold_until": self.max_hold_until_ms / 1000 if self.max_hold_until_ms else None,
-            **{k: v for k, v in self.meta.items()},
         }
 
 
@@ -317,8 +321,11 @@ class Leases:
         Parameters:
           key: the lease key.
           ttl: the lease's time to live in milliseconds, restored by each renewal.
-          interval: how often the holder will renew, in milliseconds
-            (stored so observers can tell a dead holder); default ``ttl // 3``.
+          interval: how often a :class:`Heartbeat` will renew it, in
+            milliseconds, stored so observers can tell a dead holder. Leave
+            it out for a lease nobody renews (taken in a web request and
+            handed to a worker): it then counts as alive until its TTL ends,
+            and a heartbeat that tracks it anyway renews every ``ttl // 3``.
           max_hold: the longest the lease may be renewed for, in milliseconds.
           meta: holder metadata stored with the lease (strings).
 
@@ -332,25 +339,27 @@ class Leases:
         validate_key(key)
         if ttl <= 0:
             raise LeaseConfigError(f"ttl must be a positive number of milliseconds, got {ttl!r}")
-        interval = interval or max(1, ttl // 3)
         token = new_token()
         meta = dict(meta or {})
-        args: list[Any] = [token, ttl, max_hold or 0, interval]
+        args: list[Any] = [token, ttl, max_hold or 0, interval or 0]
         for k, v in {**meta, "key": key}.items():
             args += [k, v]
-        sent_at = time.monotonic()
-        try:
-            reply = self._acquire(keys=[self.lease_name(key), self.fence_name(key)], args=args)
-        except redis.RedisError as e:
-            raise LeaseUnavailableError(f"could not acquire lease {key!r}: {type(e).__name__}: {e}") from e
-        if int(reply[0]) != 1:
-            return Busy(key=key, ttl_left=int(reply[1]), fence=int(reply[2]))
+        with tracing.span("lease.acquire", {tracing.KEY: key, tracing.TTL: ttl}) as span:
+            sent_at = time.monotonic()
+            try:
+                reply = self._acquire(keys=[self.lease_name(key), self.fence_name(key)], args=args)
+            except redis.RedisError as e:
+                raise LeaseUnavailableError(f"could not acquire lease {key!r}: {type(e).__name__}: {e}") from e
+            if int(reply[0]) != 1:
+                span.set_attributes({tracing.OUTCOME: "busy", tracing.FENCE: int(reply[2])})
+                return Busy(key=key, ttl_left=int(reply[1]), fence=int(reply[2]))
+            span.set_attributes({tracing.OUTCOME: "acquired", tracing.FENCE: int(reply[1])})
         return Lease(
             key=key,
             token=token,
             fence=int(reply[1]),
             ttl=ttl,
-            interval=interval,
+            interval=interval or max(1, ttl // 3),
             max_hold=max_hold,
             acquired_at=int(reply[2]) / 1000,
             meta=meta,
@@ -424,17 +433,20 @@ class Leases:
             slot = key_slot(self.lease_name(lease.key).encode()) if self._cluster else 0
             groups[slot].append(i)
         batches = [idx[n : n + RENEW_BATCH] for idx in groups.values() for n in range(0, len(idx), RENEW_BATCH)]
-        sent_at = time.monotonic()
-        try:
-            replies = self._run_batches(leases, batches)
-        except redis.RedisError as e:
-            raise LeaseUnavailableError(f"could not renew {len(leases)} lease(s): {type(e).__name__}: {e}") from e
-        out = [Renewal.ERROR] * len(leases)
-        for batch, codes in zip(batches, replies):
-            for i, code in zip(batch, codes):
-                out[i] = _RENEW_CODES.get(int(code), Renewal.STOLEN)
-                if out[i] is Renewal.OK:
-                    leases[i].confirm(sent_at)
+        with tracing.span("lease.renew", {tracing.COUNT: len(leases)}) as span:
+            sent_at = time.monotonic()
+            try:
+                replies = self._run_batches(leases, batches)
+            except redis.RedisError as e:
+                raise LeaseUnavailableError(f"could not renew {len(leases)} lease(s): {type(e).__name__}: {e}") from e
+            out = [Renewal.ERROR] * len(leases)
+            for batch, codes in zip(batches, replies):
+                for i, code in zip(batch, codes):
+                    out[i] = _RENEW_CODES.get(int(code), Renewal.STOLEN)
+                    if out[i] is Renewal.OK:
+                        leases[i].confirm(sent_at)
+            lost = len(leases) - out.count(Renewal.OK)
+            span.set_attributes({tracing.OUTCOME: "ok" if not lost else "lost", "lease.lost_count": lost})
         return out
 
     def _run_batches(self, leases: Sequence[Lease], batches: list[list[int]]) -> list[list[Any]]:
@@ -468,14 +480,20 @@ class Leases:
         Raises:
           LeaseUnavailableError: Redis could not be asked; the lease expires by its TTL.
         """
-        return self.release_token(lease.key, lease.token)
+        return self.release_token(lease.key, lease.token, fence=lease.fence)
 
-    def release_token(self, key: str, token: str) -> bool:
-        """Release the lease on ``key`` only if ``token`` holds it."""
-        try:
-            return int(self._release(keys=[self.lease_name(key), self.fence_name(key)], args=[token])) == 1
-        except redis.RedisError as e:
-            raise LeaseUnavailableError(f"could not release lease {key!r}: {type(e).__name__}: {e}") from e
+    def release_token(self, key: str, token: str, *, fence: int | None = None) -> bool:
+        """Release the lease on ``key`` only if ``token`` holds it (``fence`` only labels the span)."""
+        attributes: dict[str, str | int] = {tracing.KEY: key}
+        if fence is not None:
+            attributes[tracing.FENCE] = fence
+        with tracing.span("lease.release", attributes) as span:
+            try:
+                released = int(self._release(keys=[self.lease_name(key), self.fence_name(key)], args=[token])) == 1
+            except redis.RedisError as e:
+                raise LeaseUnavailableError(f"could not release lease {key!r}: {type(e).__name__}: {e}") from e
+            span.set_attribute(tracing.OUTCOME, "released" if released else "not_held")
+        return released
 
     def release_if_dead(self, key: str) -> tuple[bool | None, float, int]:
         """Release the lease on ``key`` only if its holder's heartbeat has stopped.
@@ -490,7 +508,8 @@ class Leases:
         info = self.inspect(key)
         if info is None:
             return None, 0.0, 0
-        stale = stale_after(info.interval or info.ttl // 3)
+        # Without a heartbeat to judge by, only a lease without TTL counts as dead.
+        stale = stale_after(info.interval) if info.interval else 2**62
         try:
             reply = self._release_if_dead(keys=[self.lease_name(key), self.fence_name(key)], args=[stale])
         except redis.RedisError as e:
@@ -525,7 +544,14 @@ class Leases:
 
     def scan(self, match: str = "*", *, count: int = 500) -> Iterator[LeaseInfo]:
         """Every lease whose key matches the glob ``match``, read in batches with ``SCAN`` (never ``KEYS``)."""
-        pattern = lease_pattern(self.prefix, match)
+        yield from self._scan(lease_pattern(self.prefix, match), count)
+        if match != "*":
+            # Keys with braces are stored under a digest (see hash_tag): match them here.
+            for info in self._scan(lease_pattern(self.prefix, "h:*"), count):
+                if fnmatch.fnmatchcase(info.key, match):
+                    yield info
+
+    def _scan(self, pattern: str, count: int) -> Iterator[LeaseInfo]:
         batch: list[str] = []
         try:
             names: Iterable[Any] = self.client.scan_iter(match=pattern, count=count)
@@ -541,8 +567,15 @@ class Leases:
 
     def fence_state(self, key: str) -> dict[str, int]:
         """The fence counter of ``key``: last ``fence`` granted, last ``released``, last ``expired``."""
+        return self.fence_states([validate_key(key)])[0]
+
+    def fence_states(self, keys: Sequence[str]) -> list[dict[str, int]]:
+        """:meth:`fence_state` of many keys, pipelined."""
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.hgetall(self.fence_name(key))
         try:
-            raw = self.client.hgetall(self.fence_name(validate_key(key)))
+            replies = pipe.execute()
         except redis.RedisError as e:
-            raise LeaseUnavailableError(f"could not read fence of {key!r}: {type(e).__name__}: {e}") from e
-        return {_text(k): int(v) for k, v in raw.items()}  # type: ignore[union-attr]
+            raise LeaseUnavailableError(f"could not read fence counters: {type(e).__name__}: {e}") from e
+        return [{_text(k): int(v) for k, v in raw.items()} for raw in replies]

@@ -1,0 +1,4 @@
+"""Benchmarks of dramatiq-leases against the locks users would otherwise reach for.
+
+Run ``python -m bench`` (see ``docs/benchmarks.md``).
+"""

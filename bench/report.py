@@ -1,0 +1,219 @@
+"""Writes ``docs/benchmarks.md`` and the chart it shows, from one run's results."""
+
+from __future__ import annotations
+
+import datetime
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from . import common
+from .common import FigureResult, table, verdict
+
+#: Hand-written findings (profile reading, suggested fixes), included verbatim after the figures.
+FINDINGS = Path(__file__).with_name("findings.md")
+
+HEADER = """# Benchmarks
+
+```
+pip install -e . -r bench/requirements.txt  # the peer libraries, matplotlib, py-spy
+python -m bench             # full run, ~{minutes} min here: prints the tables, rewrites this file and the PNG
+python -m bench --quick     # smoke run, < 60 s: prints the tables, writes nothing (--docs to write)
+python -m bench --only 1,4  # some figures only (1-5, profile); --json FILE keeps the raw results
+```
+
+Every figure below comes from one run of `python -m bench` on one machine,
+against a private `redis-server` the harness starts on a free port
+(`dramatiq_leases.embedded.EmbeddedRedis`). Ratios compare libraries
+measured in the same run, interleaved, so load from other work on the
+machine falls on all of them alike. Counts (round trips, commands) are exact
+and do not depend on the machine's load; times do.
+"""
+
+
+def _machine(info: dict[str, str], seconds: float, quick: bool, load: tuple[str, str]) -> str:
+    rows = [[k, v] for k, v in info.items()]
+    rows.append(["load average (1 min) before / after", f"{load[0]} / {load[1]}"])
+    rows.append(
+        [
+            "run",
+            f"{'quick' if quick else 'full'}, {seconds:.0f} s, "
+            f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+        ]
+    )
+    return table(["machine", ""], rows)
+
+
+def _goals(results: Sequence[FigureResult]) -> str:
+    rows = [[g.figure, g.goal, g.measured, f"**{verdict(g.met)}**"] for r in results for g in r.goals]
+    return table(["figure", "goal", "measured", ""], rows)
+
+
+def render(
+    results: Sequence[FigureResult],
+    info: dict[str, str],
+    seconds: float,
+    quick: bool,
+    load: tuple[str, str],
+    chart: str | None,
+) -> str:
+    """The whole Markdown document."""
+    parts = [
+        HEADER.format(minutes=max(1, math.ceil(seconds / 60))),
+        "## Machine\n",
+        _machine(info, seconds, quick, load),
+        "\n## Goals\n",
+        _goals(results),
+        "",
+    ]
+    if chart:
+        parts += [f"![libraries compared]({chart})\n"]
+    for r in results:
+        parts += [f"## {r.title}\n", r.method.strip(), ""]
+        for t in r.tables:
+            parts += [t, ""]
+        parts += [f"- {n}" for n in r.notes]
+        parts += [""]
+    if FINDINGS.exists():
+        parts += [FINDINGS.read_text().strip(), ""]
+    parts += ["## How counts are taken\n", (common.__doc__ or "").split("\n\n", 1)[1].strip(), ""]
+    return "\n".join(parts)
+
+
+def chart(results: Sequence[FigureResult], path: Path) -> bool:
+    """A PNG with one panel per figure; ``False`` (and no file) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    by_key = {r.key: r for r in results}
+    panels = [k for k in ("fig1", "fig2", "fig3", "fig4", "fig5") if k in by_key]
+    if not panels:
+        return False
+    cols = 2 if len(panels) > 1 else 1
+    rows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(7.5 * cols, 4.6 * rows), squeeze=False)
+    for ax, key in zip(axes.flat, panels, strict=False):
+        _PANELS[key](ax, by_key[key].data)
+    for ax in list(axes.flat)[len(panels) :]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def _hbar(ax: Any, labels: list[str], values: list[float], highlight: str, xlabel: str, title: str) -> None:
+    colors = ["#d62728" if label == highlight else "#7f7f7f" for label in labels]
+    ax.barh(labels[::-1], values[::-1], color=colors[::-1])
+    ax.set_xlabel(xlabel)
+    ax.set_title(title, fontsize=10)
+    for y, v in enumerate(values[::-1]):
+        ax.text(v, y, f" {v:,.0f}", va="center", fontsize=8)
+
+
+def _fig1(ax: Any, data: dict[str, Any]) -> None:
+    stats = data["stats"]
+    names = data["order"]
+    _hbar(
+        ax,
+        names,
+        [stats[n]["median_us"] for n in names],
+        "dramatiq-leases",
+        "µs (median)",
+        "1. Uncontended acquire+release, median latency",
+    )
+    ax.scatter(
+        [stats[n]["p99_us"] for n in names][::-1],
+        range(len(names)),
+        marker="|",
+        color="black",
+        s=80,
+        label="p99",
+        zorder=3,
+    )
+    ax.legend(loc="lower right", fontsize=8)
+
+
+def _fig2(ax: Any, data: dict[str, Any]) -> None:
+    # Peers take colours from a palette without red, which is ours alone.
+    palette = iter(["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22"])
+    for name, by_n in data["results"].items():
+        ns = sorted(int(n) for n in by_n)
+        ours = name.startswith("dramatiq-leases")
+        ax.plot(
+            ns,
+            [by_n[str(n)]["ms"] for n in ns],
+            marker="o",
+            label=name,
+            linewidth=3 if ours else 1,
+            color="#d62728" if ours else next(palette),
+        )
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("leases held (N)")
+    ax.set_ylabel("ms per renewal round")
+    ax.set_title("2. Heartbeat: one renewal round over N leases", fontsize=10)
+    ax.legend(fontsize=7)
+
+
+def _fig3(ax: Any, data: dict[str, Any]) -> None:
+    runs = data["runs"]
+    modes = list(runs)
+    values = [sorted(x["rate"] for x in runs[m])[len(runs[m]) // 2] for m in modes]
+    _hbar(
+        ax,
+        modes,
+        values,
+        "leases",
+        "messages/s (median)",
+        "3. Dramatiq throughput, no-op actor (2 x 8 workers)",
+    )
+
+
+def _fig4(ax: Any, data: dict[str, Any]) -> None:
+    summary = data["summary"]
+    labels = list(summary)
+    short = [
+        lbl.replace("dramatiq-leases", "ours")
+        .replace("ConcurrentRateLimiter + Retries", "CRL")
+        .replace("worker timeout", "wt")
+        for lbl in labels
+    ]
+    values = [summary[lbl]["makespan"] for lbl in labels]
+    colors = ["#d62728" if lbl.startswith("dramatiq-leases") else "#7f7f7f" for lbl in labels]
+    ax.barh(short[::-1], values[::-1], color=colors[::-1])
+    ideal = data["k"] * data["job_ms"] / 1000
+    ax.axvline(ideal, color="black", linestyle="--", linewidth=1, label=f"K x job = {ideal:g} s")
+    ax.axvline(ideal * 1.3, color="green", linestyle=":", linewidth=1, label="goal 1.3x")
+    ax.set_xlabel("makespan s")
+    ax.set_title(f"4. Handoff: {data['k']} jobs x {data['job_ms']} ms on one key", fontsize=10)
+    ax.tick_params(axis="y", labelsize=7)
+    ax.legend(fontsize=7)
+
+
+def _fig5(ax: Any, data: dict[str, Any]) -> None:
+    groups = {
+        "ours via Dramatiq": data["dramatiq"],
+        "ours, core": data["core"],
+        "python-redis-lock": data["prl"],
+    }
+    labels = list(groups)
+    values = [sorted(r["recovery_ms"] for r in runs)[len(runs) // 2] for runs in groups.values()]
+    _hbar(
+        ax,
+        labels,
+        values,
+        "ours via Dramatiq",
+        "ms from SIGKILL to the next holder (median)",
+        "5. Crash recovery",
+    )
+    ax.axvline(data["ttl_ms"], color="black", linestyle="--", linewidth=1, label=f"TTL {data['ttl_ms']} ms")
+    ax.legend(fontsize=8)
+
+
+_PANELS = {"fig1": _fig1, "fig2": _fig2, "fig3": _fig3, "fig4": _fig4, "fig5": _fig5}

@@ -1,0 +1,146 @@
+"""Real Dramatiq workers for the benchmarks: the ``dramatiq`` CLI in a subprocess; feeding and reading it."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import dramatiq
+import redis
+from dramatiq.brokers.redis import RedisBroker
+
+from .names import LOG_KEY
+
+#: The repository root: workers run there so ``bench.app`` imports.
+ROOT = Path(__file__).resolve().parent.parent
+
+#: Where worker logs go (one file per group), kept for a look after a run.
+LOG_DIR = Path(tempfile.gettempdir()) / "dramatiq-leases-bench"
+
+NAMESPACE = "dramatiq"
+
+
+def dramatiq_cli() -> list[str]:
+    """The ``dramatiq`` entry point of this interpreter's environment (``python -m dramatiq`` if absent)."""
+    script = Path(sys.executable).parent / "dramatiq"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "dramatiq"]
+
+
+class WorkerGroup:
+    """One ``dramatiq bench.app`` command: a main process and its worker processes, in their own session.
+
+    Parameters:
+      url: the benchmark Redis.
+      env: ``BENCH_*`` settings (see :mod:`bench.app`) and ``dramatiq_*`` ones.
+      processes, threads: as the CLI's ``--processes`` and ``--threads``.
+      queues: only consume these (``--queues``); all by default.
+      name: for the log file.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        env: Mapping[str, str],
+        *,
+        processes: int = 2,
+        threads: int = 8,
+        queues: Sequence[str] = (),
+        name: str = "workers",
+    ) -> None:
+        self.url = url
+        self.env = {**os.environ, "BENCH_REDIS_URL": url, "PYTHONPATH": str(ROOT), **env}
+        # Leave no multiprocess Prometheus directory from the caller's environment in the workers.
+        self.env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        self.args = [*dramatiq_cli(), "bench.app", "--processes", str(processes), "--threads", str(threads)]
+        if queues:
+            self.args += ["--queues", *queues]
+        self.processes = processes
+        LOG_DIR.mkdir(exist_ok=True)
+        self.log_path = LOG_DIR / f"{name}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> WorkerGroup:
+        """Start the command (returns at once; see :func:`wait_ready`)."""
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                self.args,
+                cwd=ROOT,
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM the main process (Dramatiq's graceful stop); SIGKILL this group's session if it lingers."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout)
+        # The session is ours alone (start_new_session): any worker left behind goes with it.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        self.proc = None
+
+    def __enter__(self) -> WorkerGroup:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def reset_broker(client: redis.Redis) -> None:
+    """Delete the broker's queues, acks, heartbeats and the job log, so a run starts clean."""
+    names = [*list(client.scan_iter(match=f"{NAMESPACE}:*", count=1000)), LOG_KEY]
+    for i in range(0, len(names), 1000):
+        client.delete(*names[i : i + 1000])
+
+
+def wait_ready(client: redis.Redis, processes: int, timeout: float = 60.0, group: WorkerGroup | None = None) -> None:
+    """Wait until ``processes`` worker processes have polled the broker (each registers a heartbeat)."""
+    deadline = time.monotonic() + timeout
+    while client.zcard(f"{NAMESPACE}:__heartbeats__") < processes:
+        if group is not None and group.proc is not None and group.proc.poll() is not None:
+            raise RuntimeError(f"workers exited with {group.proc.returncode}; see {group.log_path}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"workers not ready after {timeout}s" + (f"; see {group.log_path}" if group else ""))
+        time.sleep(0.02)
+
+
+def producer(url: str) -> RedisBroker:
+    """A broker for sending only: no middleware, so nothing but the message reaches Redis."""
+    return RedisBroker(url=url, middleware=[])
+
+
+def send(broker: RedisBroker, queue: str, actor: str, *args: Any) -> None:
+    """Enqueue a message for ``actor`` without importing its module (no actor object needed)."""
+    broker.declare_queue(queue)
+    broker.enqueue(dramatiq.Message(queue_name=queue, actor_name=actor, args=args, kwargs={}, options={}))
+
+
+def read_log(client: redis.Redis) -> list[dict[str, Any]]:
+    """Every record the jobs have logged so far."""
+    return [json.loads(raw) for raw in client.lrange(LOG_KEY, 0, -1)]
+
+
+def wait_log(client: redis.Redis, predicate: Any, timeout: float) -> list[dict[str, Any]]:
+    """Poll the job log until ``predicate(records)`` holds; the records (maybe short, at the timeout)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        records = read_log(client)
+        if predicate(records) or time.monotonic() > deadline:
+            return records
+        time.sleep(0.01)

@@ -1,0 +1,50 @@
+"""Flask: ``POST /exports/<user_id>`` starts a report export unless one is running for that user.
+
+Run with ``flask --app examples.flask_app run`` from the repository root,
+next to a worker (``dramatiq examples.web_tasks``); see ``web_tasks`` for
+the environment variables.
+
+* ``202 Accepted`` with ``{"key", "fence", "message_id"}`` when the export
+  was queued; the worker adopts the lease taken here, so no second export
+  can start between this answer and the job.
+* ``423 Locked`` with ``Retry-After`` when an export for this user is still
+  queued or running.
+* ``503 Service Unavailable`` when Redis cannot be reached.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flask import Flask, jsonify, request
+
+from dramatiq_leases import Busy, LeaseUnavailableError, web
+from examples.web_tasks import EXPORT_LOCK_TTL_MS, export_report, leases
+
+app = Flask(__name__)
+
+
+@app.post("/exports/<int:user_id>")
+def start_export(user_id: int) -> Any:
+    """Queue an export of ``user_id``'s report (``?seconds=`` sets how long it takes)."""
+    seconds = request.args.get("seconds", default=2.0, type=float)
+    try:
+        # No interval: nobody renews this lease until a worker adopts it, so observers
+        # (`dramatiq-leases list`, `release --if-dead`) judge it by its TTL alone.
+        lease = leases.try_acquire(f"export:report:{user_id}", ttl=EXPORT_LOCK_TTL_MS)
+    except LeaseUnavailableError:
+        return jsonify({"error": "unavailable", "detail": "Cannot reach Redis; try again."}), 503
+    if isinstance(lease, Busy):
+        return jsonify(web.locked_body(lease)), web.HTTP_423_LOCKED, web.locked_response_headers(lease)
+    try:
+        message = export_report.send_with_options(args=(user_id, seconds), lease=lease)
+    except BaseException:
+        leases.release(lease)  # nothing was queued: free the user at once instead of at TTL
+        raise
+    return jsonify(web.accepted_body(lease, message.message_id)), web.HTTP_202_ACCEPTED
+
+
+@app.get("/healthz")
+def healthz() -> Any:
+    """Liveness probe."""
+    return {"ok": True}

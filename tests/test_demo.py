@@ -1,0 +1,83 @@
+"""``dramatiq-leases demo`` run as the README says: it passes its checks and leaves nothing behind."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+
+from .conftest import wait_for
+
+
+def _started_by(marker: str) -> list[psutil.Process]:
+    """Live processes whose environment carries ``marker``: every process the demo started inherits it."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get("DEMO_TEST_MARKER") == marker and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+        except psutil.Error:
+            continue  # gone meanwhile, or not ours to read
+    return found
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_demo_runs_its_story_passes_its_checks_and_cleans_up() -> None:
+    marker = uuid.uuid4().hex
+    script = str(Path(sys.executable).with_name("dramatiq-leases"))
+    env = {**os.environ, "DEMO_TEST_MARKER": marker}
+    env.pop("REDIS_URL", None)  # the README's first command runs on a machine with no Redis configured
+    started = time.monotonic()
+    done = subprocess.run([script, "demo"], env=env, capture_output=True, text=True, timeout=90)
+    took = time.monotonic() - started
+    out = done.stdout
+    assert done.returncode == 0, out + done.stderr
+    assert took < 60, f"the demo took {took:.0f}s"
+
+    summary = out[out.index("\nsummary\n"):]
+    assert re.search(r"^  jobs completed +12/12 \(each message exactly once\)$", summary, re.M), summary
+    assert re.search(r"^  max concurrent per key +1$", summary, re.M), summary
+    assert re.search(r"^  busy retries +[1-9]\d*", summary, re.M), summary
+    orphans = re.findall(r"^  orphaned lease +(invoice:\d) fence (\d+): .*expired ([\d.]+)s after the kill "
+                         r"\(never released\)$", summary, re.M)
+    assert orphans, summary
+    assert all(0 < float(seconds) <= 3.1 for _, _, seconds in orphans), "an orphan outlived its 3 s TTL"
+    killed_jobs = re.findall(
+        r"^  killed job +(invoice:\d) job \d: redelivered and completed with fence (\d+)$", summary, re.M)
+    assert sorted(k for k, _ in killed_jobs) == sorted(k for k, _, _ in orphans)
+    for key, fence in killed_jobs:
+        orphan_fence = next(int(f) for k, f, _ in orphans if k == key)
+        assert int(fence) > orphan_fence, "the redelivered job must run under a newer fencing token"
+    fences = re.search(r"^  fences per key +(.*)$", summary, re.M)
+    assert fences is not None
+    for per_key in re.findall(r"invoice:\d ([\d,]+)", fences.group(1)):
+        values = [int(v) for v in per_key.split(",")]
+        assert values == sorted(set(values)) and values[0] == 1, "each grant of a key gets a higher fence"
+    assert summary.rstrip().endswith("demo OK")
+
+    # The live part of the story was shown as it happened.
+    assert re.search(r"KILL -9 worker \d \(pid \d+\)", out)
+    assert re.search(r"holder_dead: no heartbeat for", out)
+    assert re.search(r"EXPIRED by its TTL", out)
+    assert re.search(r"<- a killed job, redelivered", out)
+    assert re.search(r"^  metrics   http://127\.0\.0\.1:\d+/metrics$", out, re.M)
+
+    # Nothing it started survives it: workers (by inherited environment) and its Redis (by port;
+    # redis-server overwrites its environment with its process title).
+    wait_for(lambda: not _started_by(marker), timeout=5, what="the demo's processes to be gone")
+    port = re.search(r"^  redis     redis://127\.0\.0\.1:(\d+)/0", out, re.M)
+    assert port is not None
+    assert not _listening(int(port.group(1))), "the demo's private Redis is still running"
+    metrics_port = re.search(r"^  metrics   http://127\.0\.0\.1:(\d+)/", out, re.M)
+    assert metrics_port is not None and not _listening(int(metrics_port.group(1)))

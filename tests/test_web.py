@@ -1,0 +1,215 @@
+"""The web examples end to end, over real HTTP: one export per user at a time, 423 + Retry-After otherwise.
+
+Each app (Flask under its dev server, FastAPI under uvicorn) runs as a
+subprocess against a private Redis; a real ``dramatiq`` worker runs the
+jobs on database 0, and nothing consumes database 1 (a job nobody picks up).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+
+from dramatiq_leases.core import Leases, State
+from dramatiq_leases.embedded import EmbeddedRedis, free_port
+
+from .conftest import wait_for
+
+ROOT = Path(__file__).resolve().parents[1]
+RUNS_KEY = "examples:export_report:runs"  # where examples.web_tasks records its jobs
+
+APPS = {
+    "flask": ["-m", "flask", "--app", "examples.flask_app", "run", "--host", "127.0.0.1", "--port", "{port}"],
+    "fastapi": ["-m", "uvicorn", "examples.fastapi_app:app", "--host", "127.0.0.1", "--port", "{port}"],
+}
+WORKER_DB, NO_WORKER_DB = 0, 1
+SHORT_TTL_MS = 1500  # the lease of the apps on the database nobody consumes
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """Stop a process started by this module, and its process group.
+
+    SIGTERM goes to the leader only: a dramatiq worker that gets a second
+    SIGTERM (its parent forwards one) exits at once instead of cleanly.
+    """
+    proc.terminate()
+    try:
+        proc.wait(10)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever outlived the leader
+        proc.wait()
+
+
+class Stack:
+    """A private Redis, one worker and the web apps, started on first use and stopped at the end."""
+
+    def __init__(self, logs: Path) -> None:
+        self.logs = logs
+        self.redis = EmbeddedRedis().start()
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.apps: dict[tuple[str, int], str] = {}
+        self.worker_started = False
+
+    def client(self, db: int) -> redis.Redis:
+        return redis.Redis.from_url(self.redis.url(db), socket_timeout=5)
+
+    def leases(self, db: int) -> Leases:
+        return Leases.from_url(self.redis.url(db))
+
+    def _spawn(self, name: str, argv: list[str], db: int, ttl_ms: int) -> subprocess.Popen[bytes]:
+        env = {**os.environ, "REDIS_URL": self.redis.url(db), "EXPORT_LOCK_TTL_MS": str(ttl_ms),
+               "PYTHONUNBUFFERED": "1"}
+        with open(self.logs / f"{name}.log", "wb") as log:
+            proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        self.procs.append(proc)
+        return proc
+
+    def log(self, name: str) -> str:
+        return (self.logs / f"{name}.log").read_text(errors="replace")[-3000:]
+
+    def start_worker(self) -> None:
+        if self.worker_started:
+            return
+        dramatiq = str(Path(sys.executable).with_name("dramatiq"))
+        proc = self._spawn("worker", [dramatiq, "examples.web_tasks", "--processes", "1", "--threads", "2"],
+                           WORKER_DB, 30_000)
+        client = self.client(WORKER_DB)
+
+        def polling() -> bool:
+            assert proc.poll() is None, self.log("worker")
+            return bool(client.zcard("dramatiq:__heartbeats__"))  # it has asked the queue for work
+
+        wait_for(polling, timeout=30, interval=0.05, what="the worker to poll the queue")
+        self.worker_started = True
+
+    def app(self, kind: str, db: int, ttl_ms: int) -> str:
+        if (kind, db) in self.apps:
+            return self.apps[kind, db]
+        port = free_port()
+        name = f"{kind}-db{db}"
+        proc = self._spawn(name, [sys.executable, *(a.format(port=port) for a in APPS[kind])], db, ttl_ms)
+        url = f"http://127.0.0.1:{port}"
+
+        def healthy() -> bool:
+            assert proc.poll() is None, self.log(name)
+            try:
+                return httpx.get(f"{url}/healthz", timeout=1).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_for(healthy, timeout=30, interval=0.05, what=f"the {kind} app to answer")
+        self.apps[kind, db] = url
+        return url
+
+    def close(self) -> None:
+        for proc in self.procs:
+            _stop(proc)
+        self.redis.close()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    s = Stack(tmp_path_factory.mktemp("web-logs"))
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def runs(client: redis.Redis, message_id: str) -> dict[str, dict[str, Any]]:
+    """What the job of ``message_id`` recorded, by event (started, finished)."""
+    records = [json.loads(raw) for raw in client.lrange(RUNS_KEY, 0, -1)]
+    return {r["event"]: r for r in records if r["message_id"] == message_id}
+
+
+def post(url: str, user_id: int, seconds: float) -> httpx.Response:
+    return httpx.post(f"{url}/exports/{user_id}", params={"seconds": seconds}, timeout=10)
+
+
+@pytest.mark.parametrize("kind", sorted(APPS))
+def test_one_export_per_user_the_worker_adopts_the_lease_and_releases_it(stack: Stack, kind: str) -> None:
+    stack.start_worker()
+    url = stack.app(kind, WORKER_DB, 30_000)
+    client, leases = stack.client(WORKER_DB), stack.leases(WORKER_DB)
+    user = {"flask": 1, "fastapi": 2}[kind]
+    key = f"export:report:{user}"
+
+    first = post(url, user, 1.5)
+    assert first.status_code == 202, first.text
+    accepted = first.json()
+    assert accepted["key"] == key and accepted["fence"] >= 1 and accepted["message_id"]
+
+    second = post(url, user, 1.5)
+    ttl_left = client.pttl(leases.lease_name(key)) / 1000
+    assert second.status_code == 423, second.text
+    retry_after = int(second.headers["Retry-After"])
+    # Whole seconds rounded up from the TTL left when it answered; the read after it is a little later.
+    assert ttl_left - 0.1 <= retry_after <= ttl_left + 1.1
+    assert second.json() == {"error": "locked", "key": key, "retry_after": retry_after,
+                             "detail": f"A job for {key!r} is already running; retry in {retry_after} s."}
+
+    other = post(url, user + 100, 0.1)
+    assert other.status_code == 202, "the lease is per user: another user's export starts at once"
+
+    started = wait_for(lambda: runs(client, accepted["message_id"]).get("started"), timeout=15,
+                       what="the worker to start the export")
+    assert started["fence"] == accepted["fence"], "the worker must adopt the lease taken by the web app"
+
+    def accepted_again() -> httpx.Response | None:
+        response = post(url, user, 0.1)
+        assert response.status_code in (202, 423), response.text
+        return response if response.status_code == 202 else None
+
+    third = wait_for(accepted_again, timeout=15, interval=0.1, what="a 202 once the export is over")
+    assert "finished" in runs(client, accepted["message_id"]), "a new export started before the first ended"
+    assert third.json()["fence"] == accepted["fence"] + 1
+    assert leases.fence_state(key)["released"] >= accepted["fence"], "the job released its lease, not its TTL"
+
+
+@pytest.mark.parametrize("kind", sorted(APPS))
+def test_the_lease_expires_by_its_ttl_when_no_worker_takes_the_job(stack: Stack, kind: str) -> None:
+    url = stack.app(kind, NO_WORKER_DB, SHORT_TTL_MS)
+    client, leases = stack.client(NO_WORKER_DB), stack.leases(NO_WORKER_DB)
+    user = {"flask": 11, "fastapi": 12}[kind]
+    key = f"export:report:{user}"
+    name = leases.lease_name(key)
+
+    first = post(url, user, 1.0)
+    assert first.status_code == 202, first.text
+    fence = first.json()["fence"]
+
+    before = client.pttl(name)
+    second = post(url, user, 1.0)
+    after = client.pttl(name)
+    assert second.status_code == 423, second.text
+    # Nobody renews this lease, so its TTL only falls: Retry-After is the TTL left, rounded up.
+    assert math.ceil(after / 1000) <= int(second.headers["Retry-After"]) <= math.ceil(before / 1000)
+
+    # Queued, not dead: `dramatiq-leases release --if-dead` must not free it while it waits for a worker.
+    late = wait_for(lambda: (i := leases.inspect(key)) is not None and i.ttl_left < 400 and i, timeout=5,
+                    what="the lease to near its end")
+    assert late.state is State.ALIVE
+
+    started = time.monotonic()
+    wait_for(lambda: client.exists(name) == 0, timeout=10, what="the unadopted lease to expire")
+    assert time.monotonic() - started <= SHORT_TTL_MS / 1000 + 0.5
+
+    third = post(url, user, 1.0)
+    assert third.status_code == 202, third.text
+    assert third.json()["fence"] == fence + 1
+    assert leases.fence_state(key)["expired"] == fence, "the fence history records that the grant expired"
