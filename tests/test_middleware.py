@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import threading
 import time
@@ -171,7 +172,7 @@ def test_same_key_never_overlaps_different_keys_do(make_stack: Any) -> None:
     for key in (0, 1):
         spans = sorted((r["start"], r["end"], r["fence"]) for r in runs.items if r["key"] == key)
         assert len(spans) == 4
-        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), f"overlap on key {key}: {spans}"
+        assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans)), f"overlap on key {key}: {spans}"
         assert [f for *_, f in spans] == sorted(f for *_, f in spans)  # fences rise with each grant
     k0 = [(r["start"], r["end"]) for r in runs.items if r["key"] == 0]
     k1 = [(r["start"], r["end"]) for r in runs.items if r["key"] == 1]
@@ -465,7 +466,7 @@ def test_rabbitmq_broker(lease_server: EmbeddedRedis) -> None:
         for m in messages:
             assert stack.recorder.wait_settled(m.message_id) == "acked"
         spans = sorted((r["start"], r["end"]) for r in runs.items)
-        assert len(spans) == 4 and all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+        assert len(spans) == 4 and all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
     finally:
         stack.stop()
         pika = RabbitmqBroker(url="amqp://guest:guest@127.0.0.1:5672")
