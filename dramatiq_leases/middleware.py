@@ -256,6 +256,7 @@ class LeaseMiddleware(Middleware):
         }
         self._options("LeaseMiddleware", {})  # validate the defaults now
         self._templates: dict[str, KeyTemplate] = {}
+        self._actor_options: dict[str, _Options] = {}
         self._runs: dict[int, _Run | None] = {}
         self._time_limit: float | None = None
         self._metrics_endpoint = metrics_endpoint
@@ -324,7 +325,7 @@ class LeaseMiddleware(Middleware):
             if stray:
                 raise LeaseOptionError(f"{name}: {', '.join(stray)} given without lock_key")
             return
-        self._options(name, actor.options)
+        self._actor_options[actor.actor_name] = self._options(name, actor.options)
         try:
             self._templates[actor.actor_name] = KeyTemplate(spec, actor.fn, owner=name)
         except LeaseConfigError as e:
@@ -397,7 +398,10 @@ class LeaseMiddleware(Middleware):
             "pid": str(os.getpid()),
         }
         try:
-            opts = self._options(owner, message.options, actor.options)
+            if ACTOR_OPTIONS.isdisjoint(message.options):
+                opts = self._actor_options[message.actor_name]
+            else:
+                opts = self._options(owner, message.options, actor.options)
             key = template.render(tuple(message.args), message.kwargs)
         except (LeaseConfigError, LeaseKeyError) as e:
             # Only reachable when the producer had no LeaseMiddleware to refuse it at send time.

@@ -10,6 +10,7 @@ verdict never waits on a hung socket.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -72,6 +73,9 @@ class Heartbeat:
         self._stopping = False
         self._renewer: threading.Thread | None = None
         self._watchdog: threading.Thread | None = None
+        # When each thread will next wake by itself: a new lease due later needs no wake-up call.
+        self._renewer_wakes_at = 0.0
+        self._watchdog_wakes_at = 0.0
 
     # Public API ------------------------------------------------------------
 
@@ -82,7 +86,8 @@ class Heartbeat:
             self._stopping = False
             self._entries[lease.token] = entry
             self._ensure_threads()
-            self._cond.notify_all()
+            if entry.next_due < self._renewer_wakes_at or lease.valid_until < self._watchdog_wakes_at:
+                self._cond.notify_all()
 
     def untrack(self, lease: Lease) -> bool:
         """Stop renewing ``lease``. Returns ``False`` if it was not tracked (already lost or untracked)."""
@@ -124,6 +129,7 @@ class Heartbeat:
                     due_at = min((e.next_due for e in self._entries.values()), default=None)
                     if due_at is not None and due_at <= now:
                         break
+                    self._renewer_wakes_at = math.inf if due_at is None else due_at
                     self._cond.wait(None if due_at is None else due_at - now)
                 if self._stopping:
                     return
@@ -175,7 +181,9 @@ class Heartbeat:
                     if deadline is not None and deadline <= now:
                         break
                     # Wake at least every second to restart a dead renewer.
-                    self._cond.wait(1.0 if deadline is None else min(1.0, deadline - now))
+                    timeout = 1.0 if deadline is None else min(1.0, deadline - now)
+                    self._watchdog_wakes_at = now + timeout
+                    self._cond.wait(timeout)
                     if self._renewer is not None and not self._renewer.is_alive() and not self._stopping:
                         logger.error("Heartbeat thread died; restarting it.")
                         self._ensure_threads()

@@ -84,6 +84,13 @@ class KeyTemplate:
         self.spec = spec
         self.owner = owner
         self.signature = inspect.signature(fn)
+        params = list(self.signature.parameters.values())
+        # Names that positional arguments bind to, when binding is that simple (no *args).
+        self._positional: list[str] | None = (
+            None if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params)
+            else [p.name for p in params if p.kind is not inspect.Parameter.KEYWORD_ONLY]
+        )
+        self._fields: set[str] = set()
         if isinstance(spec, str):
             self._check_template(spec)
         elif not callable(spec):
@@ -111,6 +118,7 @@ class KeyTemplate:
                     f"{self.owner}: lock_key {spec!r} names parameter {name!r}, "
                     f"which is not among its parameters {list(params)}"
                 )
+            self._fields.add(name)
 
     def render(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
         """Return the lease key for these arguments.
@@ -120,6 +128,17 @@ class KeyTemplate:
             field of the template, or render to something that is not a
             valid key.
         """
+        if isinstance(self.spec, str) and self._positional is not None and len(args) <= len(self._positional):
+            # Fast path for the common call: every field given by name or position.
+            values = dict(zip(self._positional, args))
+            values.update(kwargs)
+            if self._fields <= values.keys():
+                try:
+                    key = self.spec.format_map(values)
+                except (AttributeError, LookupError, TypeError, ValueError):
+                    pass  # let the slow path below report it
+                else:
+                    return validate_key(key, what=f"{self.owner}: the key rendered by lock_key {self.spec!r}")
         try:
             bound = self.signature.bind(*args, **kwargs)
         except TypeError as e:

@@ -95,10 +95,10 @@ return out
 )
 
 #: Marks ``fence`` as released in the fence hash (KEYS[2]) and deletes the lease.
+#: The holder always has the newest fence of its key, so no comparison is needed.
 _DELETE_AND_MARK = """
 redis.call('DEL', KEYS[1])
-local released = tonumber(redis.call('HGET', KEYS[2], 'released')) or 0
-if fence > released then redis.call('HSET', KEYS[2], 'released', fence) end
+redis.call('HSET', KEYS[2], 'released', fence)
 """
 
 #: KEYS: lease, fence. ARGV: token. Returns 1 if released, 0 if the token
