@@ -201,8 +201,10 @@ class LeaseMiddleware(Middleware):
       renew_interval: default ``lock_renew_interval`` in ms. Default ``lock_ttl / 3``.
       max_hold: default ``lock_max_hold`` in ms; default the actor's
         ``time_limit`` (from TimeLimit), so a hung actor cannot hold forever.
-      backoff_min: default ``lock_backoff_min`` in ms. Default 100.
-      backoff_max: default ``lock_backoff_max`` in ms. Default 10 000.
+      backoff_min: default ``lock_backoff_min`` in ms. Default 50.
+      backoff_max: default ``lock_backoff_max`` in ms. Default 2 000: a
+        waiting message asks at least every 2 s, so a freed key is taken soon
+        (see docs/benchmarks.md for the trade-off).
       max_wait: default ``lock_max_wait`` in ms, the wait budget; ``None``
         waits forever. Default 3 600 000 (an hour).
       give_up: default ``lock_give_up``: ``"fail"`` (dead-letter the message)
@@ -231,8 +233,8 @@ class LeaseMiddleware(Middleware):
         ttl: int = 30_000,
         renew_interval: int | None = None,
         max_hold: int | None = None,
-        backoff_min: int = 100,
-        backoff_max: int = 10_000,
+        backoff_min: int = 50,
+        backoff_max: int = 2_000,
         max_wait: int | None = 3_600_000,
         give_up: str = "fail",
         metrics: LeaseMetrics | None = None,
