@@ -22,7 +22,7 @@ from .core import (
     Leases,
     LeaseUnavailableError,
 )
-from .metrics import LeaseMetrics, PrometheusMetrics
+from .metrics import LeaseMetrics, OTelMetrics, PrometheusMetrics
 
 if TYPE_CHECKING:
     from .middleware import (
@@ -69,6 +69,7 @@ __all__ = [
     "LeaseUnavailableError",
     "LeaseWaitExceeded",
     "Leases",
+    "OTelMetrics",
     "PrometheusMetrics",
     "__version__",
     "current_lease",

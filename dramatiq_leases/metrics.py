@@ -149,7 +149,7 @@ def _create(reg: Any) -> dict[str, Any]:
 
 
 class PrometheusMetrics(LeaseMetrics):
-    """:class:`LeaseMetrics` on ``prometheus_client`` (names documented in ``docs/metrics.md``).
+    """:class:`LeaseMetrics` on ``prometheus_client`` (the names are listed in the README).
 
     Parameters:
       registry: where to register; ``None`` for the default registry. In
@@ -214,6 +214,78 @@ class PrometheusMetrics(LeaseMetrics):
             m["lost"].labels(*labels, reason)
         for operation in ("acquire", "renew", "release"):
             m["redis_errors"].labels(operation)
+
+
+class OTelMetrics(LeaseMetrics):
+    """:class:`LeaseMetrics` on an OpenTelemetry meter, instead of ``prometheus_client``.
+
+    Pass ``LeaseMiddleware(metrics=OTelMetrics())`` and configure a
+    ``MeterProvider`` in your application. Instruments are named
+    ``dramatiq.lease.*`` with unit ``s`` for durations; OpenTelemetry's
+    Prometheus exporter turns them into the same names as
+    :class:`PrometheusMetrics` (``dramatiq.lease.acquire.duration`` becomes
+    ``dramatiq_lease_acquire_duration_seconds``). Use one or the other, never
+    both: two sources under one name would double every figure.
+
+    Parameters:
+      meter_provider: the provider to use; the global one by default.
+    """
+
+    def __init__(self, meter_provider: Any = None) -> None:
+        from opentelemetry import metrics
+
+        meter = metrics.get_meter("dramatiq_leases", meter_provider=meter_provider)
+        self._acquire = meter.create_histogram("dramatiq.lease.acquire.duration", unit="s",
+                                               description="Time to ask Redis for a lease, by outcome.")
+        self._wait = meter.create_histogram("dramatiq.lease.wait.duration", unit="s",
+                                            description="Time from a message's first acquire attempt to acquisition.")
+        self._busy = meter.create_counter("dramatiq.lease.busy_retries",
+                                          description="Messages sent back to the queue because their lease was busy.")
+        self._gave_up = meter.create_counter("dramatiq.lease.gave_up",
+                                             description="Messages that exhausted their wait budget.")
+        self._held = meter.create_up_down_counter("dramatiq.lease.held", description="Leases held now.")
+        self._hold = meter.create_histogram("dramatiq.lease.hold.duration", unit="s",
+                                            description="How long leases were held.")
+        self._renewals = meter.create_counter("dramatiq.lease.renewals", description="Lease renewals by outcome.")
+        self._round = meter.create_histogram("dramatiq.lease.renew.duration", unit="s",
+                                             description="Duration of one heartbeat round.")
+        self._lost = meter.create_counter("dramatiq.lease.lost", description="Held leases lost, by reason.")
+        self._errors = meter.create_counter("dramatiq.lease.redis_errors", description="Redis errors by operation.")
+
+    @staticmethod
+    def _attrs(meta: Meta, **extra: str) -> dict[str, str]:
+        actor, queue = labels_of(meta)
+        return {"actor_name": actor, "queue_name": queue, **extra}
+
+    def acquire(self, meta: Meta, outcome: str, seconds: float) -> None:
+        self._acquire.record(seconds, self._attrs(meta, outcome=outcome))
+
+    def wait(self, meta: Meta, seconds: float) -> None:
+        self._wait.record(seconds, self._attrs(meta))
+
+    def busy_retry(self, meta: Meta) -> None:
+        self._busy.add(1, self._attrs(meta))
+
+    def gave_up(self, meta: Meta) -> None:
+        self._gave_up.add(1, self._attrs(meta))
+
+    def held(self, meta: Meta, delta: int) -> None:
+        self._held.add(delta, self._attrs(meta))
+
+    def hold(self, meta: Meta, seconds: float) -> None:
+        self._hold.record(seconds, self._attrs(meta))
+
+    def renewal(self, meta: Meta, outcome: str) -> None:
+        self._renewals.add(1, self._attrs(meta, outcome=outcome))
+
+    def renew_round(self, seconds: float) -> None:
+        self._round.record(seconds)
+
+    def lost(self, meta: Meta, reason: str) -> None:
+        self._lost.add(1, self._attrs(meta, reason=reason))
+
+    def redis_error(self, operation: str) -> None:
+        self._errors.add(1, {"operation": operation})
 
 
 #: Where worker processes share metric values when this package serves its own endpoint.
