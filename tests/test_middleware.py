@@ -473,3 +473,26 @@ def test_rabbitmq_broker(lease_server: EmbeddedRedis) -> None:
         for q in (queue, f"{queue}.DQ", f"{queue}.XQ"):
             pika.channel.queue_delete(q)
         pika.close()
+
+
+def test_a_job_lasting_many_ttls_keeps_its_lease(make_stack: Any) -> None:
+    stack = make_stack(backoff_min=20, backoff_max=50)
+    runs = Runs()
+    started = threading.Event()
+
+    @stack.actor(lock_key="long:{n}", lock_ttl=300, max_retries=0)
+    def long_job(n: int, seconds: float) -> None:
+        started.set()
+        begin = time.monotonic()
+        time.sleep(seconds)
+        runs.add(n=n, start=begin, end=time.monotonic(), fence=current_lease().fence)
+
+    stack.start()
+    long_message = long_job.send(1, 1.2)  # four TTLs
+    assert started.wait(10)
+    rival = long_job.send(1, 0.0)
+    assert stack.recorder.wait_settled(long_message.message_id) == "acked"
+    assert stack.recorder.wait_settled(rival.message_id) == "acked"
+    first, second = sorted(runs.items, key=lambda r: r["start"])
+    assert first["end"] <= second["start"], "the rival ran while the long job still held the key"
+    assert len(stack.recorder.delays(rival.message_id)) >= 3  # it was turned away while the lease was renewed
