@@ -31,7 +31,7 @@ import fnmatch
 import json
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from datetime import datetime, timezone
 from typing import Any, TextIO
 from urllib.parse import urlsplit, urlunsplit
@@ -148,27 +148,6 @@ def _table(rows: list[list[str]], out: TextIO) -> None:
 # Reading ---------------------------------------------------------------------
 
 
-def _scan_infos(leases: Leases) -> Iterator[LeaseInfo]:
-    """Every key under ``{prefix}:lease:``, leases or not, read in SCAN batches (never KEYS).
-
-    ``Leases.scan`` only sees names shaped like ``{prefix}:lease:{tag}``; an
-    operator also needs to see debris under the prefix (a key some script
-    wrote by hand), so this walks the wider pattern once and reads each batch
-    with ``Leases.inspect_names``, as ``Leases.scan`` does.
-    """
-    batch: list[str] = []
-    try:
-        for name in leases.client.scan_iter(match=f"{leases.prefix}:lease:*", count=SCAN_COUNT):
-            batch.append(name.decode() if isinstance(name, bytes) else str(name))
-            if len(batch) >= SCAN_COUNT:
-                yield from leases.inspect_names(batch)
-                batch = []
-    except redis.RedisError as e:
-        raise LeaseUnavailableError(f"could not scan leases: {type(e).__name__}: {e}") from e
-    if batch:
-        yield from leases.inspect_names(batch)
-
-
 def _problem(leases: Leases, info: LeaseInfo) -> str | None:
     """Why this key is not a usable lease, or ``None`` if it is one."""
     if _is_lease(info):
@@ -186,7 +165,7 @@ def _problem(leases: Leases, info: LeaseInfo) -> str | None:
 
 def cmd_list(leases: Leases, args: argparse.Namespace, out: TextIO) -> int:
     """``list``: every lease under the prefix (and debris), as a table or JSON."""
-    found = [info for info in _scan_infos(leases) if fnmatch.fnmatchcase(info.key, args.match)]
+    found = [info for info in leases.scan(count=SCAN_COUNT) if fnmatch.fnmatchcase(info.key, args.match)]
     found.sort(key=lambda i: i.key)
     problems = {info.redis_key: _problem(leases, info) for info in found}
     if args.json:

@@ -543,13 +543,22 @@ class Leases:
         return out
 
     def scan(self, match: str = "*", *, count: int = 500) -> Iterator[LeaseInfo]:
-        """Every lease whose key matches the glob ``match``, read in batches with ``SCAN`` (never ``KEYS``)."""
-        yield from self._scan(lease_pattern(self.prefix, match), count)
-        if match != "*":
-            # Keys with braces are stored under a digest (see hash_tag): match them here.
-            for info in self._scan(lease_pattern(self.prefix, "h:*"), count):
-                if fnmatch.fnmatchcase(info.key, match):
-                    yield info
+        """Every lease whose key matches the glob ``match``, read in batches with ``SCAN`` (never ``KEYS``).
+
+        With the default ``match``, also any other key under ``{prefix}:lease:``
+        (a key someone wrote by hand, perhaps without TTL: the classic orphan).
+        """
+        if match == "*":
+            yield from self._scan(f"{self.prefix}:lease:*", count)
+            return
+        seen = set()
+        for info in self._scan(lease_pattern(self.prefix, match), count):
+            seen.add(info.redis_key)
+            yield info
+        # Keys with braces are stored under a digest (see hash_tag): match them here.
+        for info in self._scan(lease_pattern(self.prefix, "h:*"), count):
+            if info.redis_key not in seen and fnmatch.fnmatchcase(info.key, match):
+                yield info
 
     def _scan(self, pattern: str, count: int) -> Iterator[LeaseInfo]:
         batch: list[str] = []
