@@ -14,6 +14,7 @@ after ``PROMETHEUS_MULTIPROC_DIR`` is set at process boot.
 
 from __future__ import annotations
 
+import glob
 import os
 import tempfile
 import threading
@@ -301,7 +302,26 @@ def use_multiprocess_dir(path: str) -> None:
     """Make this process write metric values to ``path`` unless a multiprocess directory is already set."""
     os.makedirs(path, exist_ok=True)
     os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", path)
-    os.environ.setdefault("prometheus_multiproc_dir", os.environ["PROMETHEUS_MULTIPROC_DIR"])
+
+
+def forget_dead_processes(path: str) -> None:
+    """Drop the live-gauge files of processes that died without saying so (SIGKILL, OOM).
+
+    A killed worker never marks itself dead, so its last ``dramatiq_lease_held``
+    would be summed in for good; every booting worker sweeps them.
+    """
+    from prometheus_client import multiprocess
+
+    for name in glob.glob(os.path.join(path, "gauge_live*_*.db")):
+        try:
+            pid = int(name.rsplit("_", 1)[1].removesuffix(".db"))
+            os.kill(pid, 0)
+        except ValueError:
+            continue
+        except ProcessLookupError:
+            multiprocess.mark_process_dead(pid, path)  # type: ignore[no-untyped-call]
+        except PermissionError:
+            continue  # alive, someone else's
 
 
 def serve_worker_metrics() -> int:

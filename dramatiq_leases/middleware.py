@@ -28,7 +28,14 @@ from .core.errors import LeaseConfigError, LeaseKeyError, LeaseUnavailableError
 from .core.heartbeat import Heartbeat
 from .core.keys import DEFAULT_PREFIX, KeyTemplate
 from .core.lease import Busy, Lease, Leases
-from .metrics import METRICS_DIR, LeaseMetrics, PrometheusMetrics, serve_worker_metrics, use_multiprocess_dir
+from .metrics import (
+    METRICS_DIR,
+    LeaseMetrics,
+    PrometheusMetrics,
+    forget_dead_processes,
+    serve_worker_metrics,
+    use_multiprocess_dir,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -349,10 +356,15 @@ class LeaseMiddleware(Middleware):
         # Decide where metric values go before any is created: on Dramatiq's endpoint if it
         # is there (its hook may run after this one), else on ours.
         if any(isinstance(m, Prometheus) for m in broker.middleware):
-            use_multiprocess_dir(PROMETHEUS_DB_PATH)
+            # Dramatiq's hook sets the variable outright, whatever it was; so must this one, which may
+            # run first: values created from now on must land where its endpoint reads.
+            os.makedirs(PROMETHEUS_DB_PATH, exist_ok=True)
+            os.environ["PROMETHEUS_MULTIPROC_DIR"] = PROMETHEUS_DB_PATH
         elif self._metrics_endpoint:
             use_multiprocess_dir(METRICS_DIR)
             self._serve_own_metrics = True
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            forget_dead_processes(os.environ["PROMETHEUS_MULTIPROC_DIR"])
         self._booted = True
         for actor_name in self._templates:
             actor = broker.get_actor(actor_name)
@@ -583,4 +595,6 @@ class LeaseMiddleware(Middleware):
         if self._serve_own_metrics:
             from prometheus_client import multiprocess
 
-            multiprocess.mark_process_dead(os.getpid(), METRICS_DIR)  # type: ignore[no-untyped-call]
+            multiprocess.mark_process_dead(  # type: ignore[no-untyped-call]
+                os.getpid(), os.environ["PROMETHEUS_MULTIPROC_DIR"]
+            )

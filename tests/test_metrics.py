@@ -1,0 +1,640 @@
+"""Lease metrics where users scrape them, clean for promtool, free of lease keys; and the OpenTelemetry spans.
+
+Metrics come from real ``dramatiq`` worker processes (``--processes 2 --threads 2``, app
+``tests.apps.obs_app``) on a private Redis, scraped over HTTP: on Dramatiq's own Prometheus endpoint
+whichever of the two middleware was added first, or on the lease middleware's own endpoint when
+Dramatiq's is absent. The exporter's exposition comes from a real ``dramatiq-leases exporter``.
+Spans come from an in-process worker (tests/stack.py) under the OpenTelemetry SDK.
+
+The process, HTTP and exposition helpers here are shared with tests/test_observability_e2e.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import dramatiq
+import pytest
+import redis
+import yaml
+from dramatiq import Message
+from dramatiq.brokers.redis import RedisBroker
+from dramatiq.middleware import CurrentMessage, Middleware
+from opentelemetry import context, trace
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import Span, SpanKind
+from prometheus_client import CollectorRegistry, multiprocess
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
+
+from dramatiq_leases import LeaseMetrics, Leases, current_lease
+from dramatiq_leases.core.lease import RedisClient
+from dramatiq_leases.embedded import EmbeddedRedis, free_port
+from dramatiq_leases.exporter import LEAK_REASONS
+from dramatiq_leases.metrics import LOST_REASONS, forget_dead_processes
+
+from .promtool import require
+from .stack import Stack
+
+ROOT = Path(__file__).resolve().parent.parent
+APP = "tests.apps.obs_app"
+WORK_ACTOR, WORK_QUEUE = "work", "obs"
+LONG_ACTOR, LONG_QUEUE = "long_work", "obs-long"
+EVENTS_KEY = "obs:events"
+
+#: The only labels lease metrics may carry (``le``: histogram buckets), and the values of the bounded ones.
+LABEL_VALUES: dict[str, set[str] | None] = {
+    "actor_name": None,
+    "queue_name": None,
+    "le": None,
+    "outcome": {"acquired", "busy", "error", "ok", "lost"},
+    "reason": {*LOST_REASONS, *(reason.value for reason in LEAK_REASONS)},
+    "operation": {"acquire", "renew", "release", "scan"},
+}
+
+T = TypeVar("T")
+
+
+# --- processes ----------------------------------------------------------------------------------------
+
+
+class Processes:
+    """The subprocesses of one test: each leads a process group of its own and logs to a file.
+
+    Every group still alive is stopped on exit (SIGTERM, then SIGKILL after a grace period).
+    """
+
+    def __init__(self, logs: Path) -> None:
+        self.logs = logs
+        logs.mkdir(parents=True, exist_ok=True)
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.may_exit: set[str] = set()
+
+    def __enter__(self) -> Processes:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop_all()
+
+    def start(self, name: str, argv: list[str], *, env: dict[str, str] | None = None,
+              cwd: Path = ROOT) -> subprocess.Popen[bytes]:
+        assert name not in self.procs, name
+        with open(self.logs / f"{name}.log", "wb") as log:  # the child keeps its own descriptor
+            proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=log,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs[name] = proc
+        return proc
+
+    def log(self, name: str, tail: int = 3000) -> str:
+        text = (self.logs / f"{name}.log").read_text(errors="replace")
+        return text[-tail:]
+
+    def report(self) -> str:
+        """The end of every log, for a failure message."""
+        return "\n".join(f"--- {name} (exit {proc.poll()}) ---\n{self.log(name)}" for name, proc in self.procs.items())
+
+    def check_running(self) -> None:
+        """Fail the test, with the logs, if a process has exited (except those in ``may_exit``)."""
+        for name in set(self.procs) - self.may_exit:
+            code = self.procs[name].poll()
+            if code is not None:
+                pytest.fail(f"{name} exited with code {code}\n{self.report()}", pytrace=False)
+
+    def stop(self, name: str, grace: float = 10.0) -> None:
+        """SIGTERM to the leader only (`dramatiq` passes it on to its children: a second one would kill
+        them on the spot), then SIGKILL to whatever is left of its group."""
+        proc = self.procs[name]
+        if proc.poll() is None:
+            proc.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(grace)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+    def stop_all(self) -> None:
+        for name in reversed(list(self.procs)):
+            self.stop(name)
+
+
+def wait_until(predicate: Callable[[], T | None], *, timeout: float, what: str, procs: Processes | None = None,
+               interval: float = 0.1) -> T:
+    """Poll ``predicate`` until it returns something truthy; fail at the deadline or if a process died."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if procs is not None:
+            procs.check_running()
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            logs = f"\n{procs.report()}" if procs is not None else ""
+            pytest.fail(f"timed out after {timeout}s waiting for {what}{logs}", pytrace=False)
+        time.sleep(interval)
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This environment without any metrics settings inherited from the test process, plus ``extra``.
+
+    In-process workers of other tests set ``PROMETHEUS_MULTIPROC_DIR`` in this process; a child
+    that inherited it would write its metrics there.
+    """
+    dropped = ("prometheus_multiproc_dir", "dramatiq_prom_", "dramatiq_leases_metrics_")
+    env = {k: v for k, v in os.environ.items() if not k.lower().startswith(dropped)}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+def dramatiq_argv(*, processes: int, threads: int, queues: Iterable[str]) -> list[str]:
+    return [sys.executable, "-m", "dramatiq", APP, "--processes", str(processes), "--threads", str(threads),
+            "--queues", *queues, "--worker-shutdown-timeout", "5000"]
+
+
+def exporter_argv(redis_url: str, port: int, interval: float) -> list[str]:
+    """``dramatiq-leases exporter``, the console script of this environment."""
+    script = Path(sys.executable).with_name("dramatiq-leases")
+    assert script.exists(), f"{script}: is the package installed (pip install -e .)?"
+    return [str(script), "exporter", "--redis-url", redis_url, "--host", "127.0.0.1", "--port", str(port),
+            "--interval", str(interval)]
+
+
+def worker_processes(client: redis.Redis) -> int:
+    """Worker processes polling the broker now (each has one broker, which heartbeats)."""
+    return int(client.zcard("dramatiq:__heartbeats__"))
+
+
+def send(broker: RedisBroker, actor: str, queue: str, *args: Any, **options: Any) -> str:
+    """Enqueue a message for an actor of the app without importing the app."""
+    message = broker.enqueue(Message(queue_name=queue, actor_name=actor, args=args, kwargs={}, options=options))
+    return message.message_id
+
+
+def events(client: RedisClient) -> list[dict[str, Any]]:
+    """What the app's actors recorded (tests/apps/obs_app.py)."""
+    return [json.loads(item) for item in client.lrange(EVENTS_KEY, 0, -1)]
+
+
+# --- HTTP and expositions ---------------------------------------------------------------------------
+
+
+def http_get(url: str, timeout: float = 2.0) -> str | None:
+    """The body of a successful GET, or ``None`` when nothing answers (yet)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return str(response.read().decode())
+    except (urllib.error.URLError, OSError):
+        return None
+
+
+def listening(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(1.0)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def lease_samples(exposition: str) -> list[Sample]:
+    return [sample for family in text_string_to_metric_families(exposition) if family.name.startswith("dramatiq_lease")
+            for sample in family.samples]
+
+
+def values(exposition: str, name: str, **labels: str) -> list[float]:
+    """The values of the samples named ``name`` whose labels include ``labels``."""
+    return [sample.value for family in text_string_to_metric_families(exposition) for sample in family.samples
+            if sample.name == name and labels.items() <= sample.labels.items()]
+
+
+def value(exposition: str, name: str, **labels: str) -> float:
+    """The sum of the samples named ``name`` whose labels include ``labels``."""
+    return sum(values(exposition, name, **labels))
+
+
+def promtool_check_metrics(exposition: str) -> tuple[int, list[str]]:
+    """``promtool check metrics`` on an exposition: its exit code and its problem lines."""
+    proc = subprocess.run([require("promtool"), "check", "metrics"], input=exposition, capture_output=True,
+                          text=True, timeout=60, check=False)
+    return proc.returncode, [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+
+
+def assert_promtool_clean(exposition: str, *, foreign_ok: bool = False) -> None:
+    """Fail on any promtool problem with a lease metric, or with the exposition itself.
+
+    ``foreign_ok``: a lint remark about a metric family that is not ours (Dramatiq's own
+    ``dramatiq_message_duration_milliseconds`` is in milliseconds) is tolerated, nothing else.
+    """
+    code, problems = promtool_check_metrics(exposition)
+    families = {family.name for family in text_string_to_metric_families(exposition)}
+    ours = [line for line in problems if line.split()[0].startswith("dramatiq_lease")]
+    assert ours == [], "promtool check metrics flags lease metrics"
+    foreign = [line for line in problems if line not in ours]
+    if foreign_ok:
+        unexplained = [line for line in foreign if line.split()[0] not in families]
+        assert unexplained == [], "promtool could not lint the exposition"
+    else:
+        assert (code, foreign) == (0, [])
+
+
+def assert_no_lease_keys(exposition: str, keys: Iterable[str]) -> None:
+    """Lease metrics carry only bounded labels, and no lease key in any label value."""
+    samples = lease_samples(exposition)
+    assert samples
+    keys = list(keys)
+    for sample in samples:
+        assert set(sample.labels) <= set(LABEL_VALUES), f"{sample.name}: unexpected labels {sample.labels}"
+        for label, text in sample.labels.items():
+            allowed = LABEL_VALUES[label]
+            assert allowed is None or text in allowed, f"{sample.name}: {label}={text!r}"
+            assert not any(key in text for key in keys), f"{sample.name}: {label}={text!r} carries a lease key"
+
+
+# --- worker endpoints -------------------------------------------------------------------------------
+
+#: Where Dramatiq's Prometheus middleware goes relative to LeaseMiddleware (tests/apps/obs_app.py).
+PLACEMENTS = {"prometheus-added-first": "before", "prometheus-added-last": "after", "no-prometheus": "none"}
+#: Lease keys of the worker runs: user data, as real keys are.
+WORKER_KEYS = ("invoice:1001", "user:alice@example.com:export")
+
+
+@dataclass
+class WorkerRun:
+    placement: str
+    exposition: str
+    sent: int
+    pids: set[int]
+    dramatiq_port: int
+    own_port: int
+
+
+@pytest.fixture(scope="module", params=list(PLACEMENTS.values()), ids=list(PLACEMENTS))
+def worker_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerRun]:
+    """One `dramatiq` instance (2 processes x 2 threads) has run contended messages; its endpoint's exposition."""
+    placement: str = request.param
+    tmp = tmp_path_factory.mktemp(f"worker-{placement}")
+    dramatiq_port, own_port = free_port(), free_port()
+    server = EmbeddedRedis().start()
+    broker = RedisBroker(url=server.url(0), middleware=[])  # type: ignore[no-untyped-call]
+    client = redis.Redis.from_url(server.url(0))
+    leases_client = redis.Redis.from_url(server.url(1))
+    try:
+        with Processes(tmp / "logs") as procs:
+            env = clean_env(
+                OBS_BROKER_URL=server.url(0), OBS_LEASES_URL=server.url(1), OBS_PROMETHEUS=placement,
+                dramatiq_prom_host="127.0.0.1", dramatiq_prom_port=str(dramatiq_port),
+                dramatiq_prom_db=str(tmp / "dramatiq-prometheus"),
+                DRAMATIQ_LEASES_METRICS_HOST="127.0.0.1", DRAMATIQ_LEASES_METRICS_PORT=str(own_port),
+                DRAMATIQ_LEASES_METRICS_DIR=str(tmp / "lease-metrics"),
+            )
+            procs.start("worker", dramatiq_argv(processes=2, threads=2, queues=[WORK_QUEUE]), env=env)
+            url = f"http://127.0.0.1:{own_port if placement == 'none' else dramatiq_port}/metrics"
+            wait_until(lambda: worker_processes(client) == 2 and http_get(url) is not None, timeout=30,
+                       what="2 worker processes and the metrics endpoint", procs=procs)
+
+            # Waves of three messages per key at once: contention, busy retries, renewals (a 0.6 s hold
+            # with a 1.5 s TTL is renewed). Until both processes have run some, so that the endpoint
+            # must add up the two.
+            sent = 0
+            for _ in range(8):
+                for key in WORKER_KEYS:
+                    for _ in range(3):
+                        send(broker, WORK_ACTOR, WORK_QUEUE, key, 0.6)
+                        sent += 1
+                wait_until(lambda n=sent: sum(e["event"] == "done" for e in events(leases_client)) == n, timeout=30,
+                           what=f"{sent} messages to run", procs=procs)
+                if len({e["pid"] for e in events(leases_client)}) == 2:
+                    break
+            runs = events(leases_client)
+            assert [e for e in runs if e["event"] == "error"] == []
+
+            def settled() -> str | None:
+                # The counts are written just after each actor returns: wait until all are in.
+                text = http_get(url)
+                if text and value(text, "dramatiq_lease_hold_duration_seconds_count", actor_name=WORK_ACTOR) == sent:
+                    return text
+                return None
+
+            exposition = wait_until(settled, timeout=15, what=f"{sent} holds on {url}", procs=procs)
+            yield WorkerRun(placement, exposition, sent, {e["pid"] for e in runs}, dramatiq_port, own_port)
+    finally:
+        broker.close()
+        client.close()
+        leases_client.close()
+        server.close()
+
+
+def test_lease_metrics_are_served_for_all_worker_processes(worker_run: WorkerRun) -> None:
+    text, sent = worker_run.exposition, worker_run.sent
+    actor = {"actor_name": WORK_ACTOR, "queue_name": WORK_QUEUE}
+    assert len(worker_run.pids) == 2, "both worker processes ran messages"
+    # Every message acquired its lease exactly once, whichever process ran it: the figures are summed.
+    assert value(text, "dramatiq_lease_acquire_duration_seconds_count", outcome="acquired", **actor) == sent
+    assert value(text, "dramatiq_lease_wait_duration_seconds_count", **actor) == sent
+    assert value(text, "dramatiq_lease_hold_duration_seconds_count", **actor) == sent
+    busy = value(text, "dramatiq_lease_busy_retries_total", **actor)
+    assert busy > 0, "three messages per key at once must contend"
+    assert value(text, "dramatiq_lease_acquire_duration_seconds_count", outcome="busy", **actor) == busy
+    assert value(text, "dramatiq_lease_renewals_total", outcome="ok", **actor) > 0
+    assert value(text, "dramatiq_lease_renew_duration_seconds_count") > 0
+    assert values(text, "dramatiq_lease_held", **actor) == [0], "every lease was released"
+    # What did not happen is there at zero (so that increase() sees a first event), for every
+    # actor, even one that has not run yet.
+    for labels in (actor, {"actor_name": LONG_ACTOR, "queue_name": LONG_QUEUE}):
+        assert values(text, "dramatiq_lease_lost_total", **labels) == [0] * len(LOST_REASONS)
+        assert values(text, "dramatiq_lease_gave_up_total", **labels) == [0]
+    assert values(text, "dramatiq_lease_busy_retries_total", actor_name=LONG_ACTOR) == [0]
+    assert values(text, "dramatiq_lease_redis_errors_total") == [0, 0, 0]  # acquire, renew, release
+
+
+def test_one_endpoint_serves_dramatiq_and_lease_metrics(worker_run: WorkerRun) -> None:
+    dramatiq_messages = value(worker_run.exposition, "dramatiq_messages_total", actor_name=WORK_ACTOR)
+    if worker_run.placement == "none":
+        # No Dramatiq endpoint: the lease middleware serves its own, with lease metrics only.
+        assert dramatiq_messages == 0 and not listening(worker_run.dramatiq_port)
+        families = {family.name for family in text_string_to_metric_families(worker_run.exposition)}
+        assert all(name.startswith("dramatiq_lease_") for name in families), families
+    else:
+        # Dramatiq's endpoint has both; the lease middleware did not start a second one.
+        assert dramatiq_messages >= worker_run.sent
+        assert not listening(worker_run.own_port)
+
+
+def test_an_inherited_multiprocess_dir_does_not_hide_the_metrics(tmp_path: Path, redis_server: EmbeddedRedis) -> None:
+    port = free_port()
+    db = tmp_path / "dramatiq-prometheus"
+    env = clean_env(
+        OBS_BROKER_URL=redis_server.url(0), OBS_LEASES_URL=redis_server.url(1), OBS_PROMETHEUS="before",
+        dramatiq_prom_host="127.0.0.1", dramatiq_prom_port=str(port), dramatiq_prom_db=str(db),
+        # Set for another program in the same image, say gunicorn.
+        PROMETHEUS_MULTIPROC_DIR=str(tmp_path / "elsewhere"),
+    )
+    (tmp_path / "elsewhere").mkdir()
+    broker = RedisBroker(url=redis_server.url(0), middleware=[])  # type: ignore[no-untyped-call]
+    leases_client = redis.Redis.from_url(redis_server.url(1))
+    url = f"http://127.0.0.1:{port}/metrics"
+    try:
+        with Processes(tmp_path / "logs") as procs:
+            procs.start("worker", dramatiq_argv(processes=1, threads=1, queues=[WORK_QUEUE]), env=env)
+            wait_until(lambda: http_get(url) is not None, timeout=30, what="the metrics endpoint", procs=procs)
+            send(broker, WORK_ACTOR, WORK_QUEUE, "invoice:1", 0.0)
+            wait_until(lambda: any(e["event"] == "done" for e in events(leases_client)), timeout=20,
+                       what="the message to run", procs=procs)
+            # The acquisition is counted before the actor runs: it must be on the endpoint by now.
+            text = http_get(url) or ""
+            assert value(text, "dramatiq_lease_acquire_duration_seconds_count", actor_name=WORK_ACTOR) == 1
+            assert "dramatiq_messages_inprogress{" in text, "Dramatiq's own metrics are there too"
+    finally:
+        broker.close()
+        leases_client.close()
+
+
+def test_worker_exposition_passes_promtool(worker_run: WorkerRun) -> None:
+    assert_promtool_clean(worker_run.exposition, foreign_ok=worker_run.placement != "none")
+
+
+def test_worker_metrics_never_carry_lease_keys(worker_run: WorkerRun) -> None:
+    assert_no_lease_keys(worker_run.exposition, WORKER_KEYS)
+
+
+def compose_command(service: str, compose: dict[str, Any]) -> list[str]:
+    """A docker-compose.yml service's command, run with this interpreter."""
+    command = compose["services"][service]["command"]
+    assert isinstance(command, list)
+    program, *args = command
+    if program == "python":
+        return [sys.executable, *args]
+    assert program == "dramatiq", command
+    return [sys.executable, "-m", "dramatiq", *args]
+
+
+def test_compose_example_serves_lease_metrics(redis_server: EmbeddedRedis, tmp_path: Path) -> None:
+    # examples/compose_app.py and compose_producer.py, run as docker-compose.yml runs them, with the
+    # URLs it gives pointed at a private Redis (same databases).
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    urls = {name: urllib.parse.urlsplit(url) for name, url in compose["x-app"]["environment"].items()}
+    env = clean_env(**{name: f"redis://127.0.0.1:{redis_server.port}{url.path}" for name, url in urls.items()})
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/metrics"
+    with Processes(tmp_path / "logs") as procs:
+        procs.start("worker", [*compose_command("worker", compose), "--processes", "1", "--threads", "4"], env={
+            **env, "dramatiq_prom_host": "127.0.0.1", "dramatiq_prom_port": str(port),
+            "dramatiq_prom_db": str(tmp_path / "dramatiq-prometheus")})
+        wait_until(lambda: http_get(url), timeout=30, what="the worker's metrics endpoint", procs=procs)
+        # Two invoices rather than five: contention within seconds.
+        procs.start("producer", compose_command("producer", compose), env={**env, "INVOICE_IDS": "2"})
+
+        def contended() -> str | None:
+            # Lease metrics and Dramatiq's own, on one endpoint: busy retries, and messages done.
+            text = http_get(url)
+            if text and all(value(text, name, actor_name="send_invoice", queue_name="invoices") > 0 for name in (
+                    "dramatiq_lease_busy_retries_total", "dramatiq_lease_hold_duration_seconds_count",
+                    "dramatiq_messages_total")):
+                return text
+            return None
+
+        text = wait_until(contended, timeout=45, what="busy retries and completed send_invoice messages",
+                          procs=procs)
+    assert_no_lease_keys(text, ["invoice:1", "invoice:2"])
+
+
+# --- exporter endpoint ------------------------------------------------------------------------------
+
+ALIVE_KEY, LEAKED_KEY, EXPIRING_KEY = "user:bob@example.com:export", "invoice:2001", "invoice:2002"
+
+
+@pytest.fixture(scope="module")
+def exporter_exposition(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """`dramatiq-leases exporter` has seen a live lease, a leaked one and one that expired."""
+    tmp = tmp_path_factory.mktemp("exporter")
+    server = EmbeddedRedis().start()
+    leases = Leases.from_url(server.url(1))
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/metrics"
+    try:
+        with Processes(tmp / "logs") as procs:
+            procs.start("exporter", exporter_argv(server.url(1), port, 0.2), env=clean_env())
+            wait_until(lambda: http_get(url), timeout=20, what="the exporter's endpoint", procs=procs)
+            web = {"actor": "export_report", "queue": "default"}
+            work = {"actor": WORK_ACTOR, "queue": WORK_QUEUE}
+            assert leases.try_acquire(ALIVE_KEY, 60_000, meta=web)
+            # Renewed every 100 ms by nobody: its holder counts as dead after 2 x 100 + 500 ms.
+            assert leases.try_acquire(LEAKED_KEY, 60_000, interval=100, meta=work)
+            assert leases.try_acquire(EXPIRING_KEY, 1_000, interval=300, meta=work)
+
+            def seen_all() -> str | None:
+                text = http_get(url)
+                if (text and value(text, "dramatiq_lease_leaked", reason="holder_dead", actor_name=WORK_ACTOR) == 1
+                        and value(text, "dramatiq_lease_expired_total", actor_name=WORK_ACTOR) == 1):
+                    return text
+                return None
+
+            text = wait_until(seen_all, timeout=15, what="the leak and the expiry on the exporter", procs=procs)
+            assert value(text, "dramatiq_lease_present", actor_name="export_report") == 1
+            yield text
+    finally:
+        leases.client.close()
+        server.close()
+
+
+def test_exporter_exposition_passes_promtool(exporter_exposition: str) -> None:
+    assert_promtool_clean(exporter_exposition)
+
+
+def test_exporter_metrics_never_carry_lease_keys(exporter_exposition: str) -> None:
+    assert_no_lease_keys(exporter_exposition, [ALIVE_KEY, LEAKED_KEY, EXPIRING_KEY])
+
+
+# --- OpenTelemetry ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def finished_spans() -> InMemorySpanExporter:
+    """Spans recorded by the OpenTelemetry SDK for the rest of the session.
+
+    A tracer provider can be set globally only once per process: set one unless an SDK provider is
+    already set (by another test), and add this exporter to whichever it is.
+    """
+    provider = trace.get_tracer_provider()
+    if not isinstance(provider, TracerProvider):
+        trace.set_tracer_provider(TracerProvider())
+        provider = trace.get_tracer_provider()
+    assert isinstance(provider, TracerProvider), f"a non-SDK tracer provider is set globally: {provider!r}"
+    exporter = InMemorySpanExporter()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return exporter
+
+
+class MessageSpans(Middleware):
+    """A span around each delivery, current in the worker thread from the first hook to the last.
+
+    This is what a Dramatiq instrumentation does; the lease spans must nest under it.
+    """
+
+    NAME = "dramatiq.process"
+
+    def __init__(self) -> None:
+        self.tracer = trace.get_tracer("tests.message-spans")
+        self.active: dict[int, tuple[Span, object]] = {}
+
+    def before_process_message(self, broker: dramatiq.Broker, message: Any) -> None:
+        span = self.tracer.start_span(self.NAME, attributes={"messaging.message.id": message.message_id})
+        self.active[threading.get_ident()] = (span, context.attach(trace.set_span_in_context(span)))
+
+    def after_process_message(self, broker: dramatiq.Broker, message: Any, *, result: Any = None,
+                              exception: BaseException | None = None) -> None:
+        span, token = self.active.pop(threading.get_ident())
+        context.detach(token)  # type: ignore[arg-type]
+        span.end()
+
+    def after_skip_message(self, broker: dramatiq.Broker, message: Any) -> None:
+        self.after_process_message(broker, message)
+
+
+def test_lease_spans_nest_under_the_message_span(redis_server: EmbeddedRedis,
+                                                 finished_spans: InMemorySpanExporter) -> None:
+    finished_spans.clear()
+    broker = RedisBroker(url=redis_server.url(0))  # type: ignore[no-untyped-call]
+    broker.add_middleware(MessageSpans())  # before LeaseMiddleware, as an instrumentation would be
+    broker.add_middleware(CurrentMessage())
+    stack = Stack(redis_server.url(0), redis_server.url(1), threads=2, broker=broker, metrics=LeaseMetrics(),
+                  metrics_endpoint=False, backoff_min=20, backoff_max=100)
+    suffix = uuid.uuid4().hex[:8]
+    key = f"otel:{suffix}"
+    fences: dict[str, int] = {}
+
+    @stack.actor(actor_name=f"otel_job_{suffix}", lock_key="otel:{suffix}", lock_ttl=600, max_retries=0)
+    def job(suffix: str, seconds: float) -> None:
+        message = CurrentMessage.get_current_message()
+        fences[message.message_id if message else ""] = current_lease().fence
+        time.sleep(seconds)
+
+    stack.start()
+    try:
+        holder = job.send(suffix, 0.8).message_id
+        wait_until(lambda: stack.leases.inspect(key), timeout=10, what="the first message to hold the lease")
+        waiter = job.send(suffix, 0.0).message_id  # finds the lease busy at least once
+        assert stack.recorder.wait_settled(holder) == "acked"
+        assert stack.recorder.wait_settled(waiter) == "acked"
+    finally:
+        stack.stop()
+
+    spans = finished_spans.get_finished_spans()
+    messages = {span.context.span_id: span for span in spans if span.name == MessageSpans.NAME}
+
+    def attrs(span: ReadableSpan) -> dict[str, Any]:
+        return dict(span.attributes or {})
+
+    def message_of(span: ReadableSpan) -> str:
+        """The id of the message in whose span ``span`` ran."""
+        assert span.parent is not None, f"{span.name} has no parent span"
+        parent = messages.get(span.parent.span_id)
+        assert parent is not None, f"{span.name}'s parent is not a message span"
+        assert parent.context.trace_id == span.context.trace_id
+        return str(attrs(parent)["messaging.message.id"])
+
+    def of(name: str, **match: Any) -> list[ReadableSpan]:
+        return [span for span in spans if span.name == name and attrs(span).get("lease.key") == key
+                and match.items() <= attrs(span).items()]
+
+    acquired, busy, released = of("lease.acquire", **{"lease.outcome": "acquired"}), \
+        of("lease.acquire", **{"lease.outcome": "busy"}), of("lease.release")
+    assert all(span.kind is SpanKind.CLIENT for span in acquired + busy + released)
+    # Each message acquired once, in its own message span, with the fence the actor saw...
+    assert {message_of(s): attrs(s)["lease.fence"] for s in acquired} == fences
+    assert len(acquired) == 2 and fences[waiter] > fences[holder]
+    assert all(attrs(s)["lease.ttl_ms"] == 600 for s in acquired)
+    # ... after the waiter bounced off the holder's grant: its busy spans name the holder's fence...
+    assert busy and {message_of(s) for s in busy} == {waiter}
+    assert {attrs(s)["lease.fence"] for s in busy} == {fences[holder]}
+    # ... and each released its own grant, in its own message span.
+    assert sorted((message_of(s), attrs(s)["lease.fence"], attrs(s)["lease.outcome"]) for s in released) == sorted(
+        (mid, fence, "released") for mid, fence in fences.items())
+
+    # The heartbeat renewed the holder's lease (600 ms TTL, every 200 ms) while it ran.
+    (hold_start,) = [s.end_time for s in acquired if attrs(s)["lease.fence"] == fences[holder]]
+    (hold_end,) = [s.start_time for s in released if attrs(s)["lease.fence"] == fences[holder]]
+    assert hold_start is not None and hold_end is not None
+    renewals = [s for s in spans if s.name == "lease.renew" and hold_start <= (s.start_time or 0) <= hold_end]
+    assert len(renewals) >= 2
+    assert all(attrs(s)["lease.outcome"] == "ok" and attrs(s)["lease.count"] >= 1 for s in renewals)
+
+
+def test_a_killed_workers_held_leases_are_not_summed_in_forever(tmp_path: Path) -> None:
+    """A SIGKILLed process never marks itself dead; the next worker to boot sweeps its live gauges."""
+    directory = tmp_path / "multiproc"
+    directory.mkdir()
+    code = (
+        "import os, signal\n"
+        "from dramatiq_leases.metrics import PrometheusMetrics\n"
+        "PrometheusMetrics().held({'actor': 'charge', 'queue': 'q'}, 1)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(directory)}
+    assert subprocess.run([sys.executable, "-c", code], env=env).returncode == -signal.SIGKILL
+
+    def held() -> float:
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry, path=str(directory))
+        return sum(sample.value for family in registry.collect() if family.name == "dramatiq_lease_held"
+                   for sample in family.samples)
+
+    assert held() == 1.0  # what an endpoint would report for good
+    forget_dead_processes(str(directory))
+    assert held() == 0.0
