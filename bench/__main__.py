@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import pickle
 import sys
@@ -15,7 +16,17 @@ import redis
 from dramatiq_leases.embedded import EmbeddedRedis
 
 from . import fig1_uncontended, fig2_heartbeat, fig3_throughput, fig4_handoff, fig5_crash, profiling, report
-from .common import Context, FigureResult, WireCounter, load_average, machine_info, verdict
+from .common import (
+    Context,
+    FigureResult,
+    WireCounter,
+    cpu_share,
+    cpu_ticks,
+    load_average,
+    machine_info,
+    package_revision,
+    verdict,
+)
 from .workers import LOG_DIR
 
 FIGURES: dict[str, ModuleType] = {
@@ -29,7 +40,8 @@ FIGURES: dict[str, ModuleType] = {
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 
-#: The last run's results, so ``--rerender`` can rewrite the doc (after editing ``bench/findings.md``).
+#: The last full run's results (with figures merged into it), so ``--rerender`` can rewrite the doc
+#: (after editing ``bench/findings.md``) and ``--merge`` can replace a disturbed figure.
 LAST_RUN = LOG_DIR / "last-run.pickle"
 
 
@@ -45,14 +57,44 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--json", type=Path, help="also write the raw results to this file")
     parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="with --only: put these figures into the last full run's results in place of the old ones "
+        "and rewrite the docs (to re-run a figure that load on the machine disturbed)",
+    )
+    parser.add_argument(
         "--rerender",
         action="store_true",
-        help="rewrite the docs from the last run's results, measuring nothing (after editing findings.md)",
+        help="rewrite the docs from the last full run's results (with any --merge), measuring nothing "
+        "(after editing findings.md)",
     )
     args = parser.parse_args(argv)
+    if args.merge and (not args.only or args.quick):
+        parser.error("--merge needs --only and a full (not --quick) run")
     if args.docs is None:
-        args.docs = not args.quick and not args.only
+        args.docs = (not args.quick and not args.only) or args.merge
     return args
+
+
+def load_full_run() -> tuple[list[FigureResult], dict[str, str], float, bool, tuple[str, str]]:
+    """The last full run's results, for ``--merge`` (checked before anything is measured)."""
+    if not LAST_RUN.exists():
+        raise SystemExit(f"--merge: no last run in {LAST_RUN}; run `python -m bench` first")
+    run: tuple[list[FigureResult], dict[str, str], float, bool, tuple[str, str]] = pickle.loads(LAST_RUN.read_bytes())
+    if run[3]:
+        raise SystemExit("--merge: the last run was a --quick one; run `python -m bench` first")
+    return run
+
+
+def merge(
+    full: tuple[list[FigureResult], dict[str, str], float, bool, tuple[str, str]], new: list[FigureResult]
+) -> tuple[list[FigureResult], dict[str, str], float, bool, tuple[str, str]]:
+    """The full run with ``new`` in place of its figures of the same keys (in the full run's order)."""
+    results, info, seconds, quick, load = full
+    by_key = {r.key: r for r in new}
+    for r in new:
+        r.merged = True
+    return [by_key.pop(r.key, r) for r in results] + list(by_key.values()), info, seconds, quick, load
 
 
 def write_docs(
@@ -78,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         raise SystemExit(f"unknown figure(s): {', '.join(sorted(unknown))}; choose from {', '.join(FIGURES)}")
 
+    full_run = load_full_run() if args.merge else None
     started = time.monotonic()
     load_before = load_average()
     results: list[FigureResult] = []
@@ -88,10 +131,21 @@ def main(argv: list[str] | None = None) -> int:
         print(" · ".join(f"{k} {v}" for k, v in info.items()), flush=True)
         for key in wanted:
             t0 = time.monotonic()
+            figure_load, ticks = load_average(), cpu_ticks()
+            measured_at = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"
             result = FIGURES[key].run(ctx)
             result.seconds = time.monotonic() - t0
+            result.revision = package_revision()
+            result.measured_at = measured_at
+            result.load = (figure_load, load_average())
+            result.cpu = cpu_share(ticks, cpu_ticks())
             results.append(result)
-            print(f"\n## {result.title}  ({result.seconds:.1f} s)\n", flush=True)
+            busy, steal = result.cpu
+            print(
+                f"\n## {result.title}  ({result.seconds:.1f} s; load {result.load[0]} -> {result.load[1]}, "
+                f"CPUs {busy:.0f}% busy, {steal:.0f}% stolen by the VM's host)\n",
+                flush=True,
+            )
             for t in result.tables:
                 print(t, "\n")
             for note in result.notes:
@@ -124,9 +178,12 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
     LOG_DIR.mkdir(exist_ok=True)
-    LAST_RUN.write_bytes(pickle.dumps((results, info, seconds, args.quick, load)))
+    run = merge(full_run, results) if full_run else (results, info, seconds, args.quick, load)
+    # Only a full run (or one merged into it) replaces the results that --merge and --rerender work from.
+    keep = LAST_RUN if args.merge or not (args.quick or args.only) else LAST_RUN.with_name("last-partial-run.pickle")
+    keep.write_bytes(pickle.dumps(run))
     if args.docs:
-        write_docs(results, info, seconds, args.quick, load)
+        write_docs(*run)
     return 0
 
 

@@ -14,7 +14,8 @@ Configured through the environment, so one module serves every figure:
 ``BENCH_TTL``, ``BENCH_BACKOFF_MIN``, ``BENCH_BACKOFF_MAX``
   ``lock_ttl``, ``lock_backoff_min`` and ``lock_backoff_max`` (ms) for ours;
   the backoff pair also sets Retries' ``min_backoff``/``max_backoff`` in
-  ``crl`` mode, so both wait the same way. Unset: the defaults.
+  ``crl`` mode, so both wait the same way. Unset: LeaseMiddleware's defaults
+  (:mod:`bench.defaults`; the ``raw`` and ``crl`` no-op locks use its TTL too).
 
 Jobs log ``{"actor", "key", "start", "end", "pid", "attempts"}`` as JSON to
 the Redis list ``bench:log`` (:data:`bench.names.LOG_KEY`); ``start`` and ``end`` are ``time.time()``,
@@ -38,6 +39,7 @@ from dramatiq.rate_limits.backends import RedisBackend
 
 from dramatiq_leases.metrics import NULL_METRICS
 
+from .defaults import TTL_MS as DEFAULT_TTL_MS
 from .names import HOLD_QUEUE, LOG_KEY, PROBE_QUEUE, THROUGHPUT_QUEUE
 
 URL = os.environ.get("BENCH_REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -114,11 +116,11 @@ def noop(n: int) -> None:
     """Figure 3: nothing at all (under a lock in ``raw``/``crl`` modes): the lock's cost is all there is."""
     if MODE == "raw":
         token = secrets.token_hex(16)
-        if not _log.set(f"bench:raw:tp:{n}", token, nx=True, px=TTL or 30_000):
+        if not _log.set(f"bench:raw:tp:{n}", token, nx=True, px=TTL or DEFAULT_TTL_MS):
             raise RuntimeError("raw lock busy")  # keys are distinct: never happens
         _raw_release(keys=[f"bench:raw:tp:{n}"], args=[token])
     elif MODE == "crl":
-        with ConcurrentRateLimiter(_mutex_backend, f"bench:crl:tp:{n}", limit=1, ttl=TTL or 30_000).acquire():
+        with ConcurrentRateLimiter(_mutex_backend, f"bench:crl:tp:{n}", limit=1, ttl=TTL or DEFAULT_TTL_MS).acquire():
             pass
 
 

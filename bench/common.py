@@ -296,6 +296,25 @@ def package_revision() -> str:
     return f"{head}" + (" + uncommitted changes in dramatiq_leases/" if dirty else "")
 
 
+def cpu_ticks() -> tuple[int, int, int]:
+    """Machine-wide CPU ticks so far from ``/proc/stat``: (total, idle, steal); zeros where unavailable."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return 0, 0, 0
+    steal = fields[7] if len(fields) > 7 else 0
+    return sum(fields[:8]), fields[3] + (fields[4] if len(fields) > 4 else 0), steal
+
+
+def cpu_share(before: tuple[int, int, int], after: tuple[int, int, int]) -> tuple[float, float]:
+    """Between two :func:`cpu_ticks`: the busy share of all CPUs and the share the VM's host stole, in %."""
+    total = after[0] - before[0]
+    if total <= 0:
+        return math.nan, math.nan
+    return 100 * (total - (after[1] - before[1])) / total, 100 * (after[2] - before[2]) / total
+
+
 def load_average() -> str:
     """The 1-minute load average, to show whether other work shared the machine."""
     try:
@@ -329,6 +348,14 @@ class FigureResult:
     notes: list[str]
     data: dict[str, Any]
     seconds: float = 0.0
+    #: Provenance, filled in by ``__main__``: the package commit, when it ran (UTC), and the 1-minute
+    #: load average before and after, so a figure re-run alone (``--merge``) says so in the doc.
+    revision: str = ""
+    measured_at: str = ""
+    load: tuple[str, str] = ("", "")
+    #: Busy and stolen shares of all CPUs while it ran (%): a high steal means the VM's host was busy.
+    cpu: tuple[float, float] = (math.nan, math.nan)
+    merged: bool = False
 
 
 @dataclass

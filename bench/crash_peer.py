@@ -18,8 +18,11 @@ import redis_lock
 from dramatiq_leases import Leases
 from dramatiq_leases.core.heartbeat import Heartbeat
 
-#: How often the core waiter retries, in ms: LeaseMiddleware's default lock_backoff_min.
-CORE_RETRY_MS = 100
+from .defaults import BACKOFF_MIN
+
+#: How often the core waiter retries, in ms: LeaseMiddleware's default ``lock_backoff_min``
+#: (read from its signature by :mod:`bench.defaults`), the shortest wait a busy message gets.
+CORE_RETRY_MS: int = BACKOFF_MIN
 
 
 def _prl(role: str, client: redis.Redis, key: str, ttl_ms: int) -> None:

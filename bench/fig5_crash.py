@@ -12,8 +12,9 @@ delay-queue poll.
 
 Outside Dramatiq, with the same TTL: python-redis-lock with
 ``auto_renewal=True`` (its waiter blocks in ``acquire()``), and our lease
-core (``Leases`` + ``Heartbeat``, the waiter retrying every 100 ms), which
-shows the lease mechanics without Dramatiq's delivery delays.
+core (``Leases`` + ``Heartbeat``, the waiter retrying every
+``lock_backoff_min``, LeaseMiddleware's default), which shows the lease
+mechanics without Dramatiq's delivery delays.
 """
 
 from __future__ import annotations
@@ -28,19 +29,16 @@ from typing import Any
 from dramatiq_leases import Leases
 
 from .common import Context, FigureResult, Goal, median, table
+from .crash_peer import CORE_RETRY_MS
+from .defaults import BACKOFF_MAX, BACKOFF_MIN, backoff_cap, fmt_ms
 from .names import HOLD_QUEUE, PROBE_QUEUE
 from .peers import cleanup
 from .workers import ROOT, WorkerGroup, producer, reset_broker, send, wait_log, wait_ready
 
-#: LeaseMiddleware's default backoff bounds (ms).
-BACKOFF_MIN, BACKOFF_MAX = 100, 10_000
+#: Kills of a Dramatiq holder in a full run (the goal is a bound on every one of them).
+DRAMATIQ_REPEATS = 5
 #: How long the probe has been backing off when the holder is killed.
 WAIT_BEFORE_KILL = 1.0
-
-
-def backoff_cap(attempts_before: int) -> int:
-    """The largest delay LeaseMiddleware draws on a message sent back ``attempts_before`` times already."""
-    return min(BACKOFF_MAX, BACKOFF_MIN * 2 ** min(attempts_before, 32))
 
 
 def _dramatiq_once(ctx: Context, ttl_ms: int) -> dict[str, Any]:
@@ -122,7 +120,8 @@ def _plain_once(ctx: Context, lib: str, ttl_ms: int) -> dict[str, Any]:
 def run(ctx: Context) -> FigureResult:
     """Kill holders ``repeats`` times per library; report the median recovery against the bound."""
     ttl_ms, repeats = (1_000, 1) if ctx.quick else (3_000, 3)
-    dramatiq_runs = [_dramatiq_once(ctx, ttl_ms) for _ in range(repeats)]
+    # The goal is a worst case: kill the Dramatiq holder more often than the others.
+    dramatiq_runs = [_dramatiq_once(ctx, ttl_ms) for _ in range(1 if ctx.quick else DRAMATIQ_REPEATS)]
     core_runs = [_plain_once(ctx, "core", ttl_ms) for _ in range(repeats)]
     prl_runs = [_plain_once(ctx, "prl", ttl_ms) for _ in range(repeats)]
 
@@ -146,9 +145,9 @@ def run(ctx: Context) -> FigureResult:
             f"TTL + one backoff step = {worst_bound:.0f} ms",
         ),
         row(
-            "dramatiq-leases core (Leases + Heartbeat, retry every 100 ms)",
+            f"dramatiq-leases core (Leases + Heartbeat, retry every {CORE_RETRY_MS} ms)",
             core_runs,
-            f"TTL + 100 ms = {ttl_ms + 100} ms",
+            f"TTL + {CORE_RETRY_MS} ms = {ttl_ms + CORE_RETRY_MS} ms",
         ),
         row(
             "python-redis-lock (auto_renewal, blocking acquire)",
@@ -172,7 +171,8 @@ def run(ctx: Context) -> FigureResult:
     goals = [
         Goal(
             "5",
-            "recovery at most TTL plus one backoff step (Dramatiq, defaults)",
+            f"recovery at most TTL plus one backoff step (Dramatiq, defaults "
+            f"{fmt_ms(BACKOFF_MIN)}..{fmt_ms(BACKOFF_MAX)})",
             ", ".join(f"{r['recovery_ms']:.0f} ms (bound {r['bound_ms']:.0f})" for r in dramatiq_runs),
             not over,
         )
@@ -187,6 +187,11 @@ def run(ctx: Context) -> FigureResult:
         "job, and after a crash the key stays taken for all of it: up to 15 minutes by default.",
         "The waiting message's busy retries are counted in its lease_busy_attempts option; the bound uses "
         "the backoff cap in force for its last retry.",
+        "The bound leaves out Dramatiq's own delivery of the retried message: a delayed message waits in the "
+        "worker's delay queue until its consumer next polls (idle consumers poll less and less often, up to "
+        "dramatiq_worker_timeout, 1 s by default), so recovery can exceed it by up to that much even when "
+        "the retry was due in time. The core row shows the lease mechanics alone.",
+        f"{len(dramatiq_runs)} kills of a Dramatiq holder, {repeats} of each other library's.",
     ]
     return FigureResult(
         key="fig5",

@@ -143,11 +143,13 @@ PING = CyclePeer("PING (floor)", _ping, "one round trip, no lock")
 RAW = CyclePeer("raw SET NX + Lua CAD", _raw, "baseline: SET NX PX, compare-and-delete script")
 OURS = CyclePeer("dramatiq-leases", _ours, "try_acquire + release (fence, metadata, server time)")
 
+LOCK = CyclePeer("redis-py Lock", _redis_py, "SET NX PX, Lua release")
+
 CYCLE_PEERS: tuple[CyclePeer, ...] = (
     PING,
     RAW,
     OURS,
-    CyclePeer("redis-py Lock", _redis_py, "SET NX PX, Lua release"),
+    LOCK,
     CyclePeer(
         "python-redis-lock (auto-renewal)",
         _python_redis_lock(True),

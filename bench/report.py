@@ -21,6 +21,7 @@ pip install -e . -r bench/requirements.txt  # the peer libraries, matplotlib, py
 python -m bench             # full run, ~{minutes} min here: prints the tables, rewrites this file and the PNG
 python -m bench --quick     # smoke run, < 60 s: prints the tables, writes nothing (--docs to write)
 python -m bench --only 1,4  # some figures only (1-5, profile); --json FILE keeps the raw results
+python -m bench --only 1 --merge  # re-run a figure that load disturbed, into the last full run's doc
 ```
 
 Every figure below comes from one run of `python -m bench` on one machine,
@@ -45,6 +46,44 @@ def _machine(info: dict[str, str], seconds: float, quick: bool, load: tuple[str,
     return table(["machine", ""], rows)
 
 
+def _label(r: FigureResult) -> str:
+    """``figure 3`` for ``3. Dramatiq throughput...``; ``the profile`` for ``Profile``."""
+    number = r.title.split(".", 1)[0]
+    return f"figure {number}" if number.isdigit() else f"the {r.title.lower()}"
+
+
+def _measured(results: Sequence[FigureResult], info: dict[str, str]) -> str:
+    """Which package commit was measured, and which figures were re-run alone (``--merge``)."""
+    revisions = sorted({r.revision or info.get("dramatiq-leases source", "unknown") for r in results})
+    if len(revisions) == 1:
+        line = f"**Package measured: dramatiq-leases at commit `{revisions[0]}`** (`git rev-parse --short HEAD`)."
+    else:
+        per = "; ".join(
+            f"{_label(r)}: `{r.revision or info.get('dramatiq-leases source', 'unknown')}`" for r in results
+        )
+        line = f"**Package measured: dramatiq-leases at several commits** ({per})."
+    merged = [r for r in results if r.merged]
+    if merged:
+        names = ", ".join(_label(r) for r in merged)
+        line += (
+            f" Re-run alone after the full run (`python -m bench --only ... --merge`), because load from other "
+            f"work disturbed them: {names}. Each figure below says when and at which commit it was measured."
+        )
+    return line + "\n"
+
+
+def _provenance(r: FigureResult) -> str:
+    if not r.measured_at:
+        return ""
+    how = "re-run alone and merged into the full run" if r.merged else "part of the full run"
+    busy, steal = getattr(r, "cpu", (math.nan, math.nan))
+    cpu = "" if math.isnan(busy) else f"; CPUs {busy:.0f}% busy, {steal:.0f}% stolen by the VM's host"
+    return (
+        f"*Measured {r.measured_at} at commit `{r.revision}`, {how}; load average (1 min) "
+        f"{r.load[0]} before, {r.load[1]} after{cpu}; {r.seconds:.0f} s.*\n"
+    )
+
+
 def _goals(results: Sequence[FigureResult]) -> str:
     rows = [[g.figure, g.goal, g.measured, f"**{verdict(g.met)}**"] for r in results for g in r.goals]
     return table(["figure", "goal", "measured", ""], rows)
@@ -61,6 +100,7 @@ def render(
     """The whole Markdown document."""
     parts = [
         HEADER.format(minutes=max(1, math.ceil(seconds / 60))),
+        _measured(results, info),
         "## Machine\n",
         _machine(info, seconds, quick, load),
         "\n## Goals\n",
@@ -70,7 +110,7 @@ def render(
     if chart:
         parts += [f"![libraries compared]({chart})\n"]
     for r in results:
-        parts += [f"## {r.title}\n", r.method.strip(), ""]
+        parts += [f"## {r.title}\n", _provenance(r), r.method.strip(), ""]
         for t in r.tables:
             parts += [t, ""]
         parts += [f"- {n}" for n in r.notes]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,6 +18,8 @@ from typing import Any
 import dramatiq
 import redis
 from dramatiq.brokers.redis import RedisBroker
+
+from dramatiq_leases.embedded import free_port
 
 from .names import LOG_KEY
 
@@ -60,6 +63,12 @@ class WorkerGroup:
         self.env = {**os.environ, "BENCH_REDIS_URL": url, "PYTHONPATH": str(ROOT), **env}
         # Leave no multiprocess Prometheus directory from the caller's environment in the workers.
         self.env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        # LeaseMiddleware serves its own metrics endpoint (Dramatiq 2 has no Prometheus middleware by
+        # default) on a fixed port with a machine-wide value directory: give each group its own, so two
+        # groups at once (figure 5) or other work on the machine neither collide nor share values.
+        self._metrics_dir: str | None = None
+        self.env.setdefault("DRAMATIQ_LEASES_METRICS_PORT", str(free_port()))
+        self.env.setdefault("DRAMATIQ_LEASES_METRICS_HOST", "127.0.0.1")
         self.args = [*dramatiq_cli(), "bench.app", "--processes", str(processes), "--threads", str(threads)]
         if queues:
             self.args += ["--queues", *queues]
@@ -70,6 +79,9 @@ class WorkerGroup:
 
     def start(self) -> WorkerGroup:
         """Start the command (returns at once; see :func:`wait_ready`)."""
+        if "DRAMATIQ_LEASES_METRICS_DIR" not in self.env:
+            self._metrics_dir = tempfile.mkdtemp(prefix="dramatiq-leases-bench-metrics-")
+            self.env["DRAMATIQ_LEASES_METRICS_DIR"] = self._metrics_dir
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 self.args,
@@ -94,6 +106,10 @@ class WorkerGroup:
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
         self.proc = None
+        if self._metrics_dir is not None:
+            shutil.rmtree(self._metrics_dir, ignore_errors=True)
+            self.env.pop("DRAMATIQ_LEASES_METRICS_DIR", None)
+            self._metrics_dir = None
 
     def __enter__(self) -> WorkerGroup:
         return self.start()
