@@ -58,6 +58,7 @@ LEASE_OPTION = "lease"
 ATTEMPTS_OPTION = "lease_busy_attempts"
 FIRST_ATTEMPT_OPTION = "lease_first_attempt_ms"
 
+#: What ``lock_give_up`` may be: dead-letter the message, or acknowledge it without running it.
 GIVE_UP_ACTIONS = ("fail", "drop")
 
 #: Set on a skipped delivery so Dramatiq's "was skipped" warning can be muted: a busy lease is routine.
@@ -478,7 +479,7 @@ class LeaseMiddleware(Middleware):
                 raise LeaseWaitExceeded(
                     f"lease {busy.key!r} stayed busy for {attempts} attempts over {waited / 1000:.1f}s"
                 )
-            self._suppress_result(message)
+            self._mark_skipped(message)
             return
         self.metrics.busy_retry(meta)
         logger.debug("Lease %r is busy (%d ms left); message %s goes back to the queue (attempt %d).",
@@ -504,10 +505,10 @@ class LeaseMiddleware(Middleware):
             logger.exception("Could not send message %s back to the queue; failing it instead.", message.message_id)
             message.fail()
             return
-        self._suppress_result(message)
+        self._mark_skipped(message)
 
     @staticmethod
-    def _suppress_result(message: Any) -> None:
+    def _mark_skipped(message: Any) -> None:
         # This delivery is skipped, not finished: Results must not store None for it.
         message.options["store_results"] = False
         message.options[_SKIP_MARK] = True
