@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import datetime
 import math
+import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -24,8 +24,9 @@ python -m bench --only 1,4  # some figures only (1-5, profile); --json FILE keep
 python -m bench --only 1 --merge  # re-run a figure that load disturbed, into the last full run's doc
 ```
 
-Every figure below comes from one run of `python -m bench` on one machine,
-against a private `redis-server` the harness starts on a free port
+Every figure below comes from one run of `python -m bench` on one machine
+(a figure re-run alone with `--merge` says so), against a private
+`redis-server` the harness starts on a free port
 (`dramatiq_leases.embedded.EmbeddedRedis`). Ratios compare libraries
 measured in the same run, interleaved, so load from other work on the
 machine falls on all of them alike. Counts (round trips, commands) are exact
@@ -33,16 +34,14 @@ and do not depend on the machine's load; times do.
 """
 
 
-def _machine(info: dict[str, str], seconds: float, quick: bool, load: tuple[str, str]) -> str:
+def _machine(
+    info: dict[str, str], seconds: float, quick: bool, load: tuple[str, str], results: Sequence[FigureResult]
+) -> str:
     rows = [[k, v] for k, v in info.items()]
     rows.append(["load average (1 min) before / after", f"{load[0]} / {load[1]}"])
-    rows.append(
-        [
-            "run",
-            f"{'quick' if quick else 'full'}, {seconds:.0f} s, "
-            f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
-        ]
-    )
+    # When the run started (its first figure), not when the doc was rendered (``--rerender``).
+    started = results[0].measured_at if results and results[0].measured_at else "time not recorded"
+    rows.append(["run", f"{'quick' if quick else 'full'}, {seconds:.0f} s, started {started}"])
     return table(["machine", ""], rows)
 
 
@@ -52,16 +51,45 @@ def _label(r: FigureResult) -> str:
     return f"figure {number}" if number.isdigit() else f"the {r.title.lower()}"
 
 
+def _package_tree(revision: str) -> str | None:
+    """The git tree of ``dramatiq_leases/`` at a measured revision; ``None`` if unknown or dirty."""
+    if not revision or " " in revision:  # "abc1234 + uncommitted changes ...", "unknown (no git)"
+        return None
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", f"{revision}:dramatiq_leases"],
+            cwd=FINDINGS.parent.parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def _measured(results: Sequence[FigureResult], info: dict[str, str]) -> str:
     """Which package commit was measured, and which figures were re-run alone (``--merge``)."""
-    revisions = sorted({r.revision or info.get("dramatiq-leases source", "unknown") for r in results})
+
+    def revision(r: FigureResult) -> str:
+        return r.revision or info.get("dramatiq-leases source", "unknown")
+
+    revisions = list(dict.fromkeys(revision(r) for r in results))
     if len(revisions) == 1:
         line = f"**Package measured: dramatiq-leases at commit `{revisions[0]}`** (`git rev-parse --short HEAD`)."
     else:
-        per = "; ".join(
-            f"{_label(r)}: `{r.revision or info.get('dramatiq-leases source', 'unknown')}`" for r in results
-        )
+        per = "; ".join(f"{_label(r)}: `{revision(r)}`" for r in results)
         line = f"**Package measured: dramatiq-leases at several commits** ({per})."
+        # Commits that changed nothing under dramatiq_leases/ measured the same package: say so.
+        trees = {rev: _package_tree(rev) for rev in revisions}
+        clean = [rev for rev, tree in trees.items() if tree]
+        if len(clean) > 1 and len({trees[rev] for rev in clean}) == 1:
+            line += (
+                f" `dramatiq_leases/` is the same tree at {', '.join(f'`{rev}`' for rev in clean)} "
+                "(`git rev-parse <commit>:dramatiq_leases`)"
+            )
+            unclean = [_label(r) for r in results if not trees[revision(r)]]
+            line += f"; {', '.join(unclean)} ran with uncommitted changes in it." if unclean else "."
     merged = [r for r in results if r.merged]
     if merged:
         names = ", ".join(_label(r) for r in merged)
@@ -102,7 +130,7 @@ def render(
         HEADER.format(minutes=max(1, math.ceil(seconds / 60))),
         _measured(results, info),
         "## Machine\n",
-        _machine(info, seconds, quick, load),
+        _machine(info, seconds, quick, load, results),
         "\n## Goals\n",
         _goals(results),
         "",
@@ -249,11 +277,23 @@ def _fig5(ax: Any, data: dict[str, Any]) -> None:
         labels,
         values,
         "ours via Dramatiq",
-        "ms from SIGKILL to the next holder (median)",
+        "ms from SIGKILL to the next holder (bar: median; ticks: each kill)",
         "5. Crash recovery",
     )
+    # The goal bounds every kill, not the median: show each one, and the largest bound.
+    for y, runs in enumerate(list(groups.values())[::-1]):
+        ax.scatter([r["recovery_ms"] for r in runs], [y] * len(runs), marker="|", color="black", s=80, zorder=3)
     ax.axvline(data["ttl_ms"], color="black", linestyle="--", linewidth=1, label=f"TTL {data['ttl_ms']} ms")
-    ax.legend(fontsize=8)
+    bounds = [r["bound_ms"] for r in data["dramatiq"] if not math.isnan(r.get("bound_ms", math.nan))]
+    if bounds:
+        ax.axvline(
+            max(bounds),
+            color="green",
+            linestyle=":",
+            linewidth=1,
+            label=f"goal: TTL + backoff cap, {max(bounds):.0f} ms",
+        )
+    ax.legend(fontsize=8, loc="lower right")
 
 
 _PANELS = {"fig1": _fig1, "fig2": _fig2, "fig3": _fig3, "fig4": _fig4, "fig5": _fig5}

@@ -15,6 +15,7 @@ after ``PROMETHEUS_MULTIPROC_DIR`` is set at process boot.
 from __future__ import annotations
 
 import glob
+import logging
 import os
 import tempfile
 import threading
@@ -335,6 +336,14 @@ def serve_worker_metrics() -> int:
 
     registry = CollectorRegistry()
     multiprocess.MultiProcessCollector(registry, path=os.environ["PROMETHEUS_MULTIPROC_DIR"])  # type: ignore[no-untyped-call]
-    _, thread = start_http_server(METRICS_PORT, addr=METRICS_HOST, registry=registry)
+    try:
+        _, thread = start_http_server(METRICS_PORT, addr=METRICS_HOST, registry=registry)
+    except OSError as e:
+        # Another worker command on this host serves the same directory already, or the port is taken.
+        logging.getLogger(__name__).error(
+            "Lease metrics endpoint not started on %s:%d: %s (set DRAMATIQ_LEASES_METRICS_PORT).",
+            METRICS_HOST, METRICS_PORT, e,
+        )
+        return 1
     thread.join()
     return 0

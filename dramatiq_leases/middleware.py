@@ -484,15 +484,26 @@ class LeaseMiddleware(Middleware):
         self.metrics.busy_retry(meta)
         logger.debug("Lease %r is busy (%d ms left); message %s goes back to the queue (attempt %d).",
                     busy.key, busy.ttl_left, message.message_id, attempts)
-        self._send_back(broker, message, opts, count_attempt=True, first_ms=first)
+        self._send_back(broker, message, opts, count_attempt=True, first_ms=first, holder_ttl=busy.ttl_left)
 
     def _send_back(
-        self, broker: dramatiq.Broker, message: Any, opts: _Options, *, count_attempt: bool, first_ms: int | None = None
+        self,
+        broker: dramatiq.Broker,
+        message: Any,
+        opts: _Options,
+        *,
+        count_attempt: bool,
+        first_ms: int | None = None,
+        holder_ttl: int = -1,
     ) -> None:
         """Re-enqueue the same message (same id) after a backoff with full jitter."""
         attempts = int(message.options.get(ATTEMPTS_OPTION, 0))
         cap = min(opts.backoff_max, opts.backoff_min * 2 ** min(attempts, 32))
         delay = random.randint(opts.backoff_min, max(opts.backoff_min, cap))
+        if 0 <= holder_ttl < delay:
+            # The holder's lease ends before the drawn backoff (a dead holder, or one about to
+            # release): ask again just after, not later. A live holder renews and is unaffected.
+            delay = holder_ttl + 1
         options: dict[str, Any] = {ATTEMPTS_OPTION: attempts + 1 if count_attempt else attempts}
         if first_ms is not None:
             options[FIRST_ATTEMPT_OPTION] = first_ms

@@ -10,7 +10,6 @@ verdict never waits on a hung socket.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import threading
 import time
@@ -129,8 +128,10 @@ class Heartbeat:
                     due_at = min((e.next_due for e in self._entries.values()), default=None)
                     if due_at is not None and due_at <= now:
                         break
-                    self._renewer_wakes_at = math.inf if due_at is None else due_at
-                    self._cond.wait(None if due_at is None else due_at - now)
+                    # Idle, wake every second anyway: with an infinite wait, every track() would
+                    # have to notify, and short jobs would wake both threads per message.
+                    self._renewer_wakes_at = now + 1.0 if due_at is None else due_at
+                    self._cond.wait(self._renewer_wakes_at - now)
                 if self._stopping:
                     return
                 # Renew everything due within half an interval too: fewer, fuller rounds.
