@@ -335,6 +335,8 @@ class LeaseMiddleware(Middleware):
             if stray:
                 raise LeaseOptionError(f"{name}: {', '.join(stray)} given without lock_key")
             return
+        # Here too, not only at process boot: a Worker started in-process never emits process_boot.
+        self._note_time_limit(broker)
         self._actor_options[actor.actor_name] = self._options(name, actor.options)
         try:
             self._templates[actor.actor_name] = KeyTemplate(spec, actor.fn, owner=name)
@@ -344,6 +346,11 @@ class LeaseMiddleware(Middleware):
         if self._booted:
             self.metrics.declare({"actor": actor.actor_name, "queue": actor.queue_name})
 
+    def _note_time_limit(self, broker: dramatiq.Broker) -> None:
+        for m in broker.middleware:
+            if isinstance(m, TimeLimit):
+                self._time_limit = m.time_limit
+
     @property
     def forks(self) -> list[Callable[[], int]]:
         """The metrics endpoint process, when this middleware serves its own."""
@@ -351,9 +358,7 @@ class LeaseMiddleware(Middleware):
 
     def after_process_boot(self, broker: dramatiq.Broker) -> None:
         """Set up metrics for this worker process and note TimeLimit's default."""
-        for m in broker.middleware:
-            if isinstance(m, TimeLimit):
-                self._time_limit = m.time_limit
+        self._note_time_limit(broker)
         # Decide where metric values go before any is created: on Dramatiq's endpoint if it
         # is there (its hook may run after this one), else on ours.
         if any(isinstance(m, Prometheus) for m in broker.middleware):
