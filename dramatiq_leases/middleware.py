@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import contextvars
-import ctypes
 import functools
 import logging
+import math
 import os
 import random
 import socket
@@ -13,21 +13,22 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import dramatiq
 import redis
-from dramatiq.middleware import Interrupt, Middleware, SkipMessage
+from dramatiq.middleware import Middleware, SkipMessage
 from dramatiq.middleware.middleware import MiddlewareError
 from dramatiq.middleware.prometheus import DB_PATH as PROMETHEUS_DB_PATH
 from dramatiq.middleware.prometheus import Prometheus
 from dramatiq.middleware.time_limit import TimeLimit
-from dramatiq.threading import raise_thread_exception
 
-from .core.errors import LeaseConfigError, LeaseKeyError, LeaseUnavailableError
+from .core.errors import LeaseConfigError, LeaseKeyError
 from .core.heartbeat import Heartbeat
 from .core.keys import DEFAULT_PREFIX, KeyTemplate
-from .core.lease import Busy, Lease, Leases
+from .core.lease import Busy, Lease, Leases, new_token
+from .core.numbers import whole_ms
+from .guard import READY, RUNNING, LeaseLost, Run, call_under
 from .metrics import (
     METRICS_DIR,
     LeaseMetrics,
@@ -36,6 +37,9 @@ from .metrics import (
     serve_worker_metrics,
     use_multiprocess_dir,
 )
+
+__all__ = ["LeaseKeyRenderError", "LeaseLost", "LeaseMiddleware", "LeaseOptionError", "LeaseWaitExceeded",
+           "current_lease"]
 
 logger = logging.getLogger(__name__)
 
@@ -79,25 +83,6 @@ class _RoutineSkipFilter(logging.Filter):
 _skip_filter = _RoutineSkipFilter()
 
 
-class LeaseLost(Interrupt):
-    """Raised inside an actor whose lease was lost while it ran.
-
-    The actor stops and the message fails like any other exception (Retries
-    retries it). It never reaches an actor that has already returned.
-    """
-
-
-def _lease_lost_with(detail: str) -> type[LeaseLost]:
-    """A LeaseLost subclass that carries ``detail``: an exception raised in another thread is given as a class."""
-
-    class DetailedLeaseLost(LeaseLost):
-        def __init__(self, *args: object) -> None:
-            super().__init__(*(args or (detail,)))
-
-    DetailedLeaseLost.__name__ = DetailedLeaseLost.__qualname__ = "LeaseLost"
-    return DetailedLeaseLost
-
-
 class LeaseOptionError(LeaseConfigError, MiddlewareError):
     """An actor or message declares lease options that cannot work."""
 
@@ -125,6 +110,20 @@ def current_lease() -> Lease:
     return lease
 
 
+#: The shortest ``lock_ttl``: a renewal must fit in a third of it, and the safety
+#: margin (a tenth) must exceed a scheduler tick.
+MIN_TTL = 100
+
+#: Added to the actor's ``time_limit`` (and TimeLimit's check interval) to make
+#: the default ``lock_max_hold``: the time limit, the real reason, fires first.
+TIME_LIMIT_GRACE = 1_000
+
+#: Lease options that make no sense on an actor without ``lock_key``.
+_LEASE_MESSAGE_OPTIONS = ACTOR_OPTIONS | {LEASE_OPTION}
+
+_DIRECT = object()  # marks a call of the actor outside a worker's message
+
+
 @dataclass(frozen=True)
 class _Options:
     ttl: int
@@ -136,59 +135,18 @@ class _Options:
     give_up: str
 
 
-def _positive_ms(owner: str, name: str, value: Any, *, optional: bool = False) -> int | None:
-    if value is None and optional:
+def _ms(owner: str, name: str, value: Any, *, minimum: int = 1) -> int:
+    try:
+        return whole_ms(value, name, minimum=minimum, owner=owner)
+    except LeaseConfigError as e:
+        raise LeaseOptionError(str(e)) from None
+
+
+def _optional_ms(owner: str, name: str, value: Any) -> int | None:
+    """``None`` and infinity mean "no limit"."""
+    if value is None or (isinstance(value, float) and value == math.inf):
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value <= 0:
-        raise LeaseOptionError(f"{owner}: {name} must be a positive number of milliseconds, got {value!r}")
-    if value == float("inf"):
-        if optional:
-            return None
-        raise LeaseOptionError(f"{owner}: {name} must be finite, got {value!r}")
-    return int(value)
-
-
-class _Run:
-    """One message's hold on its lease, shared by the worker thread and the heartbeat."""
-
-    __slots__ = ("ended", "injected", "lease", "lock", "lost_reason", "started", "state", "thread_id")
-
-    def __init__(self, lease: Lease, thread_id: int) -> None:
-        self.lease = lease
-        self.thread_id = thread_id
-        self.lock = threading.Lock()
-        self.state = "ready"  # ready -> running -> done
-        self.lost_reason: str | None = None
-        self.injected = False
-        self.ended = False
-        self.started = time.monotonic()
-
-    def begin(self) -> None:
-        with self.lock:
-            if self.lost_reason is None and self.lease.remaining() <= 0:
-                self.lost_reason = "unreachable"
-            if self.lost_reason is not None:
-                self.state = "done"
-                raise LeaseLost(self.describe())
-            self.state = "running"
-
-    def finish(self) -> None:
-        with self.lock:
-            self.state = "done"
-            if self.injected:
-                # Cancel a LeaseLost injected but not yet delivered: the actor has finished.
-                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.thread_id), None)
-
-    def lost(self, lease: Lease, reason: str) -> None:
-        with self.lock:
-            self.lost_reason = reason
-            if self.state == "running" and not self.injected:
-                self.injected = True
-                raise_thread_exception(self.thread_id, _lease_lost_with(self.describe()))  # type: ignore[no-untyped-call]
-
-    def describe(self) -> str:
-        lease = self.lease
-        return f"lease {lease.key!r} (fence {lease.fence}) was lost: {self.lost_reason}"
+    return _ms(owner, name, value)
 
 
 class LeaseMiddleware(Middleware):
@@ -205,10 +163,12 @@ class LeaseMiddleware(Middleware):
       redis_url: where leases are stored (``redis://...``); or pass ``client``.
       client: a ready ``redis.Redis`` or ``RedisCluster`` client instead of a URL.
       prefix: prefix of every Redis key written. Default ``"dramatiq-leases"``.
-      ttl: default ``lock_ttl`` in ms. Default 30 000.
+      ttl: default ``lock_ttl`` in ms (at least 100). Default 30 000.
       renew_interval: default ``lock_renew_interval`` in ms. Default ``lock_ttl / 3``.
-      max_hold: default ``lock_max_hold`` in ms; default the actor's
-        ``time_limit`` (from TimeLimit), so a hung actor cannot hold forever.
+      max_hold: default ``lock_max_hold`` in ms: how long an actor may run
+        under its lease. Default the actor's ``time_limit`` (from TimeLimit)
+        plus TimeLimit's check interval and 1 s, so ``TimeLimitExceeded``
+        comes first and a hung actor cannot hold forever.
       backoff_min: default ``lock_backoff_min`` in ms. Default 50.
       backoff_max: default ``lock_backoff_max`` in ms. Default 2 000: a
         waiting message asks at least every 2 s, so a freed key is taken soon
@@ -229,7 +189,9 @@ class LeaseMiddleware(Middleware):
     ``lock_ttl``, ``lock_renew_interval``, ``lock_max_hold``,
     ``lock_backoff_min``, ``lock_backoff_max``, ``lock_max_wait``,
     ``lock_give_up``. ``send_with_options(lease=lease)`` hands a lease
-    acquired by the producer to the worker.
+    acquired by the producer to the worker, which adopts it once. A message
+    of an actor without ``lock_key`` that carries any of these is refused at
+    send time. Every time is a whole number of milliseconds.
     """
 
     def __init__(
@@ -252,6 +214,8 @@ class LeaseMiddleware(Middleware):
             raise LeaseConfigError("LeaseMiddleware needs exactly one of redis_url or client")
         if client is None:
             client = redis.Redis.from_url(redis_url or "", socket_timeout=2.0, socket_connect_timeout=2.0)
+        else:
+            _warn_without_socket_timeout(client)
         self.leases = Leases(client, prefix=prefix)
         self.metrics = metrics if metrics is not None else PrometheusMetrics()
         self.heartbeat = Heartbeat(self.leases, metrics=self.metrics)
@@ -266,9 +230,13 @@ class LeaseMiddleware(Middleware):
         }
         self._options("LeaseMiddleware", {})  # validate the defaults now
         self._templates: dict[str, KeyTemplate] = {}
+        self._fns: dict[str, Callable[..., Any]] = {}
+        self._message_templates: dict[tuple[str, str], KeyTemplate] = {}
         self._actor_options: dict[str, _Options] = {}
-        self._runs: dict[int, _Run | None] = {}
+        # Worker thread id -> its message's run; None while a lease is being asked for (the actor must not run).
+        self._runs: dict[int, Run | None] = {}
         self._time_limit: float | None = None
+        self._time_limit_interval = 0
         self._metrics_endpoint = metrics_endpoint
         self._serve_own_metrics = False
         self._booted = False
@@ -290,9 +258,8 @@ class LeaseMiddleware(Middleware):
                     return source[name]
             return self.defaults[name]
 
-        ttl = _positive_ms(owner, "lock_ttl", get("lock_ttl"))
-        assert ttl is not None
-        interval = _positive_ms(owner, "lock_renew_interval", get("lock_renew_interval"), optional=True)
+        ttl = _ms(owner, "lock_ttl", get("lock_ttl"), minimum=MIN_TTL)
+        interval = _optional_ms(owner, "lock_renew_interval", get("lock_renew_interval"))
         if interval is None:
             interval = max(1, ttl // 3)
         elif interval * 2 > ttl:
@@ -300,9 +267,8 @@ class LeaseMiddleware(Middleware):
                 f"{owner}: lock_renew_interval={interval} must be at most half of lock_ttl={ttl}, "
                 "so that a failed renewal is retried before the lease expires"
             )
-        backoff_min = _positive_ms(owner, "lock_backoff_min", get("lock_backoff_min"))
-        backoff_max = _positive_ms(owner, "lock_backoff_max", get("lock_backoff_max"))
-        assert backoff_min is not None and backoff_max is not None
+        backoff_min = _ms(owner, "lock_backoff_min", get("lock_backoff_min"))
+        backoff_max = _ms(owner, "lock_backoff_max", get("lock_backoff_max"))
         if backoff_max < backoff_min:
             raise LeaseOptionError(f"{owner}: lock_backoff_max={backoff_max} is below lock_backoff_min={backoff_min}")
         give_up = get("lock_give_up")
@@ -311,18 +277,39 @@ class LeaseMiddleware(Middleware):
         return _Options(
             ttl=ttl,
             renew_interval=interval,
-            max_hold=_positive_ms(owner, "lock_max_hold", get("lock_max_hold"), optional=True),
+            max_hold=_optional_ms(owner, "lock_max_hold", get("lock_max_hold")),
             backoff_min=backoff_min,
             backoff_max=backoff_max,
-            max_wait=_positive_ms(owner, "lock_max_wait", get("lock_max_wait"), optional=True),
+            max_wait=_optional_ms(owner, "lock_max_wait", get("lock_max_wait")),
             give_up=give_up,
         )
 
     def _max_hold(self, opts: _Options, message: Any, actor: Any) -> int | None:
+        """``lock_max_hold``, else the time limit plus TimeLimit's check interval and a grace, so it fires first."""
         if opts.max_hold is not None:
             return opts.max_hold
         limit = message.options.get("time_limit") or actor.options.get("time_limit") or self._time_limit
-        return None if limit is None or limit == float("inf") else int(limit)
+        if limit is None or limit == math.inf:
+            return None
+        return math.ceil(limit) + self._time_limit_interval + TIME_LIMIT_GRACE
+
+    def _template(self, actor_name: str, options: Mapping[str, Any]) -> KeyTemplate | None:
+        """The key template of a message: its own ``lock_key`` option, else its actor's."""
+        template = self._templates.get(actor_name)
+        spec = options.get("lock_key")
+        if template is None or spec is None:
+            return template
+        cached = self._message_templates.get((actor_name, spec)) if isinstance(spec, str) else None
+        if cached is None:
+            owner = f"actor {actor_name!r}"
+            if not isinstance(spec, str):
+                raise LeaseOptionError(f"{owner}: a message's lock_key must be a template string, got {spec!r}")
+            try:
+                cached = KeyTemplate(spec, self._fns[actor_name], owner=owner)
+            except LeaseConfigError as e:
+                raise LeaseOptionError(str(e)) from None
+            self._message_templates[(actor_name, spec)] = cached
+        return cached
 
     # Declaration and send ---------------------------------------------------
 
@@ -337,11 +324,14 @@ class LeaseMiddleware(Middleware):
             return
         # Here too, not only at process boot: a Worker started in-process never emits process_boot.
         self._note_time_limit(broker)
-        self._actor_options[actor.actor_name] = self._options(name, actor.options)
+        opts = self._options(name, actor.options)
+        _optional_ms(name, "time_limit", actor.options.get("time_limit"))
+        self._actor_options[actor.actor_name] = opts
         try:
             self._templates[actor.actor_name] = KeyTemplate(spec, actor.fn, owner=name)
         except LeaseConfigError as e:
             raise LeaseOptionError(str(e)) from None
+        self._fns[actor.actor_name] = actor.fn
         actor.fn = self._guarded(actor.fn)
         if self._booted:
             self.metrics.declare({"actor": actor.actor_name, "queue": actor.queue_name})
@@ -350,6 +340,7 @@ class LeaseMiddleware(Middleware):
         for m in broker.middleware:
             if isinstance(m, TimeLimit):
                 self._time_limit = m.time_limit
+                self._time_limit_interval = math.ceil(getattr(m.manager, "interval", 1.0) * 1000)
 
     @property
     def forks(self) -> list[Callable[[], int]]:
@@ -376,35 +367,53 @@ class LeaseMiddleware(Middleware):
             actor = broker.get_actor(actor_name)
             self.metrics.declare({"actor": actor_name, "queue": actor.queue_name})
 
+    def after_worker_boot(self, broker: dramatiq.Broker, worker: dramatiq.Worker) -> None:
+        """Start the heartbeat here, on a thread no asynchronous exception can reach."""
+        self.heartbeat.start()
+
     def before_enqueue(self, broker: dramatiq.Broker, message: dramatiq.Message[Any], delay: int | None) -> None:
         """Refuse, at send time, a message whose options are invalid or whose key cannot be rendered."""
-        template = self._templates.get(message.actor_name)
-        if template is None:
-            return
+        options = message.options
         owner = f"actor {message.actor_name!r}"
-        if set(message.options) & ACTOR_OPTIONS:
-            self._options(owner, message.options, broker.get_actor(message.actor_name).options)
+        template = self._template(message.actor_name, options)
+        if template is None:
+            stray = sorted(k for k in _LEASE_MESSAGE_OPTIONS if options.get(k) is not None)
+            if stray and message.actor_name in broker.actors:
+                raise LeaseOptionError(
+                    f"{owner}: message option {stray[0]}={options[stray[0]]!r} needs an actor declared with "
+                    "lock_key; without it the message would run with no lease"
+                )
+            return
+        if not ACTOR_OPTIONS.isdisjoint(options):
+            self._options(owner, options, broker.get_actor(message.actor_name).options)
         try:
             key = template.render(tuple(message.args), message.kwargs)
         except LeaseKeyError as e:
             raise LeaseKeyRenderError(str(e)) from None
-        handed = message.options.get(LEASE_OPTION)
+        handed = options.get(LEASE_OPTION)
         if isinstance(handed, Lease):
             if handed.key != key:
                 raise LeaseKeyRenderError(
                     f"{owner}: the lease handed over is on {handed.key!r}, but this message's key is {key!r}"
                 )
             # Only what the worker needs to prove ownership travels with the message.
-            message.options[LEASE_OPTION] = {"key": handed.key, "token": handed.token}
+            options[LEASE_OPTION] = {"key": handed.key, "token": handed.token}
 
     # Processing -------------------------------------------------------------
 
     def before_process_message(self, broker: dramatiq.Broker, message: Any) -> None:
         """Acquire (or adopt) the message's lease, or send the message back and skip it."""
-        template = self._templates.get(message.actor_name)
-        if template is None:
-            return
         thread_id = threading.get_ident()
+        stale = self._runs.get(thread_id)
+        if stale is not None:
+            self._end(stale)  # a previous message's after-hooks never ran (interrupted): end its hold now
+        try:
+            template = self._template(message.actor_name, message.options)
+        except LeaseOptionError as e:
+            self._refuse(message, e)
+        if template is None:
+            self._runs.pop(thread_id, None)
+            return
         # Until a lease is registered below, the guarded actor refuses to run in this thread:
         # Dramatiq swallows unexpected errors from this hook and would run the actor anyway.
         self._runs[thread_id] = None
@@ -424,14 +433,15 @@ class LeaseMiddleware(Middleware):
                 opts = self._options(owner, message.options, actor.options)
             key = template.render(tuple(message.args), message.kwargs)
         except (LeaseConfigError, LeaseKeyError) as e:
-            # Only reachable when the producer had no LeaseMiddleware to refuse it at send time.
-            logger.error("Message %s cannot run: %s. Moving it to the dead-letter queue.", message.message_id, e)
-            message.fail()
-            raise SkipMessage(str(e)) from None
+            self._refuse(message, e)
 
+        # Registered before Redis is asked: if anything interrupts us from here on, the
+        # after-hooks release by this token (an owner-checked no-op if nothing was granted).
+        run = Run(key, new_token(), thread_id)
+        self._runs[thread_id] = run
         started = time.monotonic()
         try:
-            result = self._acquire(key, opts, self._max_hold(opts, message, actor), meta, message.options)
+            result = self._acquire(run, key, opts, self._max_hold(opts, message, actor), meta, message.options)
         except Exception as e:
             # Fail closed: no lease, no run.
             self.metrics.acquire(meta, "error", time.monotonic() - started)
@@ -441,33 +451,42 @@ class LeaseMiddleware(Middleware):
             raise SkipMessage(f"lease {key!r} unavailable: {e}") from None
 
         if isinstance(result, Busy):
+            self._runs[thread_id] = None  # nothing was granted: nothing to release
             self.metrics.acquire(meta, "busy", time.monotonic() - started)
             self._on_busy(broker, message, opts, result, meta)
             raise SkipMessage(f"lease {key!r} is busy")
 
-        run = _Run(result, thread_id)
-        self._runs[thread_id] = run
+        run.lease = result
         _current.set(result)
         self.heartbeat.track(result, run.lost)
         self.metrics.acquire(meta, "acquired", time.monotonic() - started)
-        first = message.options.get(FIRST_ATTEMPT_OPTION)
-        self.metrics.wait(meta, max(0.0, time.time() - first / 1000) if first else 0.0)
-        self.metrics.held(meta, 1)
+        # The wait clock belongs to this delivery: a retry of it (Retries) starts a new one.
+        first = message.options.pop(FIRST_ATTEMPT_OPTION, None)
+        message.options.pop(ATTEMPTS_OPTION, None)
+        self.metrics.wait(meta, max(0.0, result.acquired_at - first / 1000) if first else 0.0)
         logger.debug("Acquired lease %r (fence %d) for message %s.", key, result.fence, message.message_id)
 
-    def _acquire(
-        self, key: str, opts: _Options, max_hold: int | None, meta: dict[str, str], options: Mapping[str, Any]
-    ) -> Lease | Busy:
+    def _refuse(self, message: Any, error: Exception) -> NoReturn:
+        # Only reachable when the producer had no LeaseMiddleware to refuse it at send time.
+        logger.error("Message %s cannot run: %s. Moving it to the dead-letter queue.", message.message_id, error)
+        message.fail()
+        raise SkipMessage(str(error)) from None
+
+    def _acquire(self, run: Run, key: str, opts: _Options, max_hold: int | None, meta: dict[str, str],
+                 options: Mapping[str, Any]) -> Lease | Busy:
         handed = options.get(LEASE_OPTION)
         if isinstance(handed, dict) and handed.get("key") == key and handed.get("token"):
-            adopted = self.leases.adopt(key, handed["token"], opts.ttl, interval=opts.renew_interval, meta=meta)
+            adopted = self.leases.adopt(key, handed["token"], opts.ttl, interval=opts.renew_interval,
+                                        max_hold=max_hold, meta=meta, new_token=run.token)
             if adopted is not None:
                 return adopted
             logger.info("Lease %r handed over with the message has ended; acquiring anew.", key)
-        return self.leases.try_acquire(key, opts.ttl, interval=opts.renew_interval, max_hold=max_hold, meta=meta)
+        return self.leases.try_acquire(key, opts.ttl, interval=opts.renew_interval, max_hold=max_hold, meta=meta,
+                                       token=run.token)
 
     def _on_busy(self, broker: dramatiq.Broker, message: Any, opts: _Options, busy: Busy, meta: dict[str, str]) -> None:
-        now_ms = int(time.time() * 1000)
+        # The Redis server's clock, so workers with skewed clocks agree on how long a message waited.
+        now_ms = busy.now_ms or int(time.time() * 1000)
         first = message.options.get(FIRST_ATTEMPT_OPTION) or now_ms
         waited = now_ms - first
         attempts = int(message.options.get(ATTEMPTS_OPTION, 0)) + 1
@@ -488,8 +507,9 @@ class LeaseMiddleware(Middleware):
             return
         self.metrics.busy_retry(meta)
         logger.debug("Lease %r is busy (%d ms left); message %s goes back to the queue (attempt %d).",
-                    busy.key, busy.ttl_left, message.message_id, attempts)
-        self._send_back(broker, message, opts, count_attempt=True, first_ms=first, holder_ttl=busy.ttl_left)
+                     busy.key, busy.ttl_left, message.message_id, attempts)
+        self._send_back(broker, message, opts, count_attempt=True, first_ms=first, now_ms=now_ms,
+                        holder_ttl=busy.ttl_left)
 
     def _send_back(
         self,
@@ -499,6 +519,7 @@ class LeaseMiddleware(Middleware):
         *,
         count_attempt: bool,
         first_ms: int | None = None,
+        now_ms: int = 0,
         holder_ttl: int = -1,
     ) -> None:
         """Re-enqueue the same message (same id) after a backoff with full jitter."""
@@ -514,7 +535,7 @@ class LeaseMiddleware(Middleware):
             options[FIRST_ATTEMPT_OPTION] = first_ms
             if opts.max_wait is not None:
                 # Land the last retry at the end of the budget rather than past it.
-                delay = max(1, min(delay, first_ms + opts.max_wait - int(time.time() * 1000)))
+                delay = max(1, min(delay, first_ms + opts.max_wait - now_ms))
         try:
             broker.enqueue(message.copy(options=options), delay=delay)
         except Exception:
@@ -530,65 +551,53 @@ class LeaseMiddleware(Middleware):
         message.options[_SKIP_MARK] = True
 
     def _guarded(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """Wrap an actor's function so the lease is checked at entry and released the moment it returns."""
+        """Wrap an actor's function so it runs only under its message's lease, released the moment it returns."""
         runs = self._runs
+        end = self._end
 
         @functools.wraps(fn)
         def guarded(*args: Any, **kwargs: Any) -> Any:
-            thread_id = threading.get_ident()
-            if thread_id not in runs:
+            run = runs.get(threading.get_ident(), _DIRECT)
+            if run is _DIRECT:
                 return fn(*args, **kwargs)  # called directly, not by a worker
-            run = runs[thread_id]
             if run is None:
                 raise LeaseLost("the actor was about to run without its lease; refusing (see the log)")
-            if run.state != "ready":
+            assert isinstance(run, Run)
+            if run.state is not READY:
                 return fn(*args, **kwargs)  # a direct call from inside the running actor
-            completed = False
-            error: BaseException | None = None
-            try:
-                run.begin()
-                result = fn(*args, **kwargs)
-                completed = True
-            except BaseException as e:
-                error = e
-            # A LeaseLost injected just as fn returned may still be delivered at any call
-            # below; absorb it here, where we know the actor completed.
-            while True:
-                try:
-                    run.finish()
-                    break
-                except LeaseLost as e:
-                    if not completed and error is None:
-                        error = e
-            self._end(run)
-            if error is not None:
-                raise error
-            return result
+            return call_under(run, fn, args, kwargs, end)
 
         return guarded
 
-    def _end(self, run: _Run) -> None:
-        """Stop renewing and release the lease, once."""
-        with run.lock:
-            if run.ended:
-                return
-            run.ended = True
+    def _end(self, run: Run) -> None:
+        """Stop renewing and release the lease. Idempotent, and never raises but for an interruption.
+
+        Nothing after a completed actor may turn it into a failure: any error
+        here is logged, and the lease then ends by its TTL.
+        """
         lease = run.lease
-        self.heartbeat.untrack(lease)
-        self.metrics.held(lease.meta, -1)
-        self.metrics.hold(lease.meta, time.monotonic() - run.started)
+        if lease is not None:
+            self.heartbeat.untrack(lease)
+        if run.released:
+            return
+        first_try = not run.release_tried
+        run.release_tried = True
         try:
-            if not self.leases.release(lease) and run.lost_reason is None:
-                logger.warning("Lease %r (fence %d) was no longer held at release.", lease.key, lease.fence)
-        except LeaseUnavailableError as e:
+            released = self.leases.release_token(run.key, run.token, fence=lease.fence if lease else None)
+        except Exception as e:
+            run.released = True
             self.metrics.redis_error("release")
-            logger.warning("Could not release lease %r: %s. It expires within %d ms.", lease.key, e, lease.ttl)
+            logger.warning("Could not release lease %r: %s: %s. It expires within its TTL.", run.key,
+                           type(e).__name__, e)
+            return
+        run.released = True
+        if not released and first_try and lease is not None and run.lost_reason is None:
+            logger.warning("Lease %r (fence %d) was no longer held at release.", run.key, lease.fence)
 
     def _forget(self, message: Any) -> None:
         run = self._runs.pop(threading.get_ident(), None)
         if run is not None:
-            with run.lock:
-                run.state = "done"
+            run.finish()
             self._end(run)
         _current.set(None)
 
@@ -603,15 +612,38 @@ class LeaseMiddleware(Middleware):
         self._forget(message)
 
     def after_worker_shutdown(self, broker: dramatiq.Broker, worker: dramatiq.Worker) -> None:
-        """Release every lease still held by this process, so a graceful stop leaves none behind."""
-        for lease in self.heartbeat.stop():
+        """Release every lease this process holds for an actor no longer running.
+
+        An actor still running after the worker's shutdown timeout keeps its
+        lease, renewed, until the process exits; it then expires within its
+        TTL. Releasing it would let another worker run the same key while
+        this one still does.
+        """
+        running = {r.token: r for r in list(self._runs.values()) if r is not None and r.state == RUNNING}
+        for lease in self.heartbeat.tracked():
+            if lease.token in running:
+                logger.warning("Actor holding lease %r is still running at shutdown; the lease is kept until "
+                               "this process exits, then expires within %d ms.", lease.key, lease.ttl)
+                continue
+            self.heartbeat.untrack(lease)
             try:
                 self.leases.release(lease)
-            except LeaseUnavailableError as e:
+            except Exception as e:
                 logger.warning("Could not release lease %r at shutdown: %s.", lease.key, e)
+        if not running:
+            self.heartbeat.stop()
         if self._serve_own_metrics:
             from prometheus_client import multiprocess
 
             multiprocess.mark_process_dead(  # type: ignore[no-untyped-call]
                 os.getpid(), os.environ["PROMETHEUS_MULTIPROC_DIR"]
             )
+
+
+def _warn_without_socket_timeout(client: Any) -> None:
+    """A renewal hanging on a socket without timeout cannot confirm a lease; say so at construction."""
+    pool = getattr(client, "connection_pool", None)
+    kwargs = getattr(pool, "connection_kwargs", None)
+    if isinstance(kwargs, dict) and kwargs.get("socket_timeout") is None:
+        logger.warning("The Redis client given to LeaseMiddleware has no socket_timeout: a renewal that hangs "
+                       "is abandoned by the watchdog, but give it one shorter than your TTLs.")

@@ -6,12 +6,23 @@ import ast
 import pathlib
 import subprocess
 import sys
+import time
+from typing import Any
 
 import pytest
 import redis
 from redis.cluster import key_slot
 
-from dramatiq_leases.core import Busy, Lease, LeaseKeyError, Leases, LeaseUnavailableError, Renewal, State
+from dramatiq_leases.core import (
+    Busy,
+    Lease,
+    LeaseConfigError,
+    LeaseKeyError,
+    Leases,
+    LeaseUnavailableError,
+    Renewal,
+    State,
+)
 from dramatiq_leases.core.keys import fence_name, lease_name
 from dramatiq_leases.embedded import EmbeddedRedis, free_port
 
@@ -95,13 +106,17 @@ def test_renew_restores_ttl_only_for_the_owner(leases: Leases, redis_client: red
 
 
 def test_renewal_never_extends_past_max_hold(leases: Leases, redis_client: redis.Redis) -> None:
+    sent = time.monotonic()
     lease = leases.try_acquire("k", ttl=10_000, max_hold=300)
     assert isinstance(lease, Lease)
-    assert redis_client.pttl(lease_name(leases.prefix, "k")) <= 300
+    # The holder trusts it for the whole max hold; the key outlives that by the safety margin (1 s).
+    assert sent + 0.3 <= lease.hold_until <= time.monotonic() + 0.3
+    assert lease.valid_until == lease.hold_until
+    assert redis_client.pttl(lease_name(leases.prefix, "k")) <= 300 + 1_000
     assert leases.renew(lease) is Renewal.OK
-    assert redis_client.pttl(lease_name(leases.prefix, "k")) <= 300
-    wait_for(lambda: leases.renew(lease) is not Renewal.OK, what="max hold to end renewals")
-    assert lease.remaining() == 0 or lease.hold_until < lease.valid_until + 1
+    assert redis_client.pttl(lease_name(leases.prefix, "k")) <= 300 + 1_000
+    wait_for(lambda: leases.renew(lease) is not Renewal.OK, what="max hold to end renewals", timeout=5)
+    assert lease.remaining() == 0
 
 
 class RoundTrips:
@@ -161,31 +176,126 @@ def test_all_keys_of_a_lease_share_one_hash_slot() -> None:
 
 def test_scan_lists_leases_and_states(leases: Leases, redis_client: redis.Redis) -> None:
     alive = leases.try_acquire("alive", ttl=10_000, interval=1_000)
-    dead = leases.try_acquire("dead", ttl=60_000, interval=10)
-    assert isinstance(alive, Lease) and isinstance(dead, Lease)
+    overdue = leases.try_acquire("overdue", ttl=60_000, interval=10)
+    dead = leases.try_acquire("dead", ttl=1_000, interval=300)
+    assert isinstance(alive, Lease) and isinstance(dead, Lease) and isinstance(overdue, Lease)
+    redis_client.pexpire(lease_name(leases.prefix, "dead"), 60_000)  # extended by hand past its holder's deadline
     orphan = lease_name(leases.prefix, "orphan")
     redis_client.hset(orphan, mapping={"token": "t", "fence": 1, "key": "orphan"})  # no TTL: the classic orphan
     redis_client.set("unrelated", "x")
     states = wait_for(
         lambda: (s := {i.key: i.state for i in leases.scan()}).get("dead") is State.HOLDER_DEAD and s,
-        what="the silent holder to count as dead",
+        what="the silent holder's deadline to pass",
     )
-    assert states == {"alive": State.ALIVE, "dead": State.HOLDER_DEAD, "orphan": State.NO_TTL}
+    assert states == {"alive": State.ALIVE, "overdue": State.HEARTBEAT_OVERDUE, "dead": State.HOLDER_DEAD,
+                      "orphan": State.NO_TTL}
+    assert [s for s in State if s.leaked] == [State.HOLDER_DEAD, State.PAST_MAX_HOLD, State.NO_TTL]
     assert [i.key for i in leases.scan("ali*")] == ["alive"]
 
 
-def test_release_if_dead_spares_a_live_holder(leases: Leases) -> None:
+def test_release_if_dead_spares_every_holder_that_may_still_run(leases: Leases, redis_client: redis.Redis) -> None:
     live = leases.try_acquire("live", ttl=60_000, interval=20_000)
     assert isinstance(live, Lease)
-    released, age, fence = leases.release_if_dead("live")
-    assert released is False and age < 1 and fence == live.fence
+    released, deadline_in, fence = leases.release_if_dead("live")
+    assert released is False and 53 < deadline_in <= 54 and fence == live.fence  # type: ignore[operator]
     assert leases.inspect("live") is not None
 
-    silent = leases.try_acquire("silent", ttl=60_000, interval=10)
+    # Its heartbeat is long overdue, but the holder trusts the lease until its own deadline (0.9 x TTL
+    # after the last renewal it sent): releasing it now would let a second worker run beside it.
+    silent = leases.try_acquire("silent", ttl=3_000, interval=10)
     assert isinstance(silent, Lease)
-    wait_for(lambda: leases.release_if_dead("silent")[0], what="the silent holder to be released")
+    redis_client.pexpire(lease_name(leases.prefix, "silent"), 60_000)  # so the key outlives the deadline
+    wait_for(lambda: leases.inspect("silent").state is State.HEARTBEAT_OVERDUE, what="an overdue heartbeat")  # type: ignore[union-attr]
+    assert leases.release_if_dead("silent").released is False
+    assert silent.remaining() > 0  # the holder still trusts it
+    wait_for(lambda: silent.remaining() == 0, what="the holder's deadline", timeout=5)
+    result = wait_for(lambda: (r := leases.release_if_dead("silent")).released and r, what="release", timeout=2)
+    assert result.deadline_in is not None and result.deadline_in <= 0
     assert leases.inspect("silent") is None
-    assert leases.release_if_dead("never-held") == (None, 0.0, 0)
+    assert leases.release_if_dead("never-held") == (None, None, 0)
+
+    foreign = lease_name(leases.prefix, "foreign")
+    redis_client.hset(foreign, "token", "t")
+    redis_client.pexpire(foreign, 60_000)
+    assert leases.release_if_dead("foreign") == (False, None, 0)  # no holder deadline: it expires by itself
+    redis_client.persist(foreign)
+    assert leases.release_if_dead("foreign").released is True  # no deadline, no TTL: nobody can end it but us
+
+
+def test_a_handed_over_lease_is_adopted_once(leases: Leases) -> None:
+    handed = leases.try_acquire("export:9", ttl=5_000)
+    assert isinstance(handed, Lease)
+    first = leases.adopt("export:9", handed.token, ttl=10_000, max_hold=60_000)
+    second = leases.adopt("export:9", handed.token, ttl=10_000, max_hold=60_000)
+    assert isinstance(first, Lease) and first.fence == handed.fence and first.token != handed.token
+    assert isinstance(second, Busy) and second.fence == handed.fence  # busy like any other delivery
+    assert leases.release(handed) is False  # the producer's token no longer owns it
+    assert leases.renew(first) is Renewal.OK
+    info = leases.inspect("export:9")
+    assert info is not None and info.adopted_ms and info.max_hold_until_ms - info.now_ms <= 61_000
+    assert first.hold_until <= time.monotonic() + 60
+
+
+def test_an_adopted_lease_keeps_the_adopters_max_hold(leases: Leases) -> None:
+    handed = leases.try_acquire("export:10", ttl=5_000)
+    assert isinstance(handed, Lease)
+    adopted = leases.adopt("export:10", handed.token, ttl=5_000, max_hold=200)
+    assert isinstance(adopted, Lease) and adopted.max_hold is not None and adopted.max_hold <= 200
+    wait_for(lambda: leases.renew(adopted) is not Renewal.OK, what="max hold to end renewals", timeout=5)
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda ls: ls.try_acquire("k", ttl=1500.5), "ttl must be a whole number of milliseconds"),
+        (lambda ls: ls.try_acquire("k", ttl=0.5), "ttl must be a whole number"),
+        (lambda ls: ls.try_acquire("k", ttl=float("nan")), "ttl must be a whole number"),
+        (lambda ls: ls.try_acquire("k", ttl=10**13), "ttl must be a whole number"),
+        (lambda ls: ls.try_acquire("k", ttl=True), "ttl must be a whole number"),
+        (lambda ls: ls.try_acquire("k", ttl=1_000, max_hold=-1), "max_hold must be"),
+        (lambda ls: ls.try_acquire("k", ttl=1_000, interval=2.5), "interval must be"),
+        (lambda ls: ls.try_acquire("k", ttl=1_000, meta={"token": "mine"}), "lease metadata"),
+        (lambda ls: ls.try_acquire("k", ttl=1_000, meta={"n": 1}), "lease metadata"),
+        (lambda ls: ls.adopt("k", "", ttl=1_000), "handed-over token"),
+    ],
+)
+def test_bad_numbers_are_refused_before_any_write(leases: Leases, redis_client: redis.Redis, call: Any,
+                                                   message: str) -> None:
+    with pytest.raises(LeaseConfigError, match=message):
+        call(leases)
+    assert redis_client.keys("*") == []  # nothing written, so nothing can be left without a TTL
+
+
+@pytest.mark.parametrize("args", [
+    ["t", "1500.5", "0", "0", "0"], ["t", "1000", "-1", "0", "0"], ["t", "1000", "0", "0", "1000"],
+    ["", "1000", "0", "0", "0"], ["t", "1000", "0", "0", "0", "odd-metadata"], ["t", "1e300", "0", "0", "0"],
+])
+def test_the_acquire_script_checks_every_argument_before_writing(leases: Leases, redis_client: redis.Redis,
+                                                                 args: list[str]) -> None:
+    """Lua is not a transaction: a script that failed halfway would keep its first writes."""
+    with pytest.raises(redis.ResponseError, match="dramatiq-leases: invalid"):
+        leases._acquire(keys=[leases.lease_name("k"), leases.fence_name("k")], args=args)
+    assert redis_client.keys("*") == []
+
+
+def test_no_script_leaves_a_lease_without_ttl(leases: Leases, redis_client: redis.Redis) -> None:
+    """Every way in: acquire, adopt, renew, with good and bad numbers; after each, every lease key has a TTL."""
+    lease = leases.try_acquire("a", ttl=1_000, max_hold=100_000)
+    assert isinstance(lease, Lease)
+    attempts: list[Any] = [
+        lambda: leases._renew_many(keys=[leases.lease_name("a")], args=[lease.token, "12.5"]),
+        lambda: leases._renew_many(keys=[leases.lease_name("a")], args=[lease.token]),
+        lambda: leases._adopt(keys=[leases.lease_name("a")], args=[lease.token, "new", "-5", "0", "0", "0"]),
+        lambda: leases._adopt(keys=[leases.lease_name("a")], args=[lease.token, "new", "1000", "0", "0", "x"]),
+        lambda: leases.adopt("a", lease.token, ttl=1_000, max_hold=10),
+    ]
+    for attempt in attempts:
+        try:
+            attempt()
+        except redis.ResponseError as e:
+            assert "dramatiq-leases: invalid" in str(e)
+        for name in redis_client.scan_iter(f"{leases.prefix}:lease:*"):
+            assert redis_client.pttl(name) > 0, name
 
 
 def test_adopt_needs_the_token(leases: Leases) -> None:
@@ -196,7 +306,7 @@ def test_adopt_needs_the_token(leases: Leases) -> None:
     assert leases.inspect("export:7").meta["actor"] == "export"  # type: ignore[union-attr]
     assert isinstance(leases.adopt("export:7", "f" * 32, ttl=10_000), Busy)
     leases.release(adopted)
-    assert leases.adopt("export:7", lease.token, ttl=10_000) is None
+    assert leases.adopt("export:7", lease.token, ttl=10_000) is None  # gone: the caller acquires anew
 
 
 def test_bad_keys_are_refused(leases: Leases) -> None:

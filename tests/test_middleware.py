@@ -69,10 +69,17 @@ class Runs:
 @pytest.mark.parametrize(
     ("options", "expected"),
     [
-        ({"lock_key": "inv:{invoice_id}", "lock_ttl": 0}, "lock_ttl must be a positive number of milliseconds, got 0"),
-        ({"lock_key": "inv:{invoice_id}", "lock_ttl": -5}, "lock_ttl must be a positive number of milliseconds, got -5"),
-        ({"lock_key": "inv:{invoice_id}", "lock_ttl": "15s"}, "lock_ttl must be a positive number of milliseconds, got '15s'"),
-        ({"lock_key": "inv:{invoice_id}", "lock_ttl": True}, "lock_ttl must be a positive number"),
+        ({"lock_key": "inv:{invoice_id}", "lock_ttl": 0}, "lock_ttl must be a whole number of milliseconds from 100 to 1000000000000, got 0"),
+        ({"lock_key": "inv:{invoice_id}", "lock_ttl": -5}, "lock_ttl must be a whole number of milliseconds from 100 to 1000000000000, got -5"),
+        ({"lock_key": "inv:{invoice_id}", "lock_ttl": "15s"}, "lock_ttl must be a whole number of milliseconds from 100 to 1000000000000, got '15s'"),
+        ({"lock_key": "inv:{invoice_id}", "lock_ttl": True}, "lock_ttl must be a whole number"),
+        ({"lock_key": "inv:{invoice_id}", "lock_ttl": 0.5}, "lock_ttl must be a whole number of milliseconds from 100 to 1000000000000, got 0.5"),
+        ({"lock_key": "inv:{invoice_id}", "lock_ttl": 1500.5}, "got 1500.5"),
+        ({"lock_key": "inv:{invoice_id}", "lock_ttl": 50}, "lock_ttl must be a whole number of milliseconds from 100"),
+        ({"lock_key": "inv:{invoice_id}", "lock_max_hold": 2.5}, "lock_max_hold must be a whole number of milliseconds from 1"),
+        ({"lock_key": "inv:{invoice_id}", "lock_max_wait": float("nan")}, "lock_max_wait must be a whole number"),
+        ({"lock_key": "inv:{invoice_id}", "lock_backoff_min": 0}, "lock_backoff_min must be a whole number"),
+        ({"lock_key": "inv:{invoice_id}", "time_limit": 1500.5}, "time_limit must be a whole number of milliseconds"),
         ({"lock_key": "inv:{invoice_id}", "lock_ttl": 3000, "lock_renew_interval": 3000},
          "lock_renew_interval=3000 must be at most half of lock_ttl=3000"),
         ({"lock_key": "inv:{invoice_id}", "lock_ttl": 3000, "lock_renew_interval": 5000},
@@ -103,7 +110,7 @@ def test_bad_options_fail_at_declaration(make_stack: Any, options: dict[str, Any
 def test_bad_middleware_defaults_fail_at_construction(lease_server: EmbeddedRedis) -> None:
     from dramatiq_leases import LeaseMiddleware
 
-    with pytest.raises(LeaseOptionError, match="lock_ttl must be a positive number of milliseconds, got 0"):
+    with pytest.raises(LeaseOptionError, match="lock_ttl must be a whole number of milliseconds from 100 to 1000000000000, got 0"):
         LeaseMiddleware(redis_url=lease_server.url(), ttl=0)
 
 
@@ -128,8 +135,10 @@ def test_unrenderable_messages_are_refused_at_send_time(make_stack: Any) -> None
         by_name.send("")
     with pytest.raises(LeaseKeyRenderError, match="KeyError: 'tenant'"):
         by_tenant.send({"name": "x"})
-    with pytest.raises(LeaseOptionError, match="actor 'send_invoice': lock_ttl must be a positive number of milliseconds, got -1"):
+    with pytest.raises(LeaseOptionError, match="actor 'send_invoice': lock_ttl must be a whole number of milliseconds from 100 to 1000000000000, got -1"):
         send_invoice.send_with_options(args=(1,), lock_ttl=-1)
+    with pytest.raises(LeaseOptionError, match="actor 'send_invoice': lock_ttl must be .* got 1500.5"):
+        send_invoice.send_with_options(args=(1,), lock_ttl=1500.5)
     assert stack.recorder.enqueues == []  # nothing reached the queue
 
 
@@ -209,7 +218,10 @@ def test_busy_messages_back_off_with_jitter_and_keep_their_retries(make_stack: A
     assert max(delays[3:]) > 80, f"backoff did not grow: {delays}"
     waiter_run = options_seen[-1]
     assert waiter_run.get("retries", 0) == 0  # Retries' budget untouched
-    assert waiter_run["lease_busy_attempts"] == len(delays)
+    sent_back = [opts for mid, d, opts in stack.recorder.enqueues if mid == waiter.message_id and d is not None]
+    assert sent_back[-1]["lease_busy_attempts"] == len(delays)
+    # Once it holds its lease, its wait clock is cleared: a retry of it (Retries) starts a new one.
+    assert "lease_busy_attempts" not in waiter_run and "lease_first_attempt_ms" not in waiter_run
 
 
 @pytest.mark.parametrize("give_up", ["fail", "drop"])
@@ -412,9 +424,34 @@ def test_default_max_hold_is_the_time_limit_and_ends_a_hung_actor(make_stack: An
 
     stack.start()
     assert stack.recorder.wait_settled(limited.send(1).message_id) == "acked"
-    assert seen == [60_000]
+    assert seen == [60_000 + 1_000 + 1_000]  # time limit + TimeLimit's check interval + grace: TimeLimit fires first
     assert stack.recorder.wait_settled(hung.send(1).message_id) == "nacked"
     assert "maximum hold" in runs.items[0]["error"] or "max_hold" in runs.items[0]["error"]
+
+
+def test_short_time_limits_run_and_end_for_the_real_reason(make_stack: Any) -> None:
+    """The lease's safety margin is added on the server's side, never taken from the actor's time."""
+    stack = make_stack()
+    runs = Runs()
+
+    @stack.actor(lock_key="s:{n}", time_limit=2_000, max_retries=0)  # default lock_ttl: 30 s
+    def short(n: int, seconds: float) -> None:
+        start = time.monotonic()
+        try:
+            while time.monotonic() - start < seconds:
+                time.sleep(0.01)  # an asynchronous exception lands between two sleeps, not within one
+            runs.add(n=n, ran=time.monotonic() - start)
+        except BaseException as e:
+            runs.add(n=n, error=type(e).__name__, at=time.monotonic() - start)
+            raise
+
+    stack.start()
+    assert stack.recorder.wait_settled(short.send(1, 1.5).message_id) == "acked"
+    assert stack.recorder.wait_settled(short.send(2, 30).message_id, timeout=30) == "nacked"
+    [done] = [r for r in runs.items if r["n"] == 1]
+    [hung] = [r for r in runs.items if r["n"] == 2]
+    assert done["ran"] >= 1.5
+    assert hung["error"] == "TimeLimitExceeded" and hung["at"] >= 2.0  # not a LeaseLost, not cut early
 
 
 # Other parts of Dramatiq ------------------------------------------------------------

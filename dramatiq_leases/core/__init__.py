@@ -3,11 +3,12 @@
 from .errors import LeaseConfigError, LeaseError, LeaseKeyError, LeaseUnavailableError
 from .heartbeat import Heartbeat
 from .keys import DEFAULT_PREFIX, KeyTemplate
-from .lease import Busy, Lease, LeaseInfo, Leases, Renewal, State
+from .lease import Busy, DeadRelease, Lease, LeaseInfo, Leases, Renewal, State
 
 __all__ = [
     "DEFAULT_PREFIX",
     "Busy",
+    "DeadRelease",
     "Heartbeat",
     "KeyTemplate",
     "Lease",

@@ -4,18 +4,29 @@ One :class:`Heartbeat` per process renews every lease the process holds, all
 that are due in one round trip per hash slot per round. A second thread, the
 watchdog, declares a lease lost as soon as its local deadline passes without a
 confirmed renewal (Redis unreachable, or the maximum hold reached), so the
-verdict never waits on a hung socket.
+verdict never waits on a hung socket; it also replaces a renewer that died or
+hangs.
+
+:meth:`Heartbeat.track` and :meth:`Heartbeat.untrack` are called on worker
+threads, where an asynchronous exception (Dramatiq's ``TimeLimitExceeded`` or
+``Shutdown``, a ``LeaseLost``) can land between any two bytecodes. So they
+take no lock: each changes shared state with one operation that is atomic
+under the GIL (a dict insert, an attribute store, a ``SimpleQueue.put``), and
+both are idempotent, so a caller interrupted midway can call again. The two
+heartbeat threads do everything else, including the ``held`` gauge and the
+hold-time histogram, which therefore can never be left half counted.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
+import queue
 import threading
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from ..metrics import NULL_METRICS, LeaseMetrics
 from .errors import LeaseUnavailableError
@@ -30,12 +41,28 @@ LostCallback = Callable[[Lease, str], None]
 #: Shortest pause before retrying a failed renewal, in seconds.
 MIN_RETRY_DELAY = 0.05
 
+#: Longest sleep of an idle heartbeat thread, in seconds: threads wake by
+#: themselves this often, so a lease due later needs no wake-up call.
+IDLE_WAKE = 1.0
 
-@dataclass(eq=False)
+#: A renewal round in flight for longer than this (seconds), and longer than
+#: the shortest interval among its leases, counts as hung: the watchdog starts
+#: a new renewer. It matters with a client that has no ``socket_timeout``.
+MIN_HUNG_AFTER = 1.0
+
+
 class _Entry:
-    lease: Lease
-    on_lost: LostCallback
-    next_due: float
+    """One tracked lease. Worker threads write only ``ended_at``; heartbeat threads the rest."""
+
+    __slots__ = ("counted", "ended_at", "lease", "next_due", "on_lost", "started")
+
+    def __init__(self, lease: Lease, on_lost: LostCallback) -> None:
+        self.lease = lease
+        self.on_lost = on_lost
+        self.started = time.monotonic()
+        self.next_due = self.started + lease.interval / 1000
+        self.ended_at: float | None = None
+        self.counted = False
 
 
 _instances: weakref.WeakSet[Heartbeat] = weakref.WeakSet()
@@ -54,10 +81,12 @@ class Heartbeat:
 
     Parameters:
       leases: the store the leases came from.
-      metrics: where renewals, rounds and losses are reported.
+      metrics: where renewals, rounds, losses, held leases and hold times are reported.
 
-    Threads start on the first :meth:`track` and restart if they die. After a
-    ``fork()`` the child starts empty: the leases belong to the parent.
+    Call :meth:`start` from a thread that no asynchronous exception can reach
+    (the middleware does it at worker boot); :meth:`track` starts the threads
+    itself if nobody did. After a ``fork()`` the child starts empty: the
+    leases belong to the parent.
     """
 
     def __init__(self, leases: Leases, *, metrics: LeaseMetrics = NULL_METRICS) -> None:
@@ -67,138 +96,222 @@ class Heartbeat:
         _instances.add(self)
 
     def _reset(self) -> None:
-        self._cond = threading.Condition(threading.Lock())
+        # token -> entry. Worker threads only insert; heartbeat threads remove.
         self._entries: dict[str, _Entry] = {}
+        # Between the heartbeat's own threads (and stop()): never taken on a worker thread.
+        self._lock = threading.Lock()
+        self._start_lock = threading.Lock()
         self._stopping = False
         self._renewer: threading.Thread | None = None
         self._watchdog: threading.Thread | None = None
-        # When each thread will next wake by itself: a new lease due later needs no wake-up call.
+        self._renewer_wake: queue.SimpleQueue[None] = queue.SimpleQueue()
+        self._watchdog_wake: queue.SimpleQueue[None] = queue.SimpleQueue()
+        # When each thread will next wake by itself (0: awake): a lease due later needs no wake-up call.
         self._renewer_wakes_at = 0.0
         self._watchdog_wakes_at = 0.0
+        # When the renewal round in flight started (0: none), and after how long it counts as hung.
+        self._round_started = 0.0
+        self._round_hung_after = math.inf
 
     # Public API ------------------------------------------------------------
 
-    def track(self, lease: Lease, on_lost: LostCallback) -> None:
-        """Renew ``lease`` every ``lease.interval`` ms until :meth:`untrack`; call ``on_lost`` if it is lost."""
-        entry = _Entry(lease, on_lost, time.monotonic() + lease.interval / 1000)
-        with self._cond:
+    def start(self) -> None:
+        """Start the renewer and the watchdog if they are not running."""
+        with self._start_lock:
             self._stopping = False
-            self._entries[lease.token] = entry
-            self._ensure_threads()
-            if entry.next_due < self._renewer_wakes_at or lease.valid_until < self._watchdog_wakes_at:
-                self._cond.notify_all()
+            if self._renewer is None or not self._renewer.is_alive():
+                self._spawn_renewer()
+            if self._watchdog is None or not self._watchdog.is_alive():
+                self._watchdog = threading.Thread(target=self._watch_loop, name="dramatiq-leases-watchdog", daemon=True)
+                self._watchdog.start()
+
+    def track(self, lease: Lease, on_lost: LostCallback) -> None:
+        """Renew ``lease`` every ``lease.interval`` ms until :meth:`untrack`; call ``on_lost`` if it is lost.
+
+        Safe on a thread that can be interrupted: calling it again for the
+        same lease after an interruption changes nothing.
+        """
+        if self._renewer is None or self._stopping:
+            self.start()
+        entry = self._entries.get(lease.token)
+        if entry is None:
+            entry = _Entry(lease, on_lost)
+            entry = self._entries.setdefault(lease.token, entry)  # one atomic insert
+        if entry.next_due < self._renewer_wakes_at:
+            self._renewer_wake.put(None)
+        if lease.valid_until < self._watchdog_wakes_at:
+            self._watchdog_wake.put(None)
 
     def untrack(self, lease: Lease) -> bool:
-        """Stop renewing ``lease``. Returns ``False`` if it was not tracked (already lost or untracked)."""
-        with self._cond:
-            return self._entries.pop(lease.token, None) is not None
+        """Stop renewing ``lease``. Returns ``False`` if it was not tracked (already lost or untracked).
+
+        Safe on a thread that can be interrupted, and idempotent: the lease
+        is marked ended with one store; a heartbeat thread removes it.
+        """
+        entry = self._entries.get(lease.token)
+        if entry is None or entry.ended_at is not None:
+            return False
+        entry.ended_at = time.monotonic()
+        return True
 
     def tracked(self) -> list[Lease]:
         """The leases being renewed now."""
-        with self._cond:
-            return [e.lease for e in self._entries.values()]
+        return [e.lease for e in list(self._entries.values()) if e.ended_at is None]
 
     def stop(self, timeout: float = 5.0) -> list[Lease]:
         """Stop both threads; returns the leases that were still tracked (now untracked)."""
-        with self._cond:
-            self._stopping = True
-            left = [e.lease for e in self._entries.values()]
-            self._entries.clear()
-            self._cond.notify_all()
+        self._stopping = True
+        left = self.tracked()
+        for lease in left:
+            self.untrack(lease)
+        self._renewer_wake.put(None)
+        self._watchdog_wake.put(None)
         for thread in (self._renewer, self._watchdog):
             if thread is not None and thread is not threading.current_thread():
                 thread.join(timeout)
+        self._sweep()
         return left
 
-    # Threads ---------------------------------------------------------------
+    # Shared by both threads ----------------------------------------------------
 
-    def _ensure_threads(self) -> None:
-        if self._renewer is None or not self._renewer.is_alive():
-            self._renewer = threading.Thread(target=self._renew_loop, name="dramatiq-leases-heartbeat", daemon=True)
-            self._renewer.start()
-        if self._watchdog is None or not self._watchdog.is_alive():
-            self._watchdog = threading.Thread(target=self._watch_loop, name="dramatiq-leases-watchdog", daemon=True)
-            self._watchdog.start()
+    def _spawn_renewer(self) -> None:
+        # Assigned before start(): the new thread checks that it is the current renewer.
+        thread = threading.Thread(target=self._renew_loop, name="dramatiq-leases-heartbeat", daemon=True)
+        self._renewer = thread
+        thread.start()
+
+    def _sweep(self) -> list[_Entry]:
+        """Drop ended entries, count new ones; return the live entries."""
+        live: list[_Entry] = []
+        with self._lock:
+            for entry in list(self._entries.values()):
+                if entry.ended_at is not None:
+                    self._drop(entry, entry.ended_at)
+                    continue
+                if not entry.counted:
+                    entry.counted = True
+                    self.metrics.held(entry.lease.meta, 1)
+                live.append(entry)
+        return live
+
+    def _drop(self, entry: _Entry, at: float) -> bool:
+        """Remove ``entry`` (the caller holds ``_lock``); ``False`` if someone else already did."""
+        if self._entries.get(entry.lease.token) is not entry:
+            return False
+        del self._entries[entry.lease.token]
+        if entry.counted:
+            self.metrics.held(entry.lease.meta, -1)
+        self.metrics.hold(entry.lease.meta, max(0.0, at - entry.started))
+        return True
+
+    def _sleep(self, wake: queue.SimpleQueue[None], until: float) -> None:
+        try:
+            wake.get(timeout=max(0.0, until - time.monotonic()))
+            while True:
+                wake.get_nowait()  # wake-ups that piled up meanwhile
+        except queue.Empty:
+            pass
+
+    # The renewer ---------------------------------------------------------------
 
     def _renew_loop(self) -> None:
-        while True:
-            with self._cond:
-                while not self._stopping:
-                    now = time.monotonic()
-                    due_at = min((e.next_due for e in self._entries.values()), default=None)
-                    if due_at is not None and due_at <= now:
-                        break
-                    # Idle, wake every second anyway: with an infinite wait, every track() would
-                    # have to notify, and short jobs would wake both threads per message.
-                    self._renewer_wakes_at = now + 1.0 if due_at is None else due_at
-                    self._cond.wait(self._renewer_wakes_at - now)
-                if self._stopping:
-                    return
-                # Renew everything due within half an interval too: fewer, fuller rounds.
-                batch = [e for e in self._entries.values() if e.next_due <= now + e.lease.interval / 2000]
+        me = threading.current_thread()
+        while not self._stopping and self._renewer is me:
+            now = time.monotonic()
+            live = self._sweep()
+            due_at = min((e.next_due for e in live), default=now + IDLE_WAKE)
+            if due_at > now:
+                self._renewer_wakes_at = due_at
+                # A lease tracked after the sweep did not see the new wake time: look once more.
+                if any(e.next_due < due_at and e.ended_at is None for e in list(self._entries.values())):
+                    continue
+                self._sleep(self._renewer_wake, due_at)
+                self._renewer_wakes_at = 0.0
+                continue
+            # Renew everything due within half an interval too: fewer, fuller rounds.
+            batch = [e for e in live if e.next_due <= now + e.lease.interval / 2000]
             try:
-                self._round(batch)
+                self._round(batch, me)
             except Exception:
                 logger.exception("Heartbeat round failed; retrying.")
-                with self._cond:
-                    for e in batch:
-                        e.next_due = time.monotonic() + MIN_RETRY_DELAY
+                for e in batch:
+                    e.next_due = time.monotonic() + MIN_RETRY_DELAY
 
-    def _round(self, batch: list[_Entry]) -> None:
+    def _round(self, batch: list[_Entry], me: threading.Thread) -> None:
         started = time.monotonic()
+        self._round_hung_after = max(MIN_HUNG_AFTER, min(e.lease.interval for e in batch) / 1000)
+        self._round_started = started
         try:
             results = self.leases.renew_many([e.lease for e in batch])
         except LeaseUnavailableError as e:
             self.metrics.redis_error("renew")
             logger.warning("Could not renew %d lease(s): %s", len(batch), e)
             results = [Renewal.ERROR] * len(batch)
+        finally:
+            if self._renewer is me:
+                self._round_started = 0.0
+        if self._renewer is not me:
+            return  # declared hung and replaced meanwhile: the new renewer owns the leases
         finished = time.monotonic()
         self.metrics.renew_round(finished - started)
         lost: list[tuple[_Entry, str]] = []
-        with self._cond:
+        with self._lock:
             for entry, result in zip(batch, results):
-                lease = entry.lease
-                if self._entries.get(lease.token) is not entry:
-                    continue  # untracked meanwhile: its outcome no longer matters
+                if entry.ended_at is not None or self._entries.get(entry.lease.token) is not entry:
+                    continue  # untracked or lost meanwhile: this outcome no longer matters
                 if result is Renewal.OK:
-                    entry.next_due = finished + lease.interval / 1000
+                    entry.next_due = finished + entry.lease.interval / 1000
                 elif result is Renewal.ERROR:
                     # Retry sooner; the watchdog ends it if Redis stays away past its deadline.
-                    entry.next_due = finished + max(MIN_RETRY_DELAY, lease.interval / 4000)
+                    entry.next_due = finished + max(MIN_RETRY_DELAY, entry.lease.interval / 4000)
                 else:
-                    del self._entries[lease.token]
+                    self._drop(entry, finished)
                     lost.append((entry, result.value))
-                self.metrics.renewal(lease.meta, "lost" if result.value in ("gone", "stolen", "max_hold")
-                                     else result.value)
+                self.metrics.renewal(entry.lease.meta, "lost" if result in _LOST else result.value)
         for entry, reason in lost:
             self._lose(entry, reason)
 
+    # The watchdog --------------------------------------------------------------
+
     def _watch_loop(self) -> None:
-        while True:
-            with self._cond:
-                while not self._stopping:
-                    now = time.monotonic()
-                    deadline = min((e.lease.valid_until for e in self._entries.values()), default=None)
-                    if deadline is not None and deadline <= now:
-                        break
-                    # Wake at least every second to restart a dead renewer.
-                    timeout = 1.0 if deadline is None else min(1.0, deadline - now)
-                    self._watchdog_wakes_at = now + timeout
-                    self._cond.wait(timeout)
-                    if self._renewer is not None and not self._renewer.is_alive() and not self._stopping:
-                        logger.error("Heartbeat thread died; restarting it.")
-                        self._ensure_threads()
-                if self._stopping:
-                    return
-                expired = [e for e in self._entries.values() if e.lease.valid_until <= now]
-                for e in expired:
-                    del self._entries[e.lease.token]
+        me = threading.current_thread()
+        while not self._stopping and self._watchdog is me:
+            now = time.monotonic()
+            self._mind_renewer(now)
+            live = self._sweep()
+            expired: list[_Entry] = []
+            with self._lock:
+                for e in live:
+                    if e.lease.valid_until <= now and self._drop(e, now):
+                        expired.append(e)
             for e in expired:
                 self._lose(e, "max_hold" if now >= e.lease.hold_until else "unreachable")
+            deadline = min((e.lease.valid_until for e in live if e not in expired), default=math.inf)
+            wake_at = min(now + IDLE_WAKE, deadline)
+            self._watchdog_wakes_at = wake_at
+            if any(e.lease.valid_until < wake_at and e.ended_at is None for e in list(self._entries.values())):
+                continue
+            self._sleep(self._watchdog_wake, wake_at)
+            self._watchdog_wakes_at = 0.0
+
+    def _mind_renewer(self, now: float) -> None:
+        renewer = self._renewer
+        if renewer is None or self._stopping:
+            return
+        if not renewer.is_alive():
+            logger.error("Heartbeat thread died; restarting it.")
+        elif self._round_started and now - self._round_started > self._round_hung_after:
+            logger.error("A lease renewal has been in flight for %.1fs; starting a new heartbeat thread "
+                         "(give the Redis client a socket_timeout).", now - self._round_started)
+        else:
+            return
+        self._round_started = 0.0
+        with self._start_lock:
+            self._spawn_renewer()
 
     def _lose(self, entry: _Entry, reason: str) -> None:
         lease = entry.lease
-        logger.error("Lease %r (fence %d) lost: %s.", lease.key, lease.fence, _REASONS.get(reason, reason))
+        logger.error("Lease %r (fence %d) lost: %s.", lease.key, lease.fence, REASONS.get(reason, reason))
         self.metrics.lost(lease.meta, reason)
         try:
             entry.on_lost(lease, reason)
@@ -206,7 +319,10 @@ class Heartbeat:
             logger.exception("Lost-lease callback failed for %r.", lease.key)
 
 
-_REASONS = {
+_LOST = (Renewal.GONE, Renewal.STOLEN, Renewal.MAX_HOLD)
+
+#: Why a lease was lost, by reason, in words.
+REASONS = {
     "gone": "the key is gone from Redis (expired or deleted)",
     "stolen": "another owner holds the key",
     "unreachable": "Redis did not confirm a renewal before the local deadline",

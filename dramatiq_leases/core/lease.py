@@ -20,7 +20,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, NamedTuple
 
 import redis
 from redis.cluster import RedisCluster
@@ -30,6 +30,7 @@ from .. import tracing
 from . import scripts
 from .errors import LeaseConfigError, LeaseUnavailableError
 from .keys import DEFAULT_PREFIX, fence_name, lease_name, lease_pattern, validate_key, validate_prefix
+from .numbers import margin_ms, whole_ms
 
 #: A client this package can work with.
 RedisClient = redis.Redis | RedisCluster
@@ -38,15 +39,40 @@ RedisClient = redis.Redis | RedisCluster
 #: split, and the calls still share one pipelined round trip.
 RENEW_BATCH = 1000
 
-#: Part of the TTL kept as a safety margin: a holder treats its lease as lost
-#: once 90% of the TTL has passed since the last confirmed renewal was *sent*,
-#: so it stops before the key can expire on the server.
-SAFETY_MARGIN = 0.1
-
-
 def new_token() -> str:
     """A random owner token of 128 bits."""
     return secrets.token_hex(16)
+
+
+_new_token = new_token  # for methods whose parameter is named new_token
+
+
+def default_interval(ttl: int) -> int:
+    """The renewal interval used when none is given: a third of the TTL."""
+    return max(1, ttl // 3)
+
+
+def _check_numbers(ttl: Any, interval: Any, max_hold: Any) -> tuple[int, int, int]:
+    """Validated ``(ttl, interval or 0, max_hold or 0)``: every number is checked before any write."""
+    ttl = whole_ms(ttl, "ttl")
+    interval = 0 if interval is None else whole_ms(interval, "interval")
+    max_hold = 0 if max_hold is None else whole_ms(max_hold, "max_hold")
+    return ttl, interval, max_hold
+
+
+class DeadRelease(NamedTuple):
+    """What :meth:`Leases.release_if_dead` did.
+
+    Attributes:
+      released: ``True`` if released, ``False`` if refused, ``None`` if there is no such lease.
+      deadline_in: seconds until the holder's deadline (negative: past it), or
+        ``None`` when the key names no holder deadline (it then expires by its TTL).
+      fence: the fence of the lease found (0 if unknown).
+    """
+
+    released: bool | None
+    deadline_in: float | None
+    fence: int
 
 
 def _text(value: Any) -> str:
@@ -56,6 +82,12 @@ def _text(value: Any) -> str:
 class Lease:
     """A lease this process holds (or held) on ``key``.
 
+    The holder trusts it until its local deadline: ``ttl - margin``
+    milliseconds after the last confirmed renewal was *sent* (monotonic
+    clock), and never past ``max_hold`` after the grant was asked for. The key
+    outlives that deadline on the server by at least ``margin``, the time an
+    interrupted actor has to stop before anyone else can be granted the key.
+
     Attributes:
       key: the lease key, such as ``"invoice:42"``.
       token: the owner token; whoever presents it owns the lease.
@@ -63,12 +95,13 @@ class Lease:
       ttl: the TTL in milliseconds that every renewal restores.
       interval: how often a heartbeat renews it, in milliseconds.
       max_hold: the longest it may be held in milliseconds, or ``None``.
+      margin: the safety margin in milliseconds (``ttl * SAFETY_MARGIN``).
       acquired_at: when it was granted, in Unix seconds (server clock).
       meta: holder metadata stored with the lease (actor, message id, host...).
     """
 
-    __slots__ = ("_hold_until", "_valid_until", "acquired_at", "fence", "interval", "key", "max_hold", "meta", "token",
-                 "ttl")
+    __slots__ = ("_hold_until", "_valid_until", "acquired_at", "fence", "interval", "key", "margin", "max_hold", "meta",
+                 "token", "ttl")
 
     def __init__(
         self,
@@ -89,11 +122,11 @@ class Lease:
         self.ttl = ttl
         self.interval = interval
         self.max_hold = max_hold
+        self.margin = margin_ms(ttl)
         self.acquired_at = acquired_at
         self.meta = dict(meta)
-        margin = ttl * SAFETY_MARGIN / 1000
-        self._hold_until = math.inf if max_hold is None else sent_at + max_hold / 1000 - margin
-        self._valid_until = min(sent_at + ttl / 1000 - margin, self._hold_until)
+        self._hold_until = math.inf if max_hold is None else sent_at + max_hold / 1000
+        self._valid_until = min(sent_at + (ttl - self.margin) / 1000, self._hold_until)
 
     @property
     def valid_until(self) -> float:
@@ -111,7 +144,7 @@ class Lease:
 
     def confirm(self, sent_at: float) -> None:
         """Record a renewal that Redis confirmed; ``sent_at`` is when it was sent (monotonic)."""
-        self._valid_until = min(sent_at + self.ttl * (1 - SAFETY_MARGIN) / 1000, self._hold_until)
+        self._valid_until = min(sent_at + (self.ttl - self.margin) / 1000, self._hold_until)
 
     def __repr__(self) -> str:
         return f"Lease(key={self.key!r}, fence={self.fence}, ttl={self.ttl}, remaining={self.remaining():.3f}s)"
@@ -125,11 +158,13 @@ class Busy:
       key: the lease key.
       ttl_left: the holder's remaining TTL in milliseconds (-1: the key has no TTL).
       fence: the holder's fencing token (0 if unknown).
+      now_ms: the Redis server's clock when it answered (Unix ms; 0 if unknown).
     """
 
     key: str
     ttl_left: int
     fence: int
+    now_ms: int = 0
 
     @property
     def retry_after(self) -> int:
@@ -157,22 +192,34 @@ _RENEW_CODES = {1: Renewal.OK, 0: Renewal.GONE, -1: Renewal.STOLEN, -2: Renewal.
 
 
 class State(str, Enum):
-    """The health of a lease as seen from Redis."""
+    """The health of a lease as seen from Redis.
+
+    Only the *leaked* states (:attr:`leaked`) say that no holder can still
+    believe it holds the lease; they are what ``release --if-dead`` may end.
+    ``heartbeat_overdue`` is a warning: renewals are late, but the holder may
+    still be running under its lease until its own deadline.
+    """
 
     ALIVE = "alive"
+    HEARTBEAT_OVERDUE = "heartbeat_overdue"
     HOLDER_DEAD = "holder_dead"
     PAST_MAX_HOLD = "past_max_hold"
     NO_TTL = "no_ttl"
 
+    @property
+    def leaked(self) -> bool:
+        """True when no holder can still believe it holds the lease, yet the key is there."""
+        return self in (State.HOLDER_DEAD, State.PAST_MAX_HOLD, State.NO_TTL)
+
 
 def stale_after(interval_ms: int) -> int:
-    """Milliseconds without a heartbeat after which a holder counts as dead: two missed renewals plus slack."""
+    """Milliseconds without a renewal after which a heartbeat counts as overdue: two missed rounds plus slack."""
     return 2 * interval_ms + 500
 
 
 @dataclass(frozen=True)
 class LeaseInfo:
-    """Everything Redis knows about one lease, as read at ``now`` (server ms)."""
+    """Everything Redis knows about one lease, as read at ``now_ms`` (server ms)."""
 
     key: str
     redis_key: str
@@ -186,6 +233,8 @@ class LeaseInfo:
     max_hold_until_ms: int
     now_ms: int
     meta: Mapping[str, str] = field(default_factory=dict)
+    margin_ms: int = 0
+    adopted_ms: int = 0
 
     @property
     def age(self) -> float:
@@ -198,19 +247,40 @@ class LeaseInfo:
         return max(0, self.now_ms - self.renewed_ms) / 1000
 
     @property
+    def holder_deadline_ms(self) -> int | None:
+        """When the holder stops trusting the lease at the latest (server ms), or ``None`` if the hash does not say.
+
+        The same formula as the ``RELEASE_IF_DEAD`` script's: the earlier of
+        the last renewal plus the TTL and the end of the maximum hold, less
+        the holder's safety margin.
+        """
+        if not self.renewed_ms or self.ttl <= 0:
+            return None
+        ends = self.renewed_ms + self.ttl
+        if self.max_hold_until_ms:
+            ends = min(ends, self.max_hold_until_ms)
+        return ends - self.margin_ms
+
+    @property
     def state(self) -> State:
-        """``no_ttl`` beats ``past_max_hold`` beats ``holder_dead`` beats ``alive``."""
+        """The lease's health; see :class:`State`. Agrees with :meth:`Leases.release_if_dead` on the same snapshot."""
+        deadline = self.holder_deadline_ms
+        if deadline is not None and self.now_ms < deadline:
+            # interval 0: nobody heartbeats this lease (taken in a web request, say); only its TTL ends it.
+            if self.interval and self.now_ms - self.renewed_ms > stale_after(self.interval):
+                return State.HEARTBEAT_OVERDUE
+            return State.ALIVE
         if self.ttl_left == -1:
             return State.NO_TTL
-        if self.max_hold_until_ms and self.now_ms > self.max_hold_until_ms:
+        if deadline is None:
+            return State.ALIVE  # a key we did not write, which expires by itself
+        if self.max_hold_until_ms and deadline >= self.max_hold_until_ms - self.margin_ms:
             return State.PAST_MAX_HOLD
-        # interval 0: nobody heartbeats this lease (taken in a web request, say); only its TTL ends it.
-        if self.interval and self.now_ms - self.renewed_ms > stale_after(self.interval):
-            return State.HOLDER_DEAD
-        return State.ALIVE
+        return State.HOLDER_DEAD
 
     def as_dict(self) -> dict[str, Any]:
         """A JSON-ready view (without the owner token)."""
+        deadline = self.holder_deadline_ms
         return {
             **self.meta,
             "key": self.key,
@@ -225,10 +295,14 @@ class LeaseInfo:
             "acquired_at": self.acquired_ms / 1000,
             "renewed_at": self.renewed_ms / 1000,
             "max_hold_until": self.max_hold_until_ms / 1000 if self.max_hold_until_ms else None,
+            "holder_deadline": deadline / 1000 if deadline is not None else None,
+            "adopted_at": self.adopted_ms / 1000 if self.adopted_ms else None,
         }
 
 
-_CORE_FIELDS = {"token", "fence", "ttl", "interval", "acquired_ms", "renewed_ms", "max_hold_until_ms", "key"}
+#: Hash fields the scripts own; holder metadata may not use these names.
+_CORE_FIELDS = frozenset({"token", "fence", "ttl", "interval", "margin_ms", "acquired_ms", "renewed_ms",
+                          "max_hold_until_ms", "adopted_ms", "key"})
 
 
 def _parse_info(redis_key: str, pttl: int, flat: Sequence[Any], now_ms: int) -> LeaseInfo:
@@ -253,7 +327,21 @@ def _parse_info(redis_key: str, pttl: int, flat: Sequence[Any], now_ms: int) -> 
         max_hold_until_ms=num("max_hold_until_ms"),
         now_ms=now_ms,
         meta={k: v for k, v in raw.items() if k not in _CORE_FIELDS},
+        margin_ms=num("margin_ms"),
+        adopted_ms=num("adopted_ms"),
     )
+
+
+def _meta_args(key: str, meta: Mapping[str, str]) -> list[str]:
+    """Holder metadata as flat field/value arguments, after the lease key itself."""
+    args = ["key", key]
+    for name, value in meta.items():
+        if not isinstance(name, str) or name in _CORE_FIELDS or not isinstance(value, str):
+            raise LeaseConfigError(
+                f"lease metadata must map strings to strings, not reuse {sorted(_CORE_FIELDS)}; got {name!r}: {value!r}"
+            )
+        args += [name, value]
+    return args
 
 
 class Leases:
@@ -315,35 +403,38 @@ class Leases:
         interval: int | None = None,
         max_hold: int | None = None,
         meta: Mapping[str, str] | None = None,
+        token: str | None = None,
     ) -> Lease | Busy:
         """Acquire ``key`` for ``ttl`` milliseconds without waiting.
 
         Parameters:
           key: the lease key.
-          ttl: the lease's time to live in milliseconds, restored by each renewal.
+          ttl: the lease's time to live in whole milliseconds, restored by each renewal.
           interval: how often a :class:`Heartbeat` will renew it, in
-            milliseconds, stored so observers can tell a dead holder. Leave
-            it out for a lease nobody renews (taken in a web request and
-            handed to a worker): it then counts as alive until its TTL ends,
-            and a heartbeat that tracks it anyway renews every ``ttl // 3``.
-          max_hold: the longest the lease may be renewed for, in milliseconds.
+            milliseconds, stored so observers can tell an overdue heartbeat.
+            Leave it out for a lease nobody renews (taken in a web request
+            and handed to a worker); a heartbeat that tracks it anyway
+            renews every ``ttl // 3``.
+          max_hold: the longest the holder may trust the lease, in
+            milliseconds from now; renewals never extend it past that.
           meta: holder metadata stored with the lease (strings).
+          token: the owner token to use; default a fresh random one. Choose
+            it beforehand to be able to release a grant whose reply was lost.
 
         Returns:
-          a :class:`Lease` with a fresh token and fence, or :class:`Busy`
+          a :class:`Lease` with the token and a new fence, or :class:`Busy`
           (falsy) with the holder's remaining TTL.
 
         Raises:
+          LeaseConfigError: a number is not a whole count of milliseconds in
+            range, or the metadata is not strings; checked before Redis is asked.
           LeaseUnavailableError: Redis could not be asked; nothing was granted.
         """
         validate_key(key)
-        if ttl <= 0:
-            raise LeaseConfigError(f"ttl must be a positive number of milliseconds, got {ttl!r}")
-        token = new_token()
+        ttl, stored_interval, max_hold_ms = _check_numbers(ttl, interval, max_hold)
+        token = token or new_token()
         meta = dict(meta or {})
-        args: list[Any] = [token, ttl, max_hold or 0, interval or 0]
-        for k, v in {**meta, "key": key}.items():
-            args += [k, v]
+        args: list[Any] = [token, ttl, max_hold_ms, stored_interval, margin_ms(ttl), *_meta_args(key, meta)]
         with tracing.span("lease.acquire", {tracing.KEY: key, tracing.TTL: ttl}) as span:
             sent_at = time.monotonic()
             try:
@@ -352,15 +443,15 @@ class Leases:
                 raise LeaseUnavailableError(f"could not acquire lease {key!r}: {type(e).__name__}: {e}") from e
             if int(reply[0]) != 1:
                 span.set_attributes({tracing.OUTCOME: "busy", tracing.FENCE: int(reply[2])})
-                return Busy(key=key, ttl_left=int(reply[1]), fence=int(reply[2]))
+                return Busy(key=key, ttl_left=int(reply[1]), fence=int(reply[2]), now_ms=int(reply[3]))
             span.set_attributes({tracing.OUTCOME: "acquired", tracing.FENCE: int(reply[1])})
         return Lease(
             key=key,
             token=token,
             fence=int(reply[1]),
             ttl=ttl,
-            interval=interval or max(1, ttl // 3),
-            max_hold=max_hold,
+            interval=stored_interval or default_interval(ttl),
+            max_hold=max_hold_ms or None,
             acquired_at=int(reply[2]) / 1000,
             meta=meta,
             sent_at=sent_at,
@@ -373,23 +464,37 @@ class Leases:
         ttl: int,
         *,
         interval: int | None = None,
+        max_hold: int | None = None,
         meta: Mapping[str, str] | None = None,
+        new_token: str | None = None,
     ) -> Lease | Busy | None:
-        """Take over a lease acquired elsewhere (another process) by proving its ``token``.
+        """Take over a lease acquired elsewhere (a web request) by proving its ``token``.
 
-        The TTL is restored to ``ttl`` and the metadata updated; the fence and
-        the maximum hold stay those of the original grant.
+        Adoption happens once: the lease gets a new owner token, so a second
+        adopter presenting the same handed-over token finds the key busy. The
+        fence stays the grant's (one grant, one run). The TTL becomes ``ttl``;
+        the maximum hold becomes the earlier of the grant's and ``max_hold``
+        from now.
 
         Returns:
-          the :class:`Lease`; :class:`Busy` if another token holds ``key``
-          now; ``None`` if the lease is gone (expired or released).
+          the adopted :class:`Lease` (with the new token); :class:`Busy` if
+          another token holds ``key`` now, including an earlier adopter;
+          ``None`` if the lease is gone (expired or released) or its maximum
+          hold leaves less than the safety margin.
+
+        Raises:
+          LeaseConfigError: as :meth:`try_acquire`.
+          LeaseUnavailableError: Redis could not be asked.
         """
         validate_key(key)
-        interval = interval or max(1, ttl // 3)
+        ttl, stored_interval, max_hold_ms = _check_numbers(ttl, interval, max_hold)
+        if not isinstance(token, str) or not token:
+            raise LeaseConfigError(f"the handed-over token must be a non-empty string, got {token!r}")
+        mine = new_token or _new_token()
         meta = dict(meta or {})
-        args: list[Any] = [token, ttl, interval]
-        for k, v in {**meta, "key": key}.items():
-            args += [k, v]
+        interval_ms = stored_interval or default_interval(ttl)
+        margin = margin_ms(ttl)
+        args: list[Any] = [token, mine, ttl, interval_ms, margin, max_hold_ms, *_meta_args(key, meta)]
         sent_at = time.monotonic()
         try:
             reply = self._adopt(keys=[self.lease_name(key)], args=args)
@@ -399,15 +504,16 @@ class Leases:
         if code == 0:
             return None
         if code < 0:
-            return Busy(key=key, ttl_left=int(reply[1]), fence=int(reply[2]))
+            return Busy(key=key, ttl_left=int(reply[1]), fence=int(reply[2]), now_ms=int(reply[3]))
         _, fence, acquired_ms, until_ms, now_ms = (int(x) for x in reply)
         return Lease(
             key=key,
-            token=token,
+            token=mine,
             fence=fence,
             ttl=ttl,
-            interval=interval,
-            max_hold=(until_ms - now_ms) if until_ms else None,
+            interval=interval_ms,
+            # The server keeps the key until until_ms; the holder stops a margin earlier.
+            max_hold=(until_ms - now_ms - margin) if until_ms else None,
             acquired_at=acquired_ms / 1000,
             meta=meta,
             sent_at=sent_at,
@@ -495,28 +601,26 @@ class Leases:
             span.set_attribute(tracing.OUTCOME, "released" if released else "not_held")
         return released
 
-    def release_if_dead(self, key: str) -> tuple[bool | None, float, int]:
-        """Release the lease on ``key`` only if its holder's heartbeat has stopped.
+    def release_if_dead(self, key: str) -> DeadRelease:
+        """Release the lease on ``key`` only if no holder can still believe it holds it.
 
-        The check and the delete are one script, so a holder that renews in
-        between keeps its lease.
-
-        Returns:
-          ``(released, heartbeat_age_seconds, fence)``; ``released`` is
-          ``None`` when there is no lease on ``key``.
+        Decided inside one script from facts the holder wrote itself: its
+        deadline (:attr:`LeaseInfo.holder_deadline_ms`) has passed; or the
+        hash names no holder deadline and the key has no TTL (written by
+        hand). A holder whose heartbeat is merely overdue keeps its lease: it
+        may still be running, and its lease ends by TTL soon after its deadline.
         """
-        info = self.inspect(key)
-        if info is None:
-            return None, 0.0, 0
-        # Without a heartbeat to judge by, only a lease without TTL counts as dead.
-        stale = stale_after(info.interval) if info.interval else 2**62
         try:
-            reply = self._release_if_dead(keys=[self.lease_name(key), self.fence_name(key)], args=[stale])
+            reply = self._release_if_dead(keys=[self.lease_name(validate_key(key)), self.fence_name(key)], args=[])
         except redis.RedisError as e:
             raise LeaseUnavailableError(f"could not release lease {key!r}: {type(e).__name__}: {e}") from e
-        if int(reply[0]) < 0:
-            return None, 0.0, 0
-        return int(reply[0]) == 1, int(reply[1]) / 1000, int(reply[2])
+        code = int(reply[0])
+        if code < 0:
+            return DeadRelease(None, None, 0)
+        ms, fence = int(reply[1]), int(reply[2])
+        if code == 1:
+            return DeadRelease(True, -ms / 1000, fence)
+        return DeadRelease(False, ms / 1000 if ms >= 0 else None, fence)
 
     # Inspection ------------------------------------------------------------
 

@@ -1,0 +1,43 @@
+"""Checks for the numbers a lease is made of, before anything reaches Redis."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from .errors import LeaseConfigError
+from .scripts import MAX_MS
+
+#: Part of the TTL a holder keeps as a safety margin: it stops trusting its lease
+#: ``ttl * SAFETY_MARGIN`` before the key can expire on the server, so an actor
+#: interrupted at its deadline has that long to stop before anyone else is granted the key.
+SAFETY_MARGIN = 0.1
+
+
+def whole_ms(value: Any, name: str, *, minimum: int = 1, owner: str = "") -> int:
+    """Return ``value`` as an ``int`` if it is a whole number of milliseconds in ``[minimum, MAX_MS]``.
+
+    Floats are accepted only when whole (``1500.0``): a fraction would be
+    truncated somewhere on the way to Redis, and ``0.5`` would become 0.
+
+    Raises:
+      LeaseConfigError: naming ``owner`` (if given), ``name`` and the value.
+    """
+    ok = (
+        not isinstance(value, bool)
+        and isinstance(value, (int, float))
+        and math.isfinite(value)
+        and value == int(value)
+        and minimum <= value <= MAX_MS
+    )
+    if not ok:
+        prefix = f"{owner}: " if owner else ""
+        raise LeaseConfigError(
+            f"{prefix}{name} must be a whole number of milliseconds from {minimum} to {MAX_MS}, got {value!r}"
+        )
+    return int(value)
+
+
+def margin_ms(ttl: int) -> int:
+    """The safety margin of a lease with this TTL, in whole milliseconds (always below the TTL)."""
+    return int(ttl * SAFETY_MARGIN)

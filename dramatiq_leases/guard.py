@@ -1,0 +1,157 @@
+"""One message's hold on its lease, and the call of its actor under that hold.
+
+The worker thread and the heartbeat share a :class:`Run`. The heartbeat may
+declare the lease lost at any instant and then interrupts the actor with
+:class:`LeaseLost`, an asynchronous exception; the worker thread may itself be
+interrupted by Dramatiq's ``TimeLimitExceeded`` or ``Shutdown`` at any
+instant. Two rules follow:
+
+* ``LeaseLost`` is injected only while the actor's function runs, and a
+  pending one is cancelled the moment it returns (both under the run's lock,
+  a C lock, which an interruption cannot leave held).
+* Whether the actor *returned* is decided by C code, not by a bytecode of
+  ours: the function is called through ``list.extend`` over ``starmap``, so
+  its return value is stored before any instruction of the guard runs. An
+  interruption landing after that is absorbed; one landing inside the
+  function fails the message as usual.
+
+CPython delivers asynchronous exceptions only at calls, function entries and
+backward jumps; the bookkeeping after the actor is written without backward
+jumps and retried a bounded number of times, once per interrupt source.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import itertools
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from dramatiq.middleware import Interrupt
+from dramatiq.threading import raise_thread_exception
+
+from .core.heartbeat import REASONS
+from .core.lease import Lease
+
+READY, RUNNING, DONE = "ready", "running", "done"
+
+
+class LeaseLost(Interrupt):
+    """Raised inside an actor whose lease was lost while it ran.
+
+    The actor stops and the message fails like any other exception (Retries
+    retries it). It never reaches an actor that has already returned.
+    """
+
+
+def _lease_lost_with(detail: str) -> type[LeaseLost]:
+    """A LeaseLost subclass that carries ``detail``: an exception raised in another thread is given as a class."""
+
+    class DetailedLeaseLost(LeaseLost):
+        def __init__(self, *args: object) -> None:
+            super().__init__(*(args or (detail,)))
+
+    DetailedLeaseLost.__name__ = DetailedLeaseLost.__qualname__ = "LeaseLost"
+    return DetailedLeaseLost
+
+
+class Run:
+    """One message's hold on its lease, shared by its worker thread and the heartbeat.
+
+    Created, with its token, before the lease is asked for: whatever
+    interrupts the worker after that, the message's after-hook can still
+    release by token.
+    """
+
+    __slots__ = ("injected", "key", "lease", "lock", "lost_reason", "release_tried", "released", "state", "thread_id",
+                 "token")
+
+    def __init__(self, key: str, token: str, thread_id: int) -> None:
+        self.key = key
+        self.token = token
+        self.thread_id = thread_id
+        self.lease: Lease | None = None
+        self.lock = threading.Lock()
+        self.state = READY
+        self.lost_reason: str | None = None
+        self.injected = False
+        self.release_tried = False
+        self.released = False
+
+    def begin(self) -> None:
+        """Enter the actor; raises :class:`LeaseLost` if the lease can no longer be trusted."""
+        with self.lock:
+            lease = self.lease
+            if self.lost_reason is None and (lease is None or lease.remaining() <= 0):
+                past_hold = lease is not None and time.monotonic() >= lease.hold_until
+                self.lost_reason = "max_hold" if past_hold else "unreachable"
+            if self.lost_reason is not None:
+                self.state = DONE
+                raise LeaseLost(self.describe())
+            self.state = RUNNING
+
+    def finish(self) -> None:
+        """Leave the actor: no LeaseLost may reach this thread from now on. Idempotent."""
+        with self.lock:
+            self.state = DONE
+            if self.injected:
+                # Cancel a LeaseLost injected but not yet delivered: the actor has finished.
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.thread_id), None)
+
+    def lost(self, lease: Lease, reason: str) -> None:
+        """The heartbeat's callback: record the loss, and interrupt the actor if it is running."""
+        with self.lock:
+            self.lost_reason = reason
+            if self.state == RUNNING and not self.injected:
+                self.injected = True
+                raise_thread_exception(self.thread_id, _lease_lost_with(self.describe()))  # type: ignore[no-untyped-call]
+
+    def describe(self) -> str:
+        """What happened to the lease, for ``LeaseLost`` and logs."""
+        fence = self.lease.fence if self.lease is not None else 0
+        reason = self.lost_reason or "unknown"
+        return f"lease {self.key!r} (fence {fence}) was lost: {reason} ({REASONS.get(reason, reason)})"
+
+
+def call_under(run: Run, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+               end: Callable[[Run], None]) -> Any:
+    """Call ``fn`` while ``run`` holds its lease, then ``end(run)``; return what ``fn`` returned.
+
+    ``end`` must be idempotent: it is called again if an interruption lands
+    in it. An interruption that lands after ``fn`` returned never fails the
+    call; one raised inside ``fn`` propagates as ``fn``'s own exception.
+    """
+    out: list[Any] = []
+    error: BaseException | None = None
+    try:
+        run.begin()
+        # C code calls fn and stores its result: no bytecode of ours runs in between.
+        out.extend(itertools.starmap(functools.partial(fn, **kwargs) if kwargs else fn, (args,)))
+    except BaseException as e:
+        error = e
+    # Settle: each level absorbs one interruption (there are few sources: our LeaseLost, which
+    # finish() cancels, TimeLimit's and Shutdown's). No loop: a backward jump is a delivery point.
+    try:
+        run.finish()
+        end(run)
+    except BaseException as e1:
+        error = error if error is not None or out else e1
+        try:
+            run.finish()
+            end(run)
+        except BaseException as e2:
+            error = error if error is not None or out else e2
+            try:
+                run.finish()
+                end(run)
+            except BaseException as e3:
+                error = error if error is not None or out else e3
+                run.finish()
+                end(run)
+    if out:
+        return out[0]
+    assert error is not None
+    raise error
