@@ -17,7 +17,8 @@ Exit codes (an API: scripts rely on them):
 
 * 0: success.
 * 1: refused: ``release`` changed nothing because another owner holds the
-  lease or its holder is alive; or the demo's checks failed.
+  lease, or (``--if-dead``) its holder may still believe it holds it; or the
+  demo's checks failed.
 * 2: usage error (bad or missing arguments).
 * 3: not found: there is no lease on KEY.
 * 4: Redis unreachable or failing; one line on stderr names the URL.
@@ -40,7 +41,7 @@ import redis
 
 from .core.errors import LeaseError, LeaseUnavailableError
 from .core.keys import DEFAULT_PREFIX, validate_key, validate_prefix
-from .core.lease import LeaseInfo, Leases, State, stale_after
+from .core.lease import DeadRelease, LeaseInfo, Leases, State, stale_after
 
 EXIT_OK = 0
 EXIT_REFUSED = 1
@@ -56,7 +57,7 @@ EXIT_CODES_HELP = """\
 exit codes:
   0    success
   1    refused: release changed nothing (another owner holds the lease, or its
-       holder is alive); or the demo's checks failed
+       holder may still be running under it); or the demo's checks failed
   2    usage error
   3    not found: no lease on KEY
   4    Redis unreachable or failing (one line on stderr names the URL)
@@ -96,9 +97,11 @@ def redact_url(url: str) -> str:
 
 
 def format_duration(seconds: float | None) -> str:
-    """A short human duration: ``0.4s``, ``12.0s``, ``3m04s``, ``2h05m``, ``3d04h``; ``-`` for ``None``."""
+    """A short human duration: ``10ms``, ``0.4s``, ``12.0s``, ``3m04s``, ``2h05m``, ``3d04h``; ``-`` for ``None``."""
     if seconds is None:
         return "-"
+    if 0 < seconds < 0.1:
+        return f"{seconds * 1000:.0f}ms"
     if seconds < 60:
         return f"{seconds:.1f}s"
     minutes, secs = divmod(int(seconds), 60)
@@ -125,18 +128,51 @@ def _ttl_left(info: LeaseInfo) -> str:
     return "none" if info.ttl_left == -1 else format_duration(info.ttl_left / 1000)
 
 
-def _dead_after(info: LeaseInfo) -> float | None:
-    """Seconds without a heartbeat after which the holder counts as dead (as ``LeaseInfo.state`` decides)."""
-    # interval 0: nobody heartbeats this lease (taken outside a worker); only its TTL ends it.
+def _overdue_after(info: LeaseInfo) -> float | None:
+    """Seconds without a renewal after which the heartbeat counts as overdue (a warning, not death), or ``None``."""
+    # interval 0: nobody heartbeats this lease (taken outside a worker); only its deadline and TTL end it.
     return stale_after(info.interval) / 1000 if info.interval else None
+
+
+def _deadline_in(info: LeaseInfo) -> float | None:
+    """Seconds until the holder's deadline (negative: past it), or ``None`` if the hash names none."""
+    deadline = info.holder_deadline_ms
+    return None if deadline is None else (deadline - info.now_ms) / 1000
+
+
+def _expires(info: LeaseInfo) -> str:
+    """When the key ends by its TTL, as ``at <time> (in <duration>)``, or ``never (no TTL)``."""
+    if info.ttl_left < 0:
+        return "never (no TTL)"
+    return f"at {_timestamp(info.now_ms + info.ttl_left)} (in {format_duration(info.ttl_left / 1000)})"
+
+
+def _ends(info: LeaseInfo, subject: str = "it") -> str:
+    """How the key ends if nobody acts: by its TTL, or (no TTL) not at all, leaked once the holder's deadline passes."""
+    if info.ttl_left < 0:
+        return f"{subject} has no TTL, so after that deadline it is leaked (no_ttl) and never ends by itself"
+    return f"{subject} ends by its TTL {_expires(info)}"
+
+
+def _by_max_hold(info: LeaseInfo) -> bool:
+    """Whether the holder's deadline comes from the maximum hold rather than the last renewal."""
+    deadline = info.holder_deadline_ms
+    return bool(info.max_hold_until_ms) and deadline is not None and deadline >= info.max_hold_until_ms - info.margin_ms
+
+
+def _when(ms: int, now_ms: int) -> str:
+    """``<time> (in <duration>)`` or ``<time> (<duration> ago)``."""
+    delta = (ms - now_ms) / 1000
+    ago = f"in {format_duration(delta)}" if delta >= 0 else f"{format_duration(-delta)} ago"
+    return f"{_timestamp(ms)} ({ago})"
 
 
 def _lease_dict(info: LeaseInfo, problem: str | None) -> dict[str, Any]:
     if problem is None:
-        return {**info.as_dict(), "holder": _holder(info)}
+        return {**info.as_dict(), "leaked": info.state.leaked, "holder": _holder(info)}
     # Not a lease hash: its timestamps are absent, so report only what is real.
     return {"key": info.key, "redis_key": info.redis_key, "state": info.state.value,
-            "ttl_left": info.ttl_left, "problem": problem}
+            "leaked": info.state.leaked, "ttl_left": info.ttl_left, "problem": problem}
 
 
 def _table(rows: list[list[str]], out: TextIO) -> None:
@@ -191,6 +227,13 @@ def cmd_list(leases: Leases, args: argparse.Namespace, out: TextIO) -> int:
         problem = problems[info.redis_key]
         if problem is not None:
             out.write(f"note: {info.redis_key} is {problem}; no dramatiq-leases code wrote it.\n")
+    states = {info.state for info in found}
+    if State.HEARTBEAT_OVERDUE in states:
+        out.write("note: heartbeat_overdue: renewals are late, but the holder may still be running until its "
+                  "deadline; the lease then ends by its TTL. Investigate the holder; do not release it.\n")
+    if any(state.leaked for state in states):
+        out.write("note: holder_dead, past_max_hold, no_ttl: leaked, no holder can still believe it holds the "
+                  "lease; `release KEY --if-dead` frees it.\n")
     return EXIT_OK
 
 
@@ -199,14 +242,31 @@ def _timestamp(ms: int) -> str:
 
 
 def _state_note(info: LeaseInfo) -> str:
-    if info.state is State.ALIVE:
-        return "the holder's heartbeat is renewing it"
-    if info.state is State.HOLDER_DEAD:
-        return (f"no heartbeat for {info.heartbeat_age:.1f}s (dead after {_dead_after(info) or 0:.1f}s); "
-                "it expires by its TTL, or `release --if-dead` ends it now")
-    if info.state is State.PAST_MAX_HOLD:
-        return "held past its maximum hold; it can no longer be renewed"
-    return "the key has no TTL, so it would never expire by itself; `release --if-dead` removes it"
+    """What the lease's state means, and what (not) to do about it."""
+    state, deadline = info.state, info.holder_deadline_ms
+    if state is State.ALIVE:
+        if deadline is None:
+            return f"not written by a dramatiq-leases holder (no holder deadline); it ends by its TTL {_expires(info)}"
+        if not info.interval:
+            return ("not heartbeated (taken outside a worker, waiting to be adopted); its holder may rely on it "
+                    f"until {_when(deadline, info.now_ms)}, and {_ends(info)}")
+        return f"the holder's heartbeat is renewing it (last {info.heartbeat_age:.1f}s ago)"
+    if state is State.HEARTBEAT_OVERDUE:
+        assert deadline is not None  # overdue only before a deadline
+        return (f"renewals are late: none for {info.heartbeat_age:.1f}s (expected every "
+                f"{format_duration(info.interval / 1000)}), but the holder may still be running under the lease "
+                f"until its deadline {_when(deadline, info.now_ms)}; {_ends(info, 'the lease')}. "
+                "It is not leaked: investigate the holder, and leave the lease alone (ending it now could let "
+                "a second worker run beside the first)")
+    if state is State.NO_TTL:
+        past = f"its holder's deadline passed at {_timestamp(deadline)} and " if deadline is not None else ""
+        return (f"leaked: {past}the key has no TTL, so it would never expire by itself; "
+                "`release --if-dead` removes it")
+    assert deadline is not None  # holder_dead and past_max_hold both have a deadline in the past
+    why = ("its maximum hold ended" if state is State.PAST_MAX_HOLD
+           else "its holder's deadline passed")
+    return (f"leaked: {why} at {_when(deadline, info.now_ms)}, so no holder can still believe it holds it; "
+            f"it ends by its TTL {_expires(info)}, or `release --if-dead` ends it now")
 
 
 def cmd_show(leases: Leases, args: argparse.Namespace, out: TextIO) -> int:
@@ -221,7 +281,8 @@ def cmd_show(leases: Leases, args: argparse.Namespace, out: TextIO) -> int:
     token = info.token if args.show_token else None
     if args.json:
         data = _lease_dict(info, problem)
-        data.update(token=token, dead_after=_dead_after(info), fence_state=fences)
+        data.update(token=token, overdue_after=_overdue_after(info), deadline_in=_deadline_in(info),
+                    fence_state=fences)
         json.dump(data, out, indent=2)
         out.write("\n")
         return EXIT_OK
@@ -238,11 +299,15 @@ def cmd_show(leases: Leases, args: argparse.Namespace, out: TextIO) -> int:
         ("acquired", f"{_timestamp(info.acquired_ms)} ({format_duration(info.age)} ago)"),
         ("last heartbeat", f"{_timestamp(info.renewed_ms)} ({format_duration(info.heartbeat_age)} ago)"),
         ("renew interval", format_duration(info.interval / 1000)),
-        ("dead after", f"{format_duration(dead_after)} without a heartbeat" if (dead_after := _dead_after(info))
-         else "never: not heartbeated (waiting to be adopted); its TTL ends it"),
+        ("overdue after", f"{format_duration(overdue)} without a heartbeat (a warning: the holder may still run)"
+         if (overdue := _overdue_after(info)) else "never: not heartbeated (waiting to be adopted)"),
+        ("holder deadline", _when(deadline, info.now_ms) + ": no holder trusts the lease after it"
+         if (deadline := info.holder_deadline_ms) is not None else "none recorded"),
         ("ttl", format_duration(info.ttl / 1000)),
         ("ttl left", _ttl_left(info)),
+        ("expires", _expires(info)),
         ("max hold until", _timestamp(info.max_hold_until_ms) if info.max_hold_until_ms else "none"),
+        *([("adopted", _timestamp(info.adopted_ms))] if info.adopted_ms else []),
         ("fence counter", ", ".join(f"last {name} {value}" for name, value in sorted(fences.items()))
          or "none"),
     ]
@@ -253,7 +318,7 @@ def cmd_show(leases: Leases, args: argparse.Namespace, out: TextIO) -> int:
 
 
 def cmd_release(leases: Leases, args: argparse.Namespace, out: TextIO) -> int:
-    """``release KEY``: end a lease only if the token proves ownership or its holder is dead."""
+    """``release KEY``: end a lease only if the token proves ownership, or no holder can still believe it holds it."""
     key = validate_key(args.key)
     info = leases.inspect(key)
     if info is None:
@@ -266,28 +331,49 @@ def cmd_release(leases: Leases, args: argparse.Namespace, out: TextIO) -> int:
             raise _NotFoundError(f"the lease on {key!r} ended meanwhile; nothing to release")
         raise _RefusedError(f"refused: {key!r} is held by another owner (fence {info.fence}, "
                             f"{_holder(info)}); nothing changed")
-    released, age, fence = leases.release_if_dead(key)
-    if released is None:
+    # The verdict is the script's, from the facts in Redis at that instant; `info` only describes the holder.
+    result = leases.release_if_dead(key)
+    if result.released is None:
         raise _NotFoundError(f"the lease on {key!r} ended meanwhile; nothing to release")
-    threshold = _dead_after(info) or 0.0
-    if not _is_lease(info):
-        why = "it is not a lease hash"
-    elif info.ttl_left == -1:
-        why = "it had no TTL"
-    else:
-        why = f"the holder's last heartbeat was {age:.1f}s ago, past the {threshold:.1f}s threshold"
-    if released:
-        out.write(f"released {key!r} (fence {fence}, held by {_holder(info)}): {why}.\n")
+    if result.fence != info.fence:  # another grant meanwhile: describe that one
+        info = leases.inspect(key) or info
+    if result.released:
+        out.write(f"released {key!r} (fence {result.fence}, held by {_holder(info)}): {_why_released(info, result)}.\n")
         return EXIT_OK
+    raise _RefusedError(_why_refused(key, info, result))
+
+
+def _why_released(info: LeaseInfo, result: DeadRelease) -> str:
+    if not _is_lease(info):
+        return "it is not a lease hash, and had no TTL"
+    if info.holder_deadline_ms is None:
+        return "it named no holder deadline and had no TTL, so it would never have expired"
+    past = f"{-result.deadline_in:.1f}s ago" if result.deadline_in is not None else "already"
+    what = "its maximum hold ended" if _by_max_hold(info) else "its holder's deadline passed"
+    ttl = "; the key had no TTL" if info.ttl_left == -1 else ""
+    return f"{what} {past}, so no holder could still believe it held it{ttl}"
+
+
+def _why_refused(key: str, info: LeaseInfo, result: DeadRelease) -> str:
+    unchanged = "nothing changed"
+    if result.deadline_in is None:
+        what = "is not a lease hash" if not _is_lease(info) else "names no holder deadline"
+        return (f"refused: {key!r} (fence {result.fence}) {what}, and expires by itself by its TTL "
+                f"{_expires(info)}; {unchanged}")
+    deadline = f"its deadline in {result.deadline_in:.1f}s"
+    if info.holder_deadline_ms is not None:
+        deadline += f" ({_timestamp(info.holder_deadline_ms)})"
+    ends = _ends(info)
     if not info.interval:
-        raise _RefusedError(
-            f"refused: the lease on {key!r} (fence {fence}) is not heartbeated (taken outside a worker, "
-            f"waiting to be adopted); it ends with its TTL in {_ttl_left(info)}; nothing changed"
-        )
-    raise _RefusedError(
-        f"refused: the holder of {key!r} (fence {fence}, {_holder(info)}) is alive: its last heartbeat was "
-        f"{age:.1f}s ago, within the {threshold:.1f}s threshold (2 x renew interval + 0.5s); nothing changed"
-    )
+        return (f"refused: the lease on {key!r} (fence {result.fence}) is not heartbeated (taken outside a worker, "
+                f"waiting to be adopted); its holder may rely on it until {deadline}; {ends}; {unchanged}")
+    holder = f"{key!r} (fence {result.fence}, {_holder(info)})"
+    if info.state is State.HEARTBEAT_OVERDUE:
+        return (f"refused: the heartbeat of {holder} is overdue (last renewal {info.heartbeat_age:.1f}s ago), "
+                f"but its holder may still be running under the lease until {deadline}: releasing it now could "
+                f"let a second worker run beside it; {ends}; {unchanged}")
+    return (f"refused: the holder of {holder} is alive: its last heartbeat was {info.heartbeat_age:.1f}s ago, "
+            f"and it relies on the lease until {deadline}; {unchanged}")
 
 
 def cmd_exporter(leases: Leases, args: argparse.Namespace, out: TextIO) -> int:
@@ -368,16 +454,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print the owner token (whoever has it can release the lease)")
 
     p = sub.add_parser(
-        "release", parents=[common], help="release a lease, only if owned or its holder is dead",
+        "release", parents=[common], help="release a lease, only if owned or leaked",
         description="Release a lease. Never a blind delete: prove ownership with --owner, or use --if-dead "
-                    "to release it only if its holder's heartbeat has stopped.",
+                    "to release it only if no holder can still believe it holds it: its holder's own deadline "
+                    "(the last renewal plus the TTL, less the holder's safety margin, or the end of its maximum "
+                    "hold) has passed, or the key has no TTL and no holder deadline ahead. An overdue heartbeat "
+                    "is not enough: the holder may still be running.",
         epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("key", metavar="KEY", help="the lease key, such as invoice:42")
     how = p.add_mutually_exclusive_group(required=True)
     how.add_argument("--owner", metavar="TOKEN", help="release only if TOKEN holds the lease")
     how.add_argument("--if-dead", action="store_true",
-                     help="release only if the holder's heartbeat has stopped")
+                     help="release only if the holder's deadline has passed, or the key has no TTL and no "
+                          "holder deadline ahead")
 
     p = sub.add_parser("exporter", parents=[common], help="serve lease metrics for Prometheus",
                        epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -3,11 +3,15 @@
 It starts a private Redis (unless given a Redis URL), a few independent
 Dramatiq worker instances running :mod:`dramatiq_leases.demo_app`, and sends
 several messages per invoice, all contending for the lease ``invoice:N``.
-While a worker holds a lease mid-job, the demo SIGKILLs it: that lease, which
-nobody will ever release, turns ``holder_dead`` and then expires by its TTL;
-another worker takes the invoice over with a higher fencing token, and the
-killed job's message is redelivered and completes. A summary checks all of
-it, and every process the demo started is stopped before it returns.
+While a worker holds a lease mid-job, the demo SIGKILLs it. That lease,
+which nobody will ever release, goes through the states every observer
+(``dramatiq-leases list``, the exporter) reports: ``heartbeat_overdue`` once
+renewals are late (the holder might still be running, so nobody may release
+it), ``holder_dead`` once the holder's own deadline (last renewal + TTL - a
+10% safety margin) has passed, and then it expires by its TTL. Another worker
+takes the invoice over with a higher fencing token, and the killed job's
+message is redelivered and completes. A summary checks all of it, and every
+process the demo started is stopped before it returns.
 
 Every Redis name the demo writes is specific to the run (a lease prefix and
 a Dramatiq namespace with a random suffix), so pointing it at a shared Redis
@@ -29,7 +33,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -37,6 +41,7 @@ import redis
 
 from .core.keys import DEFAULT_PREFIX
 from .core.lease import LeaseInfo, Leases, State, stale_after
+from .core.numbers import margin_ms
 
 # Names shared with demo_app, which reads its settings from the environment.
 ENV_REDIS_URL = "DRAMATIQ_LEASES_DEMO_REDIS_URL"
@@ -117,9 +122,19 @@ class _Orphan:
     key: str
     fence: int
     last_seen: LeaseInfo
-    dead_at: float | None = None
     gone_at: float | None = None
     released: bool = False
+    #: States seen while it lingered, in order (observed by polling: a short one may be missed).
+    seen: list[State] = field(default_factory=list)
+
+    def timeline(self, kill_ms: int) -> tuple[float, float | None, float]:
+        """Seconds after the kill at which its heartbeat turned overdue, its holder's deadline passed, and
+        its TTL ran out: the facts stored in the last snapshot of it, not when the demo happened to look."""
+        info = self.last_seen
+        overdue = (info.renewed_ms + stale_after(info.interval) - kill_ms) / 1000
+        deadline = info.holder_deadline_ms
+        expiry = (info.now_ms + info.ttl_left - kill_ms) / 1000
+        return overdue, (deadline - kill_ms) / 1000 if deadline is not None else None, expiry
 
 
 @dataclass
@@ -348,12 +363,9 @@ class _Demo:
             if after is not None and after.fence == before.fence:
                 if orphan is not None:
                     orphan.last_seen = after
-                if after.state is State.HOLDER_DEAD and before.state is not State.HOLDER_DEAD:
-                    if orphan is not None:
-                        orphan.dead_at = time.monotonic()
-                    self.say(f"{key}  fence {after.fence}  holder_dead: no heartbeat for "
-                             f"{after.heartbeat_age:.1f}s; nobody will release it, its TTL runs out in "
-                             f"{after.ttl_left / 1000:.1f}s")
+                    if after.state is not State.ALIVE and after.state not in orphan.seen:
+                        orphan.seen.append(after.state)
+                        self.say(f"{key}  fence {after.fence}  {self.state_news(after)}")
                 continue
             # The grant seen before has ended: released by its owner, or expired by its TTL.
             released = leases.fence_state(key).get("released", 0) >= before.fence
@@ -367,6 +379,20 @@ class _Demo:
             elif not released:
                 self.say(f"{key}  fence {before.fence}  expired by its TTL (no release seen)")
         self.leases_seen = now
+
+    @staticmethod
+    def state_news(info: LeaseInfo) -> str:
+        """One line on an orphan's new state, as ``dramatiq-leases show`` would explain it."""
+        deadline = info.holder_deadline_ms
+        until = (deadline - info.now_ms) / 1000 if deadline is not None else 0.0
+        expires = info.ttl_left / 1000
+        if info.state is State.HEARTBEAT_OVERDUE:
+            return (f"heartbeat_overdue: no renewal for {info.heartbeat_age:.1f}s, but its holder may still be "
+                    f"running until its deadline in {until:.1f}s: nobody may release it yet")
+        if info.state is State.HOLDER_DEAD:
+            return (f"holder_dead: its holder's deadline passed {-until:.1f}s ago, no holder can still believe it "
+                    f"holds it; its TTL runs out in {expires:.1f}s")
+        return f"{info.state.value}: its TTL runs out in {expires:.1f}s"
 
     def maybe_kill(self, leases: Leases) -> None:
         if self.kill is not None:
@@ -406,6 +432,11 @@ class _Demo:
             into = (now_ms - running[0].start_ms) / 1000
             self.say(f"KILL -9 {label}, {into:.1f}s into a job; it held {held}: {left} behind, "
                      "and nobody will release it")
+            for o in self.kill.orphans:
+                overdue, deadline, expiry = o.timeline(self.kill.kill_ms)
+                dead = f", holder_dead at +{deadline:.1f}s (its holder's deadline)" if deadline is not None else ""
+                self.say(f"{o.key}  fence {o.fence}  ahead, from the kill: heartbeat_overdue at +{overdue:.1f}s"
+                         f"{dead}, expired by its TTL at +{expiry:.1f}s")
             return
 
     def watch_instances(self) -> None:
@@ -453,8 +484,9 @@ class _Demo:
         self.line(f"  redis     {redact_url(url)}  ({where})")
         self.line(f"  metrics   {metrics_url}")
         interval = LOCK_TTL_MS // 3
-        self.line(f"  leases    lock_ttl {LOCK_TTL_MS / 1000:g}s, renewed every {interval / 1000:g}s, "
-                  f"holder dead after {stale_after(interval) / 1000:g}s without a heartbeat")
+        self.line(f"  leases    lock_ttl {LOCK_TTL_MS / 1000:g}s, renewed every {interval / 1000:g}s; after the "
+                  f"last renewal: heartbeat overdue at {stale_after(interval) / 1000:g}s, holder's deadline at "
+                  f"{(LOCK_TTL_MS - margin_ms(LOCK_TTL_MS)) / 1000:g}s, expired at {LOCK_TTL_MS / 1000:g}s")
         self.line(f"  inspect   dramatiq-leases --redis-url {redact_url(url)} --prefix {self.prefix} list")
         self.t0 = time.monotonic()
         self.start_workers(url)
@@ -516,6 +548,10 @@ class _Demo:
             failures.append("fencing tokens did not rise strictly per key")
         if any(o.released for o in kill.orphans):
             failures.append("an orphaned lease was released by someone instead of expiring")
+        order = [State.HEARTBEAT_OVERDUE, State.HOLDER_DEAD]
+        if any(o.seen != [s for s in order if s in o.seen] for o in kill.orphans):
+            failures.append("an orphaned lease was seen in an unexpected state or order: "
+                            + "; ".join(f"{o.key} {[s.value for s in o.seen]}" for o in kill.orphans))
         killed = self.killed_messages()
         redone = {a.message_id: a for a in done if a.message_id in killed and a.start_ms > kill.kill_ms}
         if not killed:
@@ -533,11 +569,13 @@ class _Demo:
         self.line(f"  killed                  pid {kill.pid} (SIGKILL) while it held "
                   + ", ".join(f"{o.key} fence {o.fence}" for o in kill.orphans))
         for o in kill.orphans:
-            expired = (o.last_seen.now_ms + o.last_seen.ttl_left - kill.kill_ms) / 1000
-            dead = f"holder_dead after {o.dead_at - kill.killed_at:.1f}s, " if o.dead_at else ""
+            overdue, deadline, expired = o.timeline(kill.kill_ms)
+            steps = f"heartbeat overdue {overdue:.1f}s, "
+            if deadline is not None:
+                steps += f"holder's deadline {deadline:.1f}s, "
             fate = ("released by someone" if o.released
                     else f"expired {expired:.1f}s after the kill (never released)")
-            self.line(f"  orphaned lease          {o.key} fence {o.fence}: {dead}{fate}")
+            self.line(f"  orphaned lease          {o.key} fence {o.fence}: {steps}{fate}")
         for a in sorted(redone.values(), key=lambda a: a.key):
             self.line(f"  killed job              {a.key} job {a.job + 1}: redelivered and completed "
                       f"with fence {a.fence}")

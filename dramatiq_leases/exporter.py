@@ -8,8 +8,19 @@ script call per batch of keys, per hash slot on a cluster.
 Metrics (labels ``actor_name``, ``queue_name`` unless noted):
 
 * ``dramatiq_lease_present``: leases in Redis now.
+* ``dramatiq_lease_heartbeat_overdue``: leases whose heartbeat is late (no
+  renewal for ``2 x interval + 0.5 s``) but whose holder may still be running
+  under them until its own deadline (the last renewal plus the TTL, less the
+  holder's safety margin). A warning, not a leak: such a lease must not be
+  released by hand, and ends by its TTL soon after that deadline.
 * ``dramatiq_lease_leaked`` (+ ``reason`` = holder_dead | past_max_hold |
-  no_ttl): leases the holder can no longer release.
+  no_ttl): leases that no holder can still believe it holds (its deadline has
+  passed, or the key has no TTL and no deadline ahead), yet still in Redis:
+  exactly the states :attr:`State.leaked` names, which ``dramatiq-leases
+  release --if-dead`` may end. A heartbeat-renewed key outlives its holder's
+  deadline by only the safety margin (a tenth of the TTL), so ``holder_dead``
+  and ``past_max_hold`` are brief unless someone extended the key's TTL;
+  ``no_ttl`` lasts until someone acts.
 * ``dramatiq_lease_expired_total``: grants that ended by TTL instead of release.
 * ``dramatiq_lease_oldest_acquired_timestamp_seconds``: when the oldest
   present lease was granted.
@@ -41,7 +52,8 @@ logger = logging.getLogger(__name__)
 #: Default port of the exporter's endpoint.
 DEFAULT_PORT = 9808
 
-LEAK_REASONS = (State.HOLDER_DEAD, State.PAST_MAX_HOLD, State.NO_TTL)
+#: The ``reason`` values of ``dramatiq_lease_leaked``: the states :attr:`State.leaked` calls leaked.
+LEAK_REASONS = tuple(state for state in State if state.leaked)
 
 Labels = tuple[str, str]
 
@@ -53,6 +65,7 @@ class Snapshot:
     at: float = 0.0
     duration: float = 0.0
     present: Tally[Labels] = field(default_factory=Tally)
+    overdue: Tally[Labels] = field(default_factory=Tally)
     leaked: Tally[tuple[str, str, str]] = field(default_factory=Tally)
     oldest: dict[Labels, float] = field(default_factory=dict)
     leases: list[LeaseInfo] = field(default_factory=list)
@@ -104,8 +117,10 @@ class LeaseObserver(Collector):
             labels = (info.meta.get("actor", ""), info.meta.get("queue", ""))
             snap.present[labels] += 1
             state = info.state
-            if state is not State.ALIVE:
+            if state.leaked:
                 snap.leaked[(labels[0], labels[1], state.value)] += 1
+            elif state is State.HEARTBEAT_OVERDUE:
+                snap.overdue[labels] += 1
             acquired = info.acquired_ms / 1000
             if labels not in snap.oldest or acquired < snap.oldest[labels]:
                 snap.oldest[labels] = acquired
@@ -136,8 +151,13 @@ class LeaseObserver(Collector):
             labels_seen = set(self._labels_seen)
         names = ["actor_name", "queue_name"]
         present = GaugeMetricFamily("dramatiq_lease_present", "Leases present in Redis now.", labels=names)
+        overdue = GaugeMetricFamily(
+            "dramatiq_lease_heartbeat_overdue",
+            "Leases whose heartbeat is late but whose holder may still be running until its deadline (not leaked).",
+            labels=names,
+        )
         leaked = GaugeMetricFamily(
-            "dramatiq_lease_leaked", "Leases in Redis that their holder can no longer release.",
+            "dramatiq_lease_leaked", "Leases in Redis that no holder can still believe it holds (leaked).",
             labels=[*names, "reason"],
         )
         oldest = GaugeMetricFamily(
@@ -150,12 +170,13 @@ class LeaseObserver(Collector):
         # Keep every label set ever seen, at zero, so increase() sees the first event and gauges fall to 0.
         for labels in sorted(labels_seen | set(expired)):
             present.add_metric(list(labels), snap.present.get(labels, 0))
+            overdue.add_metric(list(labels), snap.overdue.get(labels, 0))
             for reason in LEAK_REASONS:
                 leaked.add_metric([*labels, reason.value], snap.leaked.get((labels[0], labels[1], reason.value), 0))
             ended.add_metric(list(labels), expired.get(labels, 0))
             if labels in snap.oldest:
                 oldest.add_metric(list(labels), snap.oldest[labels])
-        yield from (present, leaked, oldest, ended)
+        yield from (present, overdue, leaked, oldest, ended)
         last = GaugeMetricFamily(
             "dramatiq_lease_exporter_last_scan_timestamp_seconds", "Unix time of the last successful scan."
         )

@@ -19,6 +19,9 @@ import jsonschema
 import pytest
 import yaml
 
+from dramatiq_leases.core import State
+from dramatiq_leases.exporter import LEAK_REASONS
+
 from .promtool import check_promql, grafana_to_promql, run
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -52,6 +55,7 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "dramatiq_lease_lost_total": ("counter", WORKER, (*ACTOR, "reason")),
     "dramatiq_lease_redis_errors_total": ("counter", WORKER, ("operation",)),
     "dramatiq_lease_present": ("gauge", FLEET, ACTOR),
+    "dramatiq_lease_heartbeat_overdue": ("gauge", FLEET, ACTOR),
     "dramatiq_lease_leaked": ("gauge", FLEET, (*ACTOR, "reason")),
     "dramatiq_lease_expired_total": ("counter", FLEET, ACTOR),
     "dramatiq_lease_oldest_acquired_timestamp_seconds": ("gauge", FLEET, ACTOR),
@@ -220,6 +224,26 @@ def test_leak_alert_pages_within_a_minute() -> None:
     assert rule["labels"]["severity"] == "critical"
     assert parse_duration(rule["for"]) <= 30
     assert "dramatiq_lease_leaked" in rule["expr"]
+
+
+def test_leak_alert_pages_only_on_leaked_states() -> None:
+    # Exactly the states that `release --if-dead` may end: a page invites that, and an overdue
+    # heartbeat's holder may still be running.
+    leaked = {state.value for state in State if state.leaked}
+    assert {state.value for state in LEAK_REASONS} == leaked
+    assert State.HEARTBEAT_OVERDUE.value not in leaked
+    (rule,) = (rule for rule in alert_rules() if rule["alert"] == "DramatiqLeaseLeaked")
+    (matchers,) = (matchers for series, matchers in selectors(rule["expr"]) if series == "dramatiq_lease_leaked")
+    operator, reasons = matchers["reason"]
+    assert operator == "=~" and set(reasons.split("|")) == leaked
+
+
+def test_overdue_heartbeats_warn_without_paging() -> None:
+    rules = [rule for rule in alert_rules() if "dramatiq_lease_heartbeat_overdue" in rule["expr"]]
+    assert [rule["alert"] for rule in rules] == ["DramatiqLeaseHeartbeatOverdue"]
+    assert {rule["labels"]["severity"] for rule in rules} == {"warning"}
+    assert all("dramatiq_lease_heartbeat_overdue" not in rule["expr"] for rule in alert_rules()
+               if rule["labels"]["severity"] == "critical")
 
 
 def test_alert_jobs_are_scraped() -> None:
@@ -487,6 +511,7 @@ def test_dashboard_has_the_key_panels() -> None:
         r"gave_up_total",
         r"redis_errors_total",
         r"dramatiq_lease_present",
+        r"dramatiq_lease_heartbeat_overdue",
         r"time\(\) - min.*oldest_acquired_timestamp_seconds",
     ):
         assert with_query("timeseries", pattern), f"no time series panel for {pattern}"

@@ -40,11 +40,26 @@ def acquire(leases: Leases, key: str, **kwargs: object) -> Lease:
     return lease
 
 
-def dead_lease(leases: Leases, key: str) -> Lease:
-    """A lease whose holder stopped renewing: it promised a 1 ms heartbeat and sent none."""
-    lease = acquire(leases, key, interval=1, meta=META)
+def overdue_lease(leases: Leases, key: str, **kwargs: object) -> Lease:
+    """A lease whose holder stopped renewing but may still be running: it promised a 10 ms heartbeat and sent
+    none, and its 60 s TTL keeps its deadline (54 s after the grant) far away."""
+    kwargs.setdefault("ttl", 60_000)
+    lease = acquire(leases, key, interval=10, meta=META, **kwargs)
+    wait_for(lambda: (i := leases.inspect(key)) is not None and i.state is State.HEARTBEAT_OVERDUE,
+             timeout=5, what="the heartbeat to be overdue")
+    return lease
+
+
+def dead_lease(leases: Leases, client: redis.Redis, key: str) -> Lease:
+    """A lease whose holder's deadline has passed while the key is still there.
+
+    A 1 s TTL puts the holder's deadline 0.9 s after the grant; the key's TTL is then extended by hand, as
+    an operator (or a buggy script) might, so that it outlives that deadline.
+    """
+    lease = acquire(leases, key, ttl=1_000, interval=300, meta=META)
+    client.pexpire(leases.lease_name(key), 60_000)
     wait_for(lambda: (i := leases.inspect(key)) is not None and i.state is State.HOLDER_DEAD,
-             timeout=5, what="the holder to count as dead")
+             timeout=5, what="the holder's deadline to pass")
     return lease
 
 
@@ -55,12 +70,15 @@ def test_list_shows_every_lease_with_holder_fence_and_state(
     capsys: pytest.CaptureFixture[str], redis_server: EmbeddedRedis, leases: Leases, redis_client: redis.Redis
 ) -> None:
     acquire(leases, "invoice:1", meta=META)
-    dead_lease(leases, "invoice:2")
-    acquire(leases, "invoice:3")
+    acquire(leases, "invoice:3", ttl=1_000)
     redis_client.persist(leases.lease_name("invoice:3"))  # someone removed its TTL: it would never expire
+    dead_lease(leases, redis_client, "invoice:2")
+    wait_for(lambda: leases.inspect("invoice:3").state is State.NO_TTL,  # type: ignore[union-attr]
+             timeout=5, what="the deadline of the holder of the key without TTL to pass")
     acquire(leases, "invoice:4", max_hold=60_000)
     redis_client.hset(leases.lease_name("invoice:4"), "max_hold_until_ms", 1)  # its maximum hold has passed
     redis_client.set(f"{leases.prefix}:lease:by-hand", "x")  # debris under the prefix, no TTL
+    overdue_lease(leases, "invoice:5")
 
     code, out, _ = cli(capsys, redis_server, "list")
     assert code == 0
@@ -71,20 +89,26 @@ def test_list_shows_every_lease_with_holder_fence_and_state(
     assert lines["invoice:2"].endswith("holder_dead")
     assert lines["invoice:3"].endswith("no_ttl") and " none " in lines["invoice:3"]
     assert lines["invoice:4"].endswith("past_max_hold")
+    assert lines["invoice:5"].endswith("heartbeat_overdue")
     assert lines[f"{leases.prefix}:lease:by-hand"].endswith("no_ttl")
     assert f"note: {leases.prefix}:lease:by-hand is a string key, not a lease hash" in out
+    assert "note: heartbeat_overdue: renewals are late, but the holder may still be running" in out
+    assert "note: holder_dead, past_max_hold, no_ttl: leaked" in out
 
     code, out, _ = cli(capsys, redis_server, "ls", "--json")
     assert code == 0
     rows = {row["key"]: row for row in json.loads(out)}
     assert {k: r["state"] for k, r in rows.items()} == {
         "invoice:1": "alive", "invoice:2": "holder_dead", "invoice:3": "no_ttl", "invoice:4": "past_max_hold",
-        f"{leases.prefix}:lease:by-hand": "no_ttl",
+        "invoice:5": "heartbeat_overdue", f"{leases.prefix}:lease:by-hand": "no_ttl",
     }
+    assert {k for k, r in rows.items() if r["leaked"]} == {
+        "invoice:2", "invoice:3", "invoice:4", f"{leases.prefix}:lease:by-hand"}
     assert rows["invoice:1"]["message_id"] == "msg-1"
     assert rows["invoice:1"]["holder"] == "web-7:4242"
     assert rows["invoice:1"]["fence"] == 1
     assert 0 < rows["invoice:1"]["ttl_left"] <= 30_000
+    assert rows["invoice:5"]["holder_deadline"] == rows["invoice:5"]["renewed_at"] + 54.0
     assert rows[f"{leases.prefix}:lease:by-hand"]["problem"] == "a string key, not a lease hash"
     assert all("token" not in row for row in rows.values()), "list must never print owner tokens"
 
@@ -150,7 +174,10 @@ def test_show_prints_every_field_and_the_fence_counter(
     assert fields["state"].startswith("alive")
     assert fields["message_id"] == "msg-1" and fields["host"] == "web-7" and fields["pid"] == "4242"
     assert fields["fence counter"] == "last fence 2, last released 1"
-    assert fields["renew interval"] == "10.0s" and fields["dead after"] == "20.5s without a heartbeat"
+    assert fields["renew interval"] == "10.0s"
+    assert fields["overdue after"] == "20.5s without a heartbeat (a warning: the holder may still run)"
+    assert re.fullmatch(r"\S+ \(in 2[67]\.\ds\): no holder trusts the lease after it", fields["holder deadline"])
+    assert re.fullmatch(r"at \S+ \(in (29\.\d|30\.0)s\)", fields["expires"])
     assert lease.token not in out, "the owner token is a capability: only --show-token prints it"
 
     code, out, _ = cli(capsys, redis_server, "show", "invoice:1", "--json", "--show-token")
@@ -158,7 +185,9 @@ def test_show_prints_every_field_and_the_fence_counter(
     data = json.loads(out)
     assert data["token"] == lease.token
     assert data["fence_state"] == {"fence": 2, "released": 1}
-    assert data["state"] == "alive" and data["dead_after"] == 20.5 and data["actor"] == "send_invoice"
+    assert data["state"] == "alive" and data["leaked"] is False and data["actor"] == "send_invoice"
+    assert data["overdue_after"] == 20.5 and 26 < data["deadline_in"] <= 27
+    assert data["holder_deadline"] == data["renewed_at"] + 27.0
 
 
 def test_show_missing_lease_exits_3(
@@ -194,6 +223,34 @@ def test_release_owner_releases_only_for_the_holding_token(
     assert leases.fence_state("invoice:1")["released"] == 1  # a release, not an expiry, for the fence history
 
 
+def test_show_explains_each_state(
+    capsys: pytest.CaptureFixture[str], redis_server: EmbeddedRedis, leases: Leases, redis_client: redis.Redis
+) -> None:
+    def state_of(key: str) -> str:
+        code, out, _ = cli(capsys, redis_server, "show", key)
+        assert code == 0
+        return dict(re.split(r" {2,}", line, maxsplit=1) for line in out.splitlines())["state"]
+
+    overdue_lease(leases, "invoice:1")
+    note = state_of("invoice:1")
+    assert note.startswith("heartbeat_overdue: renewals are late: none for ")
+    assert re.search(r"the holder may still be running under the lease until its deadline \S+ \(in 5\d\.\ds\); "
+                     r"the lease ends by its TTL at \S+ \(in 5\d\.\ds\)\. It is not leaked", note), note
+    assert "--if-dead" not in note and "release" not in note, "an overdue holder may still run: never suggest release"
+
+    dead_lease(leases, redis_client, "invoice:2")
+    note = state_of("invoice:2")
+    assert note.startswith("holder_dead: leaked: its holder's deadline passed at ")
+    assert "no holder can still believe it holds it" in note and "`release --if-dead` ends it now" in note
+
+    acquire(leases, "invoice:3")
+    redis_client.persist(leases.lease_name("invoice:3"))
+    assert state_of("invoice:3").startswith("alive: the holder's heartbeat is renewing it")  # its deadline is ahead
+
+    leases.try_acquire("invoice:4", 30_000)  # not heartbeated: taken in a web request, waiting to be adopted
+    assert state_of("invoice:4").startswith("alive: not heartbeated (taken outside a worker, waiting to be adopted)")
+
+
 def test_release_if_dead_refuses_a_live_holder_and_says_why(
     capsys: pytest.CaptureFixture[str], redis_server: EmbeddedRedis, leases: Leases
 ) -> None:
@@ -202,28 +259,87 @@ def test_release_if_dead_refuses_a_live_holder_and_says_why(
     code, out, err = cli(capsys, redis_server, "release", "invoice:1", "--if-dead")
     assert (code, out) == (1, "")
     assert "refused: the holder of 'invoice:1' (fence 1, web-7:4242) is alive" in err
-    assert "its last heartbeat was 0.0s ago, within the 20.5s threshold" in err
+    assert re.search(r"its last heartbeat was 0\.0s ago, and it relies on the lease until its deadline in "
+                     r"2[67]\.\ds \(\S+\); nothing changed", err), err
     assert len(err.splitlines()) == 1
     info = leases.inspect("invoice:1")
     assert info is not None and info.token == lease.token
 
+    leases.try_acquire("invoice:2", 30_000)  # nobody heartbeats it: a web request's lease, waiting for a worker
+    code, _, err = cli(capsys, redis_server, "release", "invoice:2", "--if-dead")
+    assert code == 1 and "is not heartbeated (taken outside a worker, waiting to be adopted)" in err
+    assert leases.inspect("invoice:2") is not None
 
-def test_release_if_dead_releases_a_holder_whose_heartbeat_stopped(
+
+def test_release_if_dead_spares_an_overdue_holder_until_its_deadline(
     capsys: pytest.CaptureFixture[str], redis_server: EmbeddedRedis, leases: Leases, redis_client: redis.Redis
 ) -> None:
-    dead_lease(leases, "invoice:1")
-    code, out, _ = cli(capsys, redis_server, "release", "invoice:1", "--if-dead")
+    """The bug an adversarial review found: a late heartbeat is not a dead holder.
+
+    A holder trusts its lease until its own deadline (the last renewal it sent plus the TTL, less a 10%
+    safety margin), however late its heartbeat. Releasing the lease before then lets a second worker run
+    beside the first.
+    """
+    lease = overdue_lease(leases, "invoice:1")
+    code, out, _ = cli(capsys, redis_server, "list")
     assert code == 0
-    assert out.startswith(
-        "released 'invoice:1' (fence 1, held by web-7:4242): the holder's last heartbeat was ")
-    assert "past the 0.5s threshold" in out
+    (row,) = (line for line in out.splitlines() if line.startswith("invoice:1 "))
+    assert row.endswith("heartbeat_overdue")
+
+    code, out, err = cli(capsys, redis_server, "release", "invoice:1", "--if-dead")
+    assert (code, out) == (1, "")
+    assert err.startswith("dramatiq-leases: refused: the heartbeat of 'invoice:1' (fence 1, web-7:4242) is overdue")
+    assert re.search(r"its holder may still be running under the lease until its deadline in 5\d\.\ds \(\S+\)", err)
+    assert len(err.splitlines()) == 1
+    info = leases.inspect("invoice:1")
+    assert info is not None and info.token == lease.token, "an overdue holder's lease must stay"
+    assert lease.remaining() > 50, "and its holder still trusts it"
+
+    # Once the holder's deadline has passed (a short TTL, the key kept alive past it by hand), it is leaked.
+    short = dead_lease(leases, redis_client, "invoice:2")
+    assert short.remaining() == 0, "the holder no longer trusts it"
+    code, out, _ = cli(capsys, redis_server, "list", "--json", "--match", "invoice:2")
+    assert code == 0 and [row["state"] for row in json.loads(out)] == ["holder_dead"]
+    code, out, _ = cli(capsys, redis_server, "release", "invoice:2", "--if-dead")
+    assert code == 0
+    assert re.fullmatch(r"released 'invoice:2' \(fence 1, held by web-7:4242\): its holder's deadline passed "
+                        r"\d+\.\ds ago, so no holder could still believe it held it\.\n", out), out
+    assert leases.inspect("invoice:2") is None
+    assert leases.fence_state("invoice:2")["released"] == 1
+
+
+def test_release_if_dead_releases_leaked_leases(
+    capsys: pytest.CaptureFixture[str], redis_server: EmbeddedRedis, leases: Leases, redis_client: redis.Redis
+) -> None:
+    acquire(leases, "invoice:1", max_hold=60_000, meta=META)
+    redis_client.hset(leases.lease_name("invoice:1"), "max_hold_until_ms", 1)  # its maximum hold has passed
+    code, out, _ = cli(capsys, redis_server, "release", "invoice:1", "--if-dead")
+    assert code == 0 and "its maximum hold ended" in out
     assert leases.inspect("invoice:1") is None
 
-    acquire(leases, "invoice:2")
-    redis_client.persist(leases.lease_name("invoice:2"))
+    # A key without TTL whose hash names no holder deadline (written by hand): nobody else could end it.
+    redis_client.hset(leases.lease_name("invoice:2"), mapping={"token": "t", "fence": 3, "key": "invoice:2"})
     code, out, _ = cli(capsys, redis_server, "release", "invoice:2", "--if-dead")
-    assert code == 0 and "it had no TTL" in out
+    assert code == 0
+    assert out == ("released 'invoice:2' (fence 3, held by -): it named no holder deadline and had no TTL, "
+                   "so it would never have expired.\n")
     assert leases.inspect("invoice:2") is None
+
+    # The same, with a TTL: it ends by itself, so it is not ours to end.
+    redis_client.hset(leases.lease_name("invoice:3"), mapping={"token": "t", "fence": 4, "key": "invoice:3"})
+    redis_client.pexpire(leases.lease_name("invoice:3"), 60_000)
+    code, _, err = cli(capsys, redis_server, "release", "invoice:3", "--if-dead")
+    assert code == 1
+    assert "refused: 'invoice:3' (fence 4) names no holder deadline, and expires by itself by its TTL at " in err
+    assert leases.inspect("invoice:3") is not None
+
+    # Debris under the prefix: released without TTL, refused with one.
+    redis_client.set(leases.lease_name("by-hand"), "x")
+    code, out, _ = cli(capsys, redis_server, "release", "by-hand", "--if-dead")
+    assert code == 0 and "it is not a lease hash, and had no TTL" in out
+    redis_client.set(leases.lease_name("by-hand"), "x", px=60_000)
+    code, _, err = cli(capsys, redis_server, "release", "by-hand", "--if-dead")
+    assert code == 1 and "is not a lease hash, and expires by itself" in err
 
 
 @pytest.mark.parametrize("how", [["--owner", "abc"], ["--if-dead"]])
@@ -238,9 +354,10 @@ def test_release_of_a_missing_lease_exits_3(
 
 @pytest.mark.parametrize("how", [[], ["--owner", "abc", "--if-dead"]])
 def test_release_needs_exactly_one_of_owner_and_if_dead(
-    capsys: pytest.CaptureFixture[str], redis_server: EmbeddedRedis, leases: Leases, how: list[str]
+    capsys: pytest.CaptureFixture[str], redis_server: EmbeddedRedis, leases: Leases, redis_client: redis.Redis,
+    how: list[str],
 ) -> None:
-    dead_lease(leases, "invoice:1")
+    dead_lease(leases, redis_client, "invoice:1")
     code, out, err = cli(capsys, redis_server, "release", "invoice:1", *how)
     assert (code, out) == (2, "")
     assert "--owner" in err and "--if-dead" in err

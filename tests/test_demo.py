@@ -51,10 +51,15 @@ def test_demo_runs_its_story_passes_its_checks_and_cleans_up() -> None:
     assert re.search(r"^  jobs completed +12/12 \(each message exactly once\)$", summary, re.M), summary
     assert re.search(r"^  max concurrent per key +1$", summary, re.M), summary
     assert re.search(r"^  busy retries +[1-9]\d*", summary, re.M), summary
-    orphans = re.findall(r"^  orphaned lease +(invoice:\d) fence (\d+): .*expired ([\d.]+)s after the kill "
-                         r"\(never released\)$", summary, re.M)
-    assert orphans, summary
+    timelines = re.findall(r"^  orphaned lease +(invoice:\d) fence (\d+): heartbeat overdue ([\d.]+)s, holder's "
+                           r"deadline ([\d.]+)s, expired ([\d.]+)s after the kill \(never released\)$", summary, re.M)
+    assert timelines, summary
+    orphans = [(key, fence, expired) for key, fence, _, _, expired in timelines]
     assert all(0 < float(seconds) <= 3.1 for _, _, seconds in orphans), "an orphan outlived its 3 s TTL"
+    for _, _, overdue, deadline, expired in timelines:
+        # With a 3 s TTL renewed every second: overdue 2.5 s after the last renewal, the holder's own deadline
+        # at 2.7 s (TTL less its 10% margin), the key gone at 3 s. Dead means past that deadline, not overdue.
+        assert 0 < float(overdue) < float(deadline) < float(expired), summary
     killed_jobs = re.findall(
         r"^  killed job +(invoice:\d) job \d: redelivered and completed with fence (\d+)$", summary, re.M)
     assert sorted(k for k, _ in killed_jobs) == sorted(k for k, _, _ in orphans)
@@ -70,7 +75,14 @@ def test_demo_runs_its_story_passes_its_checks_and_cleans_up() -> None:
 
     # The live part of the story was shown as it happened.
     assert re.search(r"KILL -9 worker \d \(pid \d+\)", out)
-    assert re.search(r"holder_dead: no heartbeat for", out)
+    assert re.search(r"invoice:\d  fence \d+  ahead, from the kill: heartbeat_overdue at \+[\d.]+s, holder_dead at "
+                     r"\+[\d.]+s \(its holder's deadline\), expired by its TTL at \+[\d.]+s", out)
+    # Seen by polling, so either may be missed, but never in the wrong order nor with a wrong meaning.
+    overdue = re.search(r"heartbeat_overdue: no renewal for [\d.]+s, but its holder may still be running until its "
+                        r"deadline in [\d.]+s: nobody may release it yet", out)
+    dead = re.search(r"holder_dead: its holder's deadline passed [\d.]+s ago", out)
+    if overdue and dead:
+        assert overdue.start() < dead.start()
     assert re.search(r"EXPIRED by its TTL", out)
     assert re.search(r"<- a killed job, redelivered", out)
     assert re.search(r"^  metrics   http://127\.0\.0\.1:\d+/metrics$", out, re.M)

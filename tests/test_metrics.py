@@ -457,11 +457,12 @@ def test_compose_example_serves_lease_metrics(redis_server: EmbeddedRedis, tmp_p
 # --- exporter endpoint ------------------------------------------------------------------------------
 
 ALIVE_KEY, LEAKED_KEY, EXPIRING_KEY = "user:bob@example.com:export", "invoice:2001", "invoice:2002"
+OVERDUE_KEY = "invoice:2003"
 
 
 @pytest.fixture(scope="module")
 def exporter_exposition(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """`dramatiq-leases exporter` has seen a live lease, a leaked one and one that expired."""
+    """`dramatiq-leases exporter` has seen a live lease, an overdue one, a leaked one and one that expired."""
     tmp = tmp_path_factory.mktemp("exporter")
     server = EmbeddedRedis().start()
     leases = Leases.from_url(server.url(1))
@@ -474,19 +475,27 @@ def exporter_exposition(tmp_path_factory: pytest.TempPathFactory) -> Iterator[st
             web = {"actor": "export_report", "queue": "default"}
             work = {"actor": WORK_ACTOR, "queue": WORK_QUEUE}
             assert leases.try_acquire(ALIVE_KEY, 60_000, meta=web)
-            # Renewed every 100 ms by nobody: its holder counts as dead after 2 x 100 + 500 ms.
-            assert leases.try_acquire(LEAKED_KEY, 60_000, interval=100, meta=work)
+            # Renewed every 100 ms by nobody: overdue after 2 x 100 + 500 ms, but its holder may still run
+            # until its deadline, 54 s after the grant: overdue, not leaked.
+            assert leases.try_acquire(OVERDUE_KEY, 60_000, interval=100, meta=work)
+            # Its holder's deadline is 0.9 s after the grant, and the key outlives it (TTL extended by hand).
+            assert leases.try_acquire(LEAKED_KEY, 1_000, interval=300, meta=work)
+            leases.client.pexpire(leases.lease_name(LEAKED_KEY), 60_000)
             assert leases.try_acquire(EXPIRING_KEY, 1_000, interval=300, meta=work)
 
             def seen_all() -> str | None:
                 text = http_get(url)
                 if (text and value(text, "dramatiq_lease_leaked", reason="holder_dead", actor_name=WORK_ACTOR) == 1
+                        and value(text, "dramatiq_lease_heartbeat_overdue", actor_name=WORK_ACTOR) == 1
                         and value(text, "dramatiq_lease_expired_total", actor_name=WORK_ACTOR) == 1):
                     return text
                 return None
 
-            text = wait_until(seen_all, timeout=15, what="the leak and the expiry on the exporter", procs=procs)
+            text = wait_until(seen_all, timeout=15, what="the overdue heartbeat, the leak and the expiry on the "
+                              "exporter", procs=procs)
+            assert value(text, "dramatiq_lease_leaked", actor_name=WORK_ACTOR) == 1, "an overdue heartbeat is no leak"
             assert value(text, "dramatiq_lease_present", actor_name="export_report") == 1
+            assert value(text, "dramatiq_lease_heartbeat_overdue", actor_name="export_report") == 0
             yield text
     finally:
         leases.client.close()
@@ -498,7 +507,7 @@ def test_exporter_exposition_passes_promtool(exporter_exposition: str) -> None:
 
 
 def test_exporter_metrics_never_carry_lease_keys(exporter_exposition: str) -> None:
-    assert_no_lease_keys(exporter_exposition, [ALIVE_KEY, LEAKED_KEY, EXPIRING_KEY])
+    assert_no_lease_keys(exporter_exposition, [ALIVE_KEY, OVERDUE_KEY, LEAKED_KEY, EXPIRING_KEY])
 
 
 # --- OpenTelemetry ----------------------------------------------------------------------------------

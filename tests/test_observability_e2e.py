@@ -7,10 +7,13 @@ configurations are derived from the shipped ones (deploy/, alerts/): only addres
 at this run, and ``for:`` durations and Alertmanager's timers divided by :data:`SHORTEN`.
 
 The workload: contended messages (busy retries, waits, renewals), a message that gives up waiting,
-a lease deleted under its holder (lost), and a long-TTL lease whose holder is SIGKILLed (leaked,
-then expired). Asserted: the leak gauge rises and falls back once the TTL has run out, the expired
-counter moves, the leak alert reaches the pager webhook (and the warnings the ticket one), and every
-query of every dashboard returns data at some point of the run.
+a lease deleted under its holder (lost), a long-TTL lease whose holder is SIGKILLed, and a lease whose
+TTL is extended by hand past its holder's deadline. Asserted: the killed holder's lease is
+``heartbeat_overdue`` (it may still be running, for all anyone outside can tell), not leaked, and
+``release --if-dead`` refuses it; the overdue gauge rises, and falls back once the TTL has run out,
+and the expired counter moves; the extended lease is leaked, pages, and ``release --if-dead`` frees
+it; the warnings reach the ticket webhook; every query of every dashboard returns data at some point
+of the run.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ import yaml
 from dramatiq.brokers.redis import RedisBroker
 
 from dramatiq_leases import LeaseInfo, Leases
+from dramatiq_leases.cli import main as cli_main
+from dramatiq_leases.core import Lease, State
 from dramatiq_leases.embedded import EmbeddedRedis, free_port
 from dramatiq_leases.exporter import DEFAULT_PORT as EXPORTER_PORT
 
@@ -71,6 +76,7 @@ GRAFANA_BUILTINS = {"__rate_interval": "15s", "__interval": "1s", "__interval_ms
 
 CONTENDED_KEYS = ("invoice:1", "invoice:2")
 GAVE_UP_KEY, LOST_KEY, CRASH_KEY, PAUSED_KEY = "invoice:gave-up", "invoice:lost", "invoice:crash", "invoice:paused"
+LEAKED_KEY = "invoice:leaked"
 #: Redis paused for writes. A heartbeat renews its due leases in one round at a time, and a round
 #: waits out the clients' 2 s socket timeout: the pause covers two rounds plus a renew interval of
 #: the lease held across it (500 ms), so that one of its renewals fails.
@@ -440,20 +446,40 @@ def test_bundle_end_to_end(redis_server: EmbeddedRedis, lease_server: EmbeddedRe
             leases.client.delete(leases.lease_name(LOST_KEY))
             until(lambda: event("error", LOST_KEY), 10, "the job whose lease was deleted to be interrupted")
 
-            # The leak: seen by the exporter, scraped, alerted on, paged.
-            leaked = f'max(dramatiq_lease_leaked{{actor_name="{LONG_ACTOR}", reason="holder_dead"}})'
+            # The killed holder: its heartbeat is overdue, but it keeps its lease until its own deadline
+            # (13.5 s after its last renewal), since from outside it cannot be told from a paused holder.
+            overdue = f'max(dramatiq_lease_heartbeat_overdue{{actor_name="{LONG_ACTOR}"}})'
+            crash_leaked = f'sum(max by (reason) (dramatiq_lease_leaked{{actor_name="{LONG_ACTOR}"}}))'
             expired = f'max(dramatiq_lease_expired_total{{actor_name="{LONG_ACTOR}"}})'
-            until(lambda: (scalar(leaked) or 0) > 0, 15, "dramatiq_lease_leaked > 0 in Prometheus")
+            until(lambda: (scalar(overdue) or 0) > 0, 15, "dramatiq_lease_heartbeat_overdue > 0 in Prometheus")
+            info = leases.inspect(CRASH_KEY)
+            assert info is not None and info.state is State.HEARTBEAT_OVERDUE, info
+            assert scalar(crash_leaked) == 0, "an overdue heartbeat is not a leak"
             assert scalar(expired) == 0, "the lease has not expired yet"
+            assert cli_main(["--redis-url", lease_server.url(0), "release", CRASH_KEY, "--if-dead"]) == 1, \
+                "release --if-dead must refuse a holder that may still be running"
+            assert leases.inspect(CRASH_KEY) is not None
+
+            # A leak: a lease whose TTL is extended by hand past its holder's deadline (0.9 s after the grant).
+            # Seen by the exporter, scraped, alerted on, paged; then released as the runbook says.
+            work_meta = {"actor": WORK_ACTOR, "queue": WORK_QUEUE}
+            assert isinstance(leases.try_acquire(LEAKED_KEY, 1_000, interval=300, meta=work_meta), Lease)
+            leases.client.pexpire(leases.lease_name(LEAKED_KEY), 120_000)
+            leaked = f'max(dramatiq_lease_leaked{{actor_name="{WORK_ACTOR}", reason="holder_dead"}})'
+            until(lambda: (scalar(leaked) or 0) > 0, 15, "dramatiq_lease_leaked > 0 in Prometheus")
 
             def paged() -> list[dict[str, Any]]:
                 return [alert for alert in webhook.alerts(pager_path)
-                        if alert["status"] == "firing" and alert["labels"]["alertname"] == "DramatiqLeaseLeaked"]
+                        if alert["status"] == "firing" and alert["labels"]["alertname"] == "DramatiqLeaseLeaked"
+                        and alert["labels"].get("actor_name") == WORK_ACTOR]
 
             (alert, *_) = until(paged, 20, "the DramatiqLeaseLeaked alert at the pager webhook")
-            labels = {"severity": "critical", "actor_name": LONG_ACTOR, "queue_name": LONG_QUEUE, "reason": "holder_dead"}
+            labels = {"severity": "critical", "actor_name": WORK_ACTOR, "queue_name": WORK_QUEUE, "reason": "holder_dead"}
             assert {name: alert["labels"].get(name) for name in labels} == labels
             assert alert["annotations"]["runbook_url"].endswith("#dramatiqleaseleaked")
+            assert cli_main(["--redis-url", lease_server.url(0), "release", LEAKED_KEY, "--if-dead"]) == 0
+            assert leases.inspect(LEAKED_KEY) is None
+            until(lambda: scalar(leaked) == 0, 15, "the leak gauge back to 0 once released")
 
             # Redis trouble while a lease is held: renewals and acquisitions fail (2 s client timeouts).
             # This lease outlives the pause, so its failed renewals count as errors (the others' as losses).
@@ -461,10 +487,11 @@ def test_bundle_end_to_end(redis_server: EmbeddedRedis, lease_server: EmbeddedRe
             until(lambda: leases.inspect(PAUSED_KEY), 15, "the key held across the Redis pause to be held")
             leases.client.execute_command("CLIENT", "PAUSE", PAUSE_MS, "WRITE")
 
-            # The TTL runs out (Redis does not expire keys while paused): the leak is over, counted as expired.
-            until(lambda: scalar(leaked) == 0 and (scalar(expired) or 0) >= 1,
+            # The killed holder's TTL runs out (Redis does not expire keys while paused): counted as expired,
+            # no longer overdue, and never released by anyone.
+            until(lambda: scalar(overdue) == 0 and scalar(crash_leaked) == 0 and (scalar(expired) or 0) >= 1,
                   (LONG_TTL_MS + PAUSE_MS) / 1000 + 15 - (time.monotonic() - killed_at),
-                  "the leak gauge back to 0 and the expired counter up after the TTL")
+                  "the overdue gauge back to 0 and the expired counter up after the TTL")
             assert leases.inspect(CRASH_KEY) is None
 
             # The workload shows in Prometheus as events, not just as series declared at zero...
@@ -475,7 +502,7 @@ def test_bundle_end_to_end(redis_server: EmbeddedRedis, lease_server: EmbeddedRe
                          'sum(dramatiq_lease_redis_errors_total)'):
                 until(lambda expr=expr: (scalar(expr) or 0) > 0, 10, f"{expr} > 0")
             # ... and warnings are routed to the ticket receiver.
-            for name in ("DramatiqLeaseGaveUp", "DramatiqLeaseLost"):
+            for name in ("DramatiqLeaseGaveUp", "DramatiqLeaseLost", "DramatiqLeaseHeartbeatOverdue"):
                 until(lambda name=name: any(alert["labels"]["alertname"] == name for alert in webhook.alerts(ticket_path)),
                       20, f"{name} at the ticket webhook")
 

@@ -45,10 +45,12 @@ MIN_RETRY_DELAY = 0.05
 #: themselves this often, so a lease due later needs no wake-up call.
 IDLE_WAKE = 1.0
 
-#: A renewal round in flight for longer than this (seconds), and longer than
-#: the shortest interval among its leases, counts as hung: the watchdog starts
-#: a new renewer. It matters with a client that has no ``socket_timeout``.
-MIN_HUNG_AFTER = 1.0
+#: A renewal round in flight for longer than the shortest interval among its
+#: leases, and at least this long (seconds), is too slow for them: the watchdog
+#: starts another renewer, well before any of those leases reaches its deadline
+#: (a socket timeout longer than a TTL would come too late). The slow round
+#: still reports its outcome when it ends; its thread then exits.
+MIN_HUNG_AFTER = 0.25
 
 
 class _Entry:
@@ -241,6 +243,8 @@ class Heartbeat:
         started = time.monotonic()
         self._round_hung_after = max(MIN_HUNG_AFTER, min(e.lease.interval for e in batch) / 1000)
         self._round_started = started
+        if started + self._round_hung_after < self._watchdog_wakes_at:
+            self._watchdog_wake.put(None)  # so it can tell if this round hangs
         try:
             results = self.leases.renew_many([e.lease for e in batch])
         except LeaseUnavailableError as e:
@@ -250,8 +254,8 @@ class Heartbeat:
         finally:
             if self._renewer is me:
                 self._round_started = 0.0
-        if self._renewer is not me:
-            return  # declared hung and replaced meanwhile: the new renewer owns the leases
+        # A round that was too slow and replaced meanwhile still applies what it learnt: a
+        # confirmation is true whenever it arrives, and a lease found gone or stolen stays lost.
         finished = time.monotonic()
         self.metrics.renew_round(finished - started)
         lost: list[tuple[_Entry, str]] = []
@@ -288,6 +292,8 @@ class Heartbeat:
                 self._lose(e, "max_hold" if now >= e.lease.hold_until else "unreachable")
             deadline = min((e.lease.valid_until for e in live if e not in expired), default=math.inf)
             wake_at = min(now + IDLE_WAKE, deadline)
+            if self._round_started:
+                wake_at = min(wake_at, self._round_started + self._round_hung_after)
             self._watchdog_wakes_at = wake_at
             if any(e.lease.valid_until < wake_at and e.ended_at is None for e in list(self._entries.values())):
                 continue
@@ -301,8 +307,8 @@ class Heartbeat:
         if not renewer.is_alive():
             logger.error("Heartbeat thread died; restarting it.")
         elif self._round_started and now - self._round_started > self._round_hung_after:
-            logger.error("A lease renewal has been in flight for %.1fs; starting a new heartbeat thread "
-                         "(give the Redis client a socket_timeout).", now - self._round_started)
+            logger.warning("A lease renewal has been in flight for %.1fs, longer than its leases' renew interval; "
+                           "starting a new heartbeat thread.", now - self._round_started)
         else:
             return
         self._round_started = 0.0

@@ -1,0 +1,472 @@
+"""Promises an adversarial review found broken, each kept by a test on real Redis and a real Dramatiq Worker.
+
+1. A lease handed over by a producer is adopted once.
+2. An adopted lease honours ``lock_max_hold``.
+3. A message-level ``lock_key`` (or any lease option) is never silently ignored.
+4. Retries do not inherit the wait clock, and the wait histogram never counts run time.
+5. Nothing after a completed actor fails it.
+6. Graceful shutdown keeps the lease of an actor still running past the stop timeout.
+7. The heartbeat survives a renewal hung on a socket.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+from dramatiq.results import Results
+from dramatiq.results.backends import RedisBackend
+
+from dramatiq_leases import (
+    Busy,
+    LeaseKeyRenderError,
+    LeaseLost,
+    LeaseMetrics,
+    LeaseMiddleware,
+    LeaseOptionError,
+    Leases,
+    current_lease,
+)
+from dramatiq_leases.embedded import EmbeddedRedis
+
+from .conftest import wait_for
+from .stack import Stack
+
+
+@pytest.fixture
+def make_stack(redis_server: EmbeddedRedis) -> Iterator[Any]:
+    """Stacks whose broker is database 0 and whose leases are database 1 of the test's redis-server."""
+    stacks: list[Stack] = []
+
+    def make(**options: Any) -> Stack:
+        stack = Stack(redis_server.url(0), redis_server.url(1), **options)
+        stacks.append(stack)
+        return stack
+
+    yield make
+    for stack in stacks:
+        stack.stop()
+
+
+class Runs:
+    """What actors did, recorded from worker threads."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.items: list[dict[str, Any]] = []
+
+    def add(self, **item: Any) -> None:
+        with self.lock:
+            self.items.append(item)
+
+    def where(self, **match: Any) -> list[dict[str, Any]]:
+        with self.lock:
+            return [i for i in self.items if all(i.get(k) == v for k, v in match.items())]
+
+
+def busy_for(leases: Leases, key: str, seconds: float) -> bool:
+    """True if a rival asking for ``key`` every 50 ms during ``seconds`` was turned away every time."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        rival = leases.try_acquire(key, ttl=5_000)
+        if not isinstance(rival, Busy):
+            leases.release(rival)
+            return False
+        time.sleep(0.05)  # sampling the key over a span of time, not waiting for an event
+    return True
+
+
+# 1. Adopted once ------------------------------------------------------------------------------------------
+
+
+def test_a_handed_over_lease_is_adopted_once(make_stack: Any) -> None:
+    stack = make_stack(backoff_min=20, backoff_max=60)
+    runs = Runs()
+    started, go = threading.Event(), threading.Event()
+
+    @stack.actor(lock_key="export:{user_id}", lock_ttl=2_000, max_retries=0)
+    def export(user_id: int) -> None:
+        begin = time.monotonic()
+        fence = current_lease().fence
+        runs.add(started=begin)
+        started.set()
+        go.wait(10)
+        runs.add(start=begin, end=time.monotonic(), fence=fence)
+
+    stack.start()
+    lease = stack.leases.try_acquire("export:7", ttl=10_000)  # the web request
+    assert not isinstance(lease, Busy)
+    message = export.message_with_options(args=(7,), lease=lease)
+    stack.broker.enqueue(message)  # the producer sends the same message twice
+    stack.broker.enqueue(message)
+    assert started.wait(10)
+    # The worker adopted it: the producer's token no longer owns the key, and cannot end the run's hold.
+    assert stack.leases.release(lease) is False
+    info = stack.leases.inspect("export:7")
+    assert info is not None and info.token != lease.token and info.fence == lease.fence
+    wait_for(lambda: len(stack.recorder.delays(message.message_id)) >= 2, what="the second delivery to be turned away")
+    assert sum("started" in r for r in runs.items) == 1, "the second delivery ran while the first held the lease"
+    go.set()
+    assert stack.recorder.wait_settled(message.message_id) == "acked"
+    spans = sorted((r["start"], r["end"], r["fence"]) for r in runs.items if "end" in r)
+    assert len(spans) == 2, spans
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans)), f"two runs of one handed-over lease overlapped: {spans}"
+    assert spans[0][2] == lease.fence < spans[1][2]  # the first adopted the grant; the second was granted anew
+    assert list(stack.leases.scan()) == []
+
+
+# 2. Max hold of an adopted lease ----------------------------------------------------------------------------
+
+
+def test_an_adopted_lease_honours_lock_max_hold(make_stack: Any) -> None:
+    stack = make_stack()
+    runs = Runs()
+
+    @stack.actor(lock_key="hung:{n}", lock_ttl=600, lock_max_hold=1_000, max_retries=0)
+    def hung(n: int) -> None:
+        begin, fence = time.monotonic(), current_lease().fence
+        try:
+            while time.monotonic() - begin < 8:  # hung, but bounded so that a failure ends
+                time.sleep(0.01)
+        except LeaseLost as e:
+            runs.add(after=time.monotonic() - begin, error=str(e), fence=fence)
+            raise
+        runs.add(after=time.monotonic() - begin, error=None, fence=fence)
+
+    stack.start()
+    lease = stack.leases.try_acquire("hung:1", ttl=5_000)  # no max hold of its own
+    assert not isinstance(lease, Busy)
+    message = hung.send_with_options(args=(1,), lease=lease)
+    assert stack.recorder.wait_settled(message.message_id, timeout=15) == "nacked"
+    [run] = runs.items
+    assert run["fence"] == lease.fence, "the handed-over lease was not adopted"
+    assert run["error"] is not None and "max_hold" in run["error"], f"renewed past lock_max_hold: {run}"
+    assert 0.8 <= run["after"] < 1.8, run
+    wait_for(lambda: stack.leases.inspect("hung:1") is None, timeout=2, what="the adopted lease to end")
+
+
+# 3. Message-level lease options ---------------------------------------------------------------------------
+
+
+def test_lease_options_on_an_actor_without_lock_key_are_refused_at_send_time(
+        make_stack: Any, redis_server: EmbeddedRedis) -> None:
+    stack = make_stack()
+
+    @stack.actor(actor_name="plain")
+    def plain(n: int) -> None:
+        pass
+
+    lease = stack.leases.try_acquire("plain:1", ttl=5_000)
+    assert not isinstance(lease, Busy)
+    options: dict[str, Any] = {
+        "lock_key": "x", "lock_ttl": 1_000, "lock_renew_interval": 100, "lock_max_hold": 1_000,
+        "lock_backoff_min": 10, "lock_backoff_max": 100, "lock_max_wait": 1_000, "lock_give_up": "drop",
+        "lease": lease,
+    }
+    for name, value in options.items():
+        with pytest.raises(LeaseOptionError) as info:
+            plain.send_with_options(args=(1,), **{name: value})
+        assert "actor 'plain'" in str(info.value), info.value
+        shown = "lease=Lease(key='plain:1'" if name == "lease" else f"{name}={value!r}"
+        assert shown in str(info.value), info.value
+    assert stack.recorder.enqueues == []
+    broker = redis.Redis.from_url(redis_server.url(0))
+    assert broker.llen("dramatiq:default") == 0 and broker.hlen("dramatiq:default.msgs") == 0
+
+
+def test_a_message_level_lock_key_is_honoured_or_refused_at_send_time(make_stack: Any) -> None:
+    stack = make_stack(backoff_min=20, backoff_max=60)
+    runs = Runs()
+
+    @stack.actor(actor_name="keyed", lock_key="inv:{n}", max_retries=0)
+    def keyed(n: int) -> None:
+        runs.add(key=current_lease().key)
+
+    for template in ("other:{missing}", "other:{n"):
+        with pytest.raises((LeaseOptionError, LeaseKeyRenderError)) as info:
+            keyed.send_with_options(args=(5,), lock_key=template)
+        assert "actor 'keyed'" in str(info.value) and template in str(info.value), info.value
+    with pytest.raises((LeaseOptionError, LeaseKeyRenderError), match="actor 'keyed'"):
+        keyed.send_with_options(args=(5,), lock_key="other:{n.real.missing}")
+    assert stack.recorder.enqueues == []
+
+    stack.start()
+    holder = stack.leases.try_acquire("other:5", ttl=10_000)  # someone holds the message's own key
+    assert not isinstance(holder, Busy)
+    message = keyed.send_with_options(args=(5,), lock_key="other:{n}")
+    wait_for(lambda: len(stack.recorder.delays(message.message_id)) >= 2, what="the message to wait for other:5")
+    assert runs.items == [], "ran while its message-level key was held"
+    assert stack.leases.release(holder)
+    assert stack.recorder.wait_settled(message.message_id) == "acked"
+    assert runs.items == [{"key": "other:5"}]
+
+
+# 4. The wait clock of retries ------------------------------------------------------------------------------
+
+
+def test_retries_do_not_inherit_the_wait_clock(make_stack: Any) -> None:
+    waits: list[float] = []
+
+    class Waits(LeaseMetrics):
+        def wait(self, meta: Any, seconds: float) -> None:
+            waits.append(seconds)
+
+    stack = make_stack(backoff_min=20, backoff_max=60, metrics=Waits())
+    runs = Runs()
+    running = threading.Event()
+
+    @stack.actor(actor_name="flaky", lock_key="r:{n}", lock_max_wait=300, max_retries=1, min_backoff=200,
+                 max_backoff=400)
+    def flaky(n: int) -> None:
+        runs.add(at=time.monotonic())
+        if len(runs.items) == 1:
+            running.set()
+            time.sleep(0.7)  # work, longer than the wait budget
+            raise RuntimeError("try again")
+
+    stack.start()
+    holder = stack.leases.try_acquire("r:1", ttl=10_000)
+    assert not isinstance(holder, Busy)
+    message = flaky.send(1)
+    wait_for(lambda: stack.recorder.delays(message.message_id), what="the first delivery to be turned away")
+    assert stack.leases.release(holder)
+    assert running.wait(10)
+    # The moment the failed run releases, another holder takes the key (Retries waits >= 200 ms).
+    rival = wait_for(lambda: stack.leases.try_acquire("r:1", ttl=10_000) or None, interval=0.005,
+                     what="the failed run to release")
+
+    def retry_sends() -> list[dict[str, Any]]:
+        """Delayed sends of the Retries copy: Retries' own, then each busy turn-away of the copy."""
+        with stack.recorder.lock:
+            return [opts for mid, delay, opts in stack.recorder.enqueues
+                    if mid == message.message_id and delay is not None and opts.get("retries") == 1]
+
+    wait_for(lambda: len(retry_sends()) >= 2 or message.message_id in stack.recorder.nacked,
+             what="the Retries copy to meet the busy key")
+    assert message.message_id not in stack.recorder.nacked, "the retry was dead-lettered on the wait clock of its first delivery"
+    assert retry_sends()[1]["lease_busy_attempts"] == 1, "the retry did not start a wait of its own"
+    assert stack.leases.release(rival)
+    assert stack.recorder.wait_settled(message.message_id) == "acked"
+    assert len(runs.items) == 2
+
+    # What dramatiq_lease_wait_duration_seconds observes: both deliveries waited, neither for the 0.7 s run.
+    assert len(waits) == 2 and sum(waits) >= 0.02, waits
+    assert max(waits) < 0.5, f"a wait of over 0.5 s was observed (the 0.7 s run counted as waiting?): {waits}"
+
+
+# 5. After a completed actor --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("error", [redis.exceptions.RedisClusterException("slot not covered"), RuntimeError("boom")])
+def test_nothing_after_a_completed_actor_fails_it(make_stack: Any, redis_server: EmbeddedRedis,
+                                                   error: Exception) -> None:
+    stack = make_stack()
+    backend = RedisBackend(url=redis_server.url(2))
+    stack.broker.add_middleware(Results(backend=backend))
+    runs = Runs()
+    calls: list[str] = []
+
+    def failing_release(key: str, token: str, **_: Any) -> bool:
+        calls.append(key)
+        raise error
+
+    stack.leases_mw.leases.release_token = failing_release  # type: ignore[method-assign]
+
+    @stack.actor(lock_key="done:{n}", store_results=True, max_retries=3, min_backoff=10, max_backoff=20)
+    def done(n: int) -> int:
+        runs.add(n=n)
+        return n * 6
+
+    stack.start()
+    message = done.send(7)
+    assert message.get_result(backend=backend, block=True, timeout=10_000) == 42
+    assert stack.recorder.wait_settled(message.message_id) == "acked"
+    assert calls, "the release was never attempted"
+    assert len(runs.items) == 1
+    assert [mid for mid, _, _ in stack.recorder.enqueues if mid == message.message_id] == [message.message_id]
+
+
+# 6. Graceful shutdown -------------------------------------------------------------------------------------
+
+
+def test_shutdown_keeps_the_lease_of_an_actor_still_running(make_stack: Any) -> None:
+    stack = make_stack(threads=2)
+    runs = Runs()
+    started, go = threading.Event(), threading.Event()
+
+    @stack.actor(lock_key="quick:{n}")
+    def quick(n: int) -> None:
+        runs.add(kind="quick")
+
+    @stack.actor(lock_key="stuck:{n}", lock_ttl=900, max_retries=0)
+    def stuck(n: int) -> None:
+        started.set()
+        begin = time.monotonic()
+        while not go.is_set() and time.monotonic() - begin < 15:
+            time.sleep(0.01)
+        runs.add(kind="stuck-done")
+
+    stack.start()
+    assert stack.recorder.wait_settled(quick.send(1).message_id) == "acked"
+    stuck.send(1)
+    assert started.wait(10)
+    worker, stack.worker = stack.worker, None
+    assert worker is not None
+    worker.stop(timeout=500)
+    try:
+        assert not runs.where(kind="stuck-done"), "the actor was expected to outlive the stop timeout"
+        assert [i.key for i in stack.leases.scan()] == ["stuck:1"]  # the finished actor's lease is gone
+        # Held, and renewed, for three TTLs after shutdown returned: nobody else may run stuck:1.
+        assert busy_for(stack.leases, "stuck:1", 2.7), "the lease of a still-running actor was released at shutdown"
+        assert not runs.where(kind="stuck-done")
+    finally:
+        go.set()
+    wait_for(lambda: runs.where(kind="stuck-done"), what="the actor to finish")
+    wait_for(lambda: list(stack.leases.scan()) == [], timeout=5, what="its lease to be released")
+
+
+# 7. A renewal hung on a socket -----------------------------------------------------------------------------
+
+
+class FreezableProxy:
+    """A TCP proxy on 127.0.0.1 to a Redis port that can black-hole its connections, closing nothing.
+
+    :meth:`freeze` stops forwarding, both ways, on every connection open or opened until :meth:`thaw`;
+    those stay hung for good, like half-open TCP connections whose peer is gone (no reply ever comes,
+    no error either). After :meth:`thaw`, new connections work: the network is back, the hung sockets
+    are not. (Were the hung sockets to resume, a stuck renewer would recover by itself, unnoticed.)
+    """
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.frozen = False
+        self.closed = False
+        self.links: list[tuple[threading.Event, socket.socket, socket.socket]] = []
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+                upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+            except OSError:
+                return
+            flowing = threading.Event()
+            if not self.frozen:
+                flowing.set()
+            self.links.append((flowing, client, upstream))
+            for src, dst in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(flowing, src, dst), daemon=True).start()
+
+    def _pump(self, flowing: threading.Event, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while True:
+                data = src.recv(65536)
+                flowing.wait()  # hung: hold what was read, forward nothing
+                if not data or self.closed:
+                    break
+                dst.sendall(data)
+        except OSError:
+            pass
+        for s in (src, dst):
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+
+    def freeze(self) -> None:
+        self.frozen = True
+        for flowing, _, _ in self.links:
+            flowing.clear()
+
+    def thaw(self) -> None:
+        self.frozen = False
+
+    def reset_hung(self) -> None:
+        """Reset the hung connections: whoever waits on one gets a connection error (and may reconnect)."""
+        for flowing, client, upstream in self.links:
+            if not flowing.is_set():
+                client.close()
+                upstream.close()
+
+    def close(self) -> None:
+        self.closed = True
+        self.listener.close()
+        for flowing, client, upstream in self.links:
+            flowing.set()
+            client.close()
+            upstream.close()
+
+
+@pytest.mark.parametrize("new_job", ["once_the_renewer_is_replaced", "as_soon_as_the_network_is_back"])
+def test_the_heartbeat_survives_a_renewal_hung_on_a_socket(redis_server: EmbeddedRedis, caplog: Any,
+                                                          new_job: str) -> None:
+    proxy = FreezableProxy(redis_server.port)
+    hanging = redis.Redis(host="127.0.0.1", port=proxy.port, db=1, socket_timeout=None)  # a renewal can hang
+    stack = Stack(redis_server.url(0), "", middleware=LeaseMiddleware(client=hanging, backoff_min=20, backoff_max=60))
+    direct = Leases.from_url(redis_server.url(1))
+    runs = Runs()
+    started = threading.Event()
+
+    @stack.actor(lock_key="frozen:{n}", lock_ttl=1_500, max_retries=0)
+    def frozen(n: int) -> None:
+        started.set()
+        begin = time.monotonic()
+        try:
+            while time.monotonic() - begin < 10:
+                time.sleep(0.01)
+        except LeaseLost as e:
+            runs.add(kind="lost", at=time.monotonic(), error=str(e))
+            raise
+
+    @stack.actor(lock_key="after:{n}", lock_ttl=600, max_retries=0)
+    def after(n: int) -> None:
+        begin = time.monotonic()
+        try:
+            while time.monotonic() - begin < 2.0:  # more than three TTLs
+                time.sleep(0.01)
+        except LeaseLost as e:
+            runs.add(kind="after-lost", error=str(e))
+            raise
+        runs.add(kind="after-done", fence=current_lease().fence)
+
+    try:
+        stack.start()
+        frozen.send(1)
+        assert started.wait(10)
+        wait_for(lambda: (i := direct.inspect("frozen:1")) is not None and i.renewed_ms > i.acquired_ms,
+                 what="a first renewal")
+        proxy.freeze()
+        frozen_at = time.monotonic()
+        expires_at = frozen_at + direct.client.pttl(direct.lease_name("frozen:1")) / 1000
+        [lost] = wait_for(lambda: runs.where(kind="lost"), timeout=5, what="LeaseLost in the frozen actor")
+        assert "unreachable" in lost["error"], lost
+        assert lost["at"] < expires_at, f"LeaseLost {lost['at'] - expires_at:.3f}s after the key could expire"
+        # The network is back; the sockets that hung stay hung (the frozen run's release waits on one for
+        # good: no socket_timeout). Idle pooled connections died in the outage too: drop them, so that what
+        # follows depends on the heartbeat alone.
+        proxy.thaw()
+        hanging.connection_pool.disconnect(inuse_connections=False)
+        if new_job == "once_the_renewer_is_replaced":
+            wait_for(lambda: any("starting a new heartbeat thread" in r.getMessage() for r in caplog.records),
+                     timeout=5, what="the watchdog to replace the hung renewer")
+
+        second = after.send(2)
+        wait_for(lambda: direct.inspect("after:2") is not None, what="the new message to acquire")
+        assert busy_for(direct, "after:2", 1.5), "the new lease was not kept (the heartbeat is stuck?)"
+        assert stack.recorder.wait_settled(second.message_id) == "acked"
+        assert not runs.where(kind="after-lost") and len(runs.where(kind="after-done")) == 1, runs.items
+    finally:
+        proxy.thaw()
+        proxy.reset_hung()  # first: whoever waits on a hung socket gets an error and moves on
+        stack.stop()
+        proxy.close()
+        hanging.close()
+        direct.client.close()
