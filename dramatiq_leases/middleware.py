@@ -216,7 +216,8 @@ class LeaseMiddleware(Middleware):
             client = redis.Redis.from_url(redis_url or "", socket_timeout=2.0, socket_connect_timeout=2.0)
         else:
             _warn_without_socket_timeout(client)
-        self.leases = Leases(client, prefix=prefix)
+        # Worker threads can be interrupted mid-command: each gets a connection of its own.
+        self.leases = Leases(client, prefix=prefix, thread_connections=True)
         self.metrics = metrics if metrics is not None else PrometheusMetrics()
         self.heartbeat = Heartbeat(self.leases, metrics=self.metrics)
         self.defaults = {

@@ -358,3 +358,22 @@ def test_core_does_not_import_dramatiq_and_never_uses_keys() -> None:
             if isinstance(node, ast.Attribute) and node.attr == "keys" and isinstance(node.value, ast.Name):
                 assert node.value.id not in {"client", "redis_client", "r"}, f"KEYS used in {path}"
         assert "'KEYS'" not in path.read_text() and '"KEYS"' not in path.read_text(), path
+
+
+def test_an_interrupted_call_never_hands_its_reply_to_the_next(redis_server: EmbeddedRedis) -> None:
+    """An interruption between sending a command and reading its reply must not make the next call read it.
+
+    With thread connections the dirty connection is reopened; the next acquire sees its own answer.
+    """
+    leases = Leases(redis.Redis.from_url(redis_server.url(0), socket_timeout=2), thread_connections=True)
+    assert isinstance(leases.try_acquire("held", ttl=10_000), Lease)  # opens this thread's connection
+
+    def interrupted(keys: list[str], args: list[Any], client: redis.Redis) -> None:
+        # Sent, not read: as if Dramatiq's TimeLimit struck right after the request left.
+        client.connection.send_command("EVAL", "return {1, 777, 1, 0}", 0)  # type: ignore[union-attr]
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        leases._call(interrupted, [], [])
+    assert isinstance(leases.try_acquire("held", ttl=10_000), Busy)  # its own reply, not the stale "acquired"
+    assert isinstance(leases.try_acquire("free", ttl=10_000), Lease)

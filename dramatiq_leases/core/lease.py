@@ -15,6 +15,7 @@ from __future__ import annotations
 import fnmatch
 import math
 import secrets
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -353,6 +354,13 @@ class Leases:
         hangs cannot confirm a lease.
       prefix: the prefix of every Redis key written. Defaults to
         ``"dramatiq-leases"``.
+      thread_connections: acquire, adopt and release on a connection of the
+        calling thread's own, reopened after any call that did not complete.
+        For threads that asynchronous exceptions can interrupt (Dramatiq's
+        worker threads): an interruption between sending a command and
+        reading its reply would otherwise return a pooled connection with a
+        reply still unread, which the next caller would take for its own, or
+        leak the connection from the pool. Not available with RedisCluster.
 
     Example:
       >>> leases = Leases.from_url("redis://127.0.0.1:6379/1")
@@ -366,10 +374,11 @@ class Leases:
       ...     print(f"busy, retry in {lease.retry_after}s")
     """
 
-    def __init__(self, client: RedisClient, *, prefix: str = DEFAULT_PREFIX) -> None:
+    def __init__(self, client: RedisClient, *, prefix: str = DEFAULT_PREFIX, thread_connections: bool = False) -> None:
         self.client = client
         self.prefix = validate_prefix(prefix)
         self._cluster = isinstance(client, RedisCluster)
+        self._threads: threading.local | None = threading.local() if thread_connections and not self._cluster else None
         self._acquire = client.register_script(scripts.ACQUIRE)
         self._renew_many = client.register_script(scripts.RENEW_MANY)
         self._release = client.register_script(scripts.RELEASE)
@@ -438,7 +447,7 @@ class Leases:
         with tracing.span("lease.acquire", {tracing.KEY: key, tracing.TTL: ttl}) as span:
             sent_at = time.monotonic()
             try:
-                reply = self._acquire(keys=[self.lease_name(key), self.fence_name(key)], args=args)
+                reply = self._call(self._acquire, [self.lease_name(key), self.fence_name(key)], args)
             except redis.RedisError as e:
                 raise LeaseUnavailableError(f"could not acquire lease {key!r}: {type(e).__name__}: {e}") from e
             if int(reply[0]) != 1:
@@ -497,7 +506,7 @@ class Leases:
         args: list[Any] = [token, mine, ttl, interval_ms, margin, max_hold_ms, *_meta_args(key, meta)]
         sent_at = time.monotonic()
         try:
-            reply = self._adopt(keys=[self.lease_name(key)], args=args)
+            reply = self._call(self._adopt, [self.lease_name(key)], args)
         except redis.RedisError as e:
             raise LeaseUnavailableError(f"could not adopt lease {key!r}: {type(e).__name__}: {e}") from e
         code = int(reply[0])
@@ -518,6 +527,24 @@ class Leases:
             meta=meta,
             sent_at=sent_at,
         )
+
+    def _call(self, script: Any, keys: list[str], args: list[Any]) -> Any:
+        """Run ``script`` on this thread's own connection when asked to (see ``thread_connections``)."""
+        local = self._threads
+        if local is None:
+            return script(keys=keys, args=args)
+        client = getattr(local, "client", None)
+        if client is None:
+            assert isinstance(self.client, redis.Redis)
+            client = local.client = redis.Redis(connection_pool=self.client.connection_pool,
+                                                single_connection_client=True)
+        elif local.dirty:
+            client.connection.disconnect()  # the last call did not complete: never read its reply as ours
+        # Two single stores around the call: an interruption anywhere in between leaves dirty set.
+        local.dirty = True
+        reply = script(keys=keys, args=args, client=client)
+        local.dirty = False
+        return reply
 
     def renew(self, lease: Lease) -> Renewal:
         """Restore ``lease``'s TTL if this token still holds it. Raises :class:`LeaseUnavailableError`."""
@@ -595,7 +622,7 @@ class Leases:
             attributes[tracing.FENCE] = fence
         with tracing.span("lease.release", attributes) as span:
             try:
-                released = int(self._release(keys=[self.lease_name(key), self.fence_name(key)], args=[token])) == 1
+                released = int(self._call(self._release, [self.lease_name(key), self.fence_name(key)], [token])) == 1
             except redis.RedisError as e:
                 raise LeaseUnavailableError(f"could not release lease {key!r}: {type(e).__name__}: {e}") from e
             span.set_attribute(tracing.OUTCOME, "released" if released else "not_held")
