@@ -135,8 +135,8 @@ def _overdue_after(info: LeaseInfo) -> float | None:
 
 
 def _deadline_in(info: LeaseInfo) -> float | None:
-    """Seconds until the holder's deadline (negative: past it), or ``None`` if the hash names none."""
-    deadline = info.holder_deadline_ms
+    """Seconds until the lease may be released: its holder's deadline plus safety margin (negative: past it)."""
+    deadline = info.ends_ms
     return None if deadline is None else (deadline - info.now_ms) / 1000
 
 
@@ -259,13 +259,15 @@ def _state_note(info: LeaseInfo) -> str:
                 "It is not leaked: investigate the holder, and leave the lease alone (ending it now could let "
                 "a second worker run beside the first)")
     if state is State.NO_TTL:
-        past = f"its holder's deadline passed at {_timestamp(deadline)} and " if deadline is not None else ""
+        past = (f"its holder's deadline and safety margin passed at {_timestamp(deadline + info.margin_ms)} and "
+                if deadline is not None else "")
         return (f"leaked: {past}the key has no TTL, so it would never expire by itself; "
                 "`release --if-dead` removes it")
     assert deadline is not None  # holder_dead and past_max_hold both have a deadline in the past
     why = ("its maximum hold ended" if state is State.PAST_MAX_HOLD
-           else "its holder's deadline passed")
-    return (f"leaked: {why} at {_when(deadline, info.now_ms)}, so no holder can still believe it holds it; "
+           else "its holder's deadline and the safety margin its actor had to stop passed")
+    return (f"leaked: {why} at {_when(deadline + info.margin_ms, info.now_ms)}, so no holder can still be "
+            "running under it; its TTL was changed by hand; "
             f"it ends by its TTL {_expires(info)}, or `release --if-dead` ends it now")
 
 
@@ -349,9 +351,9 @@ def _why_released(info: LeaseInfo, result: DeadRelease) -> str:
     if info.holder_deadline_ms is None:
         return "it named no holder deadline and had no TTL, so it would never have expired"
     past = f"{-result.deadline_in:.1f}s ago" if result.deadline_in is not None else "already"
-    what = "its maximum hold ended" if _by_max_hold(info) else "its holder's deadline passed"
+    what = "its maximum hold ended" if _by_max_hold(info) else "its holder's deadline and safety margin passed"
     ttl = "; the key had no TTL" if info.ttl_left == -1 else ""
-    return f"{what} {past}, so no holder could still believe it held it{ttl}"
+    return f"{what} {past}, so no holder could still be running under it{ttl}"
 
 
 def _why_refused(key: str, info: LeaseInfo, result: DeadRelease) -> str:
@@ -360,9 +362,9 @@ def _why_refused(key: str, info: LeaseInfo, result: DeadRelease) -> str:
         what = "is not a lease hash" if not _is_lease(info) else "names no holder deadline"
         return (f"refused: {key!r} (fence {result.fence}) {what}, and expires by itself by its TTL "
                 f"{_expires(info)}; {unchanged}")
-    deadline = f"its deadline in {result.deadline_in:.1f}s"
-    if info.holder_deadline_ms is not None:
-        deadline += f" ({_timestamp(info.holder_deadline_ms)})"
+    deadline = f"its deadline plus the safety margin its actor has to stop, in {result.deadline_in:.1f}s"
+    if info.ends_ms is not None:
+        deadline += f" ({_timestamp(info.ends_ms)})"
     ends = _ends(info)
     if not info.interval:
         return (f"refused: the lease on {key!r} (fence {result.fence}) is not heartbeated (taken outside a worker, "

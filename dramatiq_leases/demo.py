@@ -388,7 +388,8 @@ class _Demo:
         expires = info.ttl_left / 1000
         if info.state is State.HEARTBEAT_OVERDUE:
             return (f"heartbeat_overdue: no renewal for {info.heartbeat_age:.1f}s, but its holder may still be "
-                    f"running until its deadline in {until:.1f}s: nobody may release it yet")
+                    f"running until its deadline in {until:.1f}s, and stopping until its TTL runs out in "
+                    f"{expires:.1f}s: nobody may release it before")
         if info.state is State.HOLDER_DEAD:
             return (f"holder_dead: its holder's deadline passed {-until:.1f}s ago, no holder can still believe it "
                     f"holds it; its TTL runs out in {expires:.1f}s")

@@ -149,8 +149,11 @@ def call_under(run: Run, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: 
                 end(run)
             except BaseException as e3:
                 error = error if error is not None or out else e3
-                run.finish()
-                end(run)
+                try:
+                    run.finish()
+                    end(run)
+                except BaseException as e4:  # a fourth: give up settling here; the after-hook ends the run
+                    error = error if error is not None or out else e4
     if out:
         return out[0]
     assert error is not None

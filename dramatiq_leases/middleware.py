@@ -28,7 +28,7 @@ from .core.heartbeat import Heartbeat
 from .core.keys import DEFAULT_PREFIX, KeyTemplate
 from .core.lease import Busy, Lease, Leases, new_token
 from .core.numbers import whole_ms
-from .guard import READY, RUNNING, LeaseLost, Run, call_under
+from .guard import DONE, READY, LeaseLost, Run, call_under
 from .metrics import (
     METRICS_DIR,
     LeaseMetrics,
@@ -615,12 +615,13 @@ class LeaseMiddleware(Middleware):
     def after_worker_shutdown(self, broker: dramatiq.Broker, worker: dramatiq.Worker) -> None:
         """Release every lease this process holds for an actor no longer running.
 
-        An actor still running after the worker's shutdown timeout keeps its
+        An actor still running (or about to) after the worker's shutdown timeout keeps its
         lease, renewed, until the process exits; it then expires within its
         TTL. Releasing it would let another worker run the same key while
         this one still does.
         """
-        running = {r.token: r for r in list(self._runs.values()) if r is not None and r.state == RUNNING}
+        # Not only running actors: one still being set up (its lease taken, its actor about to start) too.
+        running = {r.token: r for r in list(self._runs.values()) if r is not None and r.state != DONE}
         for lease in self.heartbeat.tracked():
             if lease.token in running:
                 logger.warning("Actor holding lease %r is still running at shutdown; the lease is kept until "

@@ -186,7 +186,7 @@ def test_show_prints_every_field_and_the_fence_counter(
     assert data["token"] == lease.token
     assert data["fence_state"] == {"fence": 2, "released": 1}
     assert data["state"] == "alive" and data["leaked"] is False and data["actor"] == "send_invoice"
-    assert data["overdue_after"] == 20.5 and 26 < data["deadline_in"] <= 27
+    assert data["overdue_after"] == 20.5 and 29 < data["deadline_in"] <= 30
     assert data["holder_deadline"] == data["renewed_at"] + 27.0
 
 
@@ -240,8 +240,8 @@ def test_show_explains_each_state(
 
     dead_lease(leases, redis_client, "invoice:2")
     note = state_of("invoice:2")
-    assert note.startswith("holder_dead: leaked: its holder's deadline passed at ")
-    assert "no holder can still believe it holds it" in note and "`release --if-dead` ends it now" in note
+    assert note.startswith("holder_dead: leaked: its holder's deadline and the safety margin its actor had to stop passed at ")
+    assert "no holder can still be running under it" in note and "`release --if-dead` ends it now" in note
 
     acquire(leases, "invoice:3")
     redis_client.persist(leases.lease_name("invoice:3"))
@@ -259,8 +259,8 @@ def test_release_if_dead_refuses_a_live_holder_and_says_why(
     code, out, err = cli(capsys, redis_server, "release", "invoice:1", "--if-dead")
     assert (code, out) == (1, "")
     assert "refused: the holder of 'invoice:1' (fence 1, web-7:4242) is alive" in err
-    assert re.search(r"its last heartbeat was 0\.0s ago, and it relies on the lease until its deadline in "
-                     r"2[67]\.\ds \(\S+\); nothing changed", err), err
+    assert re.search(r"its last heartbeat was 0\.0s ago, and it relies on the lease until its deadline plus the safety margin its actor has to stop, in "
+                     r"(29|30)\.\ds \(\S+\); nothing changed", err), err
     assert len(err.splitlines()) == 1
     info = leases.inspect("invoice:1")
     assert info is not None and info.token == lease.token
@@ -289,7 +289,7 @@ def test_release_if_dead_spares_an_overdue_holder_until_its_deadline(
     code, out, err = cli(capsys, redis_server, "release", "invoice:1", "--if-dead")
     assert (code, out) == (1, "")
     assert err.startswith("dramatiq-leases: refused: the heartbeat of 'invoice:1' (fence 1, web-7:4242) is overdue")
-    assert re.search(r"its holder may still be running under the lease until its deadline in 5\d\.\ds \(\S+\)", err)
+    assert re.search(r"its holder may still be running under the lease until its deadline plus the safety margin its actor has to stop, in 5\d\.\ds \(\S+\)", err)
     assert len(err.splitlines()) == 1
     info = leases.inspect("invoice:1")
     assert info is not None and info.token == lease.token, "an overdue holder's lease must stay"
@@ -302,8 +302,8 @@ def test_release_if_dead_spares_an_overdue_holder_until_its_deadline(
     assert code == 0 and [row["state"] for row in json.loads(out)] == ["holder_dead"]
     code, out, _ = cli(capsys, redis_server, "release", "invoice:2", "--if-dead")
     assert code == 0
-    assert re.fullmatch(r"released 'invoice:2' \(fence 1, held by web-7:4242\): its holder's deadline passed "
-                        r"\d+\.\ds ago, so no holder could still believe it held it\.\n", out), out
+    assert re.fullmatch(r"released 'invoice:2' \(fence 1, held by web-7:4242\): its holder's deadline and safety margin passed "
+                        r"\d+\.\ds ago, so no holder could still be running under it\.\n", out), out
     assert leases.inspect("invoice:2") is None
     assert leases.fence_state("invoice:2")["released"] == 1
 

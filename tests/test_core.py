@@ -197,7 +197,7 @@ def test_release_if_dead_spares_every_holder_that_may_still_run(leases: Leases, 
     live = leases.try_acquire("live", ttl=60_000, interval=20_000)
     assert isinstance(live, Lease)
     released, deadline_in, fence = leases.release_if_dead("live")
-    assert released is False and 53 < deadline_in <= 54 and fence == live.fence  # type: ignore[operator]
+    assert released is False and 59 < deadline_in <= 60 and fence == live.fence  # type: ignore[operator]
     assert leases.inspect("live") is not None
 
     # Its heartbeat is long overdue, but the holder trusts the lease until its own deadline (0.9 x TTL
@@ -208,8 +208,9 @@ def test_release_if_dead_spares_every_holder_that_may_still_run(leases: Leases, 
     wait_for(lambda: leases.inspect("silent").state is State.HEARTBEAT_OVERDUE, what="an overdue heartbeat")  # type: ignore[union-attr]
     assert leases.release_if_dead("silent").released is False
     assert silent.remaining() > 0  # the holder still trusts it
-    wait_for(lambda: silent.remaining() == 0, what="the holder's deadline", timeout=5)
-    result = wait_for(lambda: (r := leases.release_if_dead("silent")).released and r, what="release", timeout=2)
+    result = wait_for(lambda: (r := leases.release_if_dead("silent")).released and r, what="release", timeout=5)
+    # Not before the holder's deadline, nor before the margin its actor has to stop after it.
+    assert time.monotonic() >= silent.valid_until + silent.margin / 1000
     assert result.deadline_in is not None and result.deadline_in <= 0
     assert leases.inspect("silent") is None
     assert leases.release_if_dead("never-held") == (None, None, 0)

@@ -220,6 +220,9 @@ class Heartbeat:
         me = threading.current_thread()
         while not self._stopping and self._renewer is me:
             now = time.monotonic()
+            if self._watchdog is not None and not self._watchdog.is_alive():
+                logger.error("Heartbeat watchdog died; restarting it.")
+                self.start()
             live = self._sweep()
             due_at = min((e.next_due for e in live), default=now + IDLE_WAKE)
             if due_at > now:
@@ -280,35 +283,46 @@ class Heartbeat:
     def _watch_loop(self) -> None:
         me = threading.current_thread()
         while not self._stopping and self._watchdog is me:
-            now = time.monotonic()
-            self._mind_renewer(now)
-            live = self._sweep()
-            expired: list[_Entry] = []
-            with self._lock:
-                for e in live:
-                    if e.lease.valid_until <= now and self._drop(e, now):
-                        expired.append(e)
-            for e in expired:
-                self._lose(e, "max_hold" if now >= e.lease.hold_until else "unreachable")
-            deadline = min((e.lease.valid_until for e in live if e not in expired), default=math.inf)
-            wake_at = min(now + IDLE_WAKE, deadline)
-            if self._round_started:
-                wake_at = min(wake_at, self._round_started + self._round_hung_after)
-            self._watchdog_wakes_at = wake_at
-            if any(e.lease.valid_until < wake_at and e.ended_at is None for e in list(self._entries.values())):
-                continue
-            self._sleep(self._watchdog_wake, wake_at)
-            self._watchdog_wakes_at = 0.0
+            try:
+                self._watch()
+            except Exception:
+                logger.exception("Heartbeat watchdog round failed; going on.")
+                time.sleep(MIN_RETRY_DELAY)
+
+    def _watch(self) -> None:
+        """One watchdog round: replace a dead or too-slow renewer, declare overdue leases lost, sleep."""
+        now = time.monotonic()
+        self._mind_renewer(now)
+        live = self._sweep()
+        expired: list[_Entry] = []
+        with self._lock:
+            for e in live:
+                if e.lease.valid_until <= now and self._drop(e, now):
+                    expired.append(e)
+        for e in expired:
+            self._lose(e, "max_hold" if now >= e.lease.hold_until else "unreachable")
+        deadline = min((e.lease.valid_until for e in live if e.lease.valid_until > now), default=math.inf)
+        wake_at = min(now + IDLE_WAKE, deadline)
+        started = self._round_started
+        if started:
+            wake_at = min(wake_at, started + self._round_hung_after)
+        self._watchdog_wakes_at = wake_at
+        # A lease tracked after the sweep did not see the new wake time: look once more.
+        if any(e.lease.valid_until < wake_at and e.ended_at is None for e in list(self._entries.values())):
+            return
+        self._sleep(self._watchdog_wake, wake_at)
+        self._watchdog_wakes_at = 0.0
 
     def _mind_renewer(self, now: float) -> None:
         renewer = self._renewer
         if renewer is None or self._stopping:
             return
+        started = self._round_started  # read once: the renewer resets it when its round ends
         if not renewer.is_alive():
             logger.error("Heartbeat thread died; restarting it.")
-        elif self._round_started and now - self._round_started > self._round_hung_after:
+        elif started and now - started > self._round_hung_after:
             logger.warning("A lease renewal has been in flight for %.1fs, longer than its leases' renew interval; "
-                           "starting a new heartbeat thread.", now - self._round_started)
+                           "starting a new heartbeat thread.", now - started)
         else:
             return
         self._round_started = 0.0

@@ -66,8 +66,9 @@ class DeadRelease(NamedTuple):
 
     Attributes:
       released: ``True`` if released, ``False`` if refused, ``None`` if there is no such lease.
-      deadline_in: seconds until the holder's deadline (negative: past it), or
-        ``None`` when the key names no holder deadline (it then expires by its TTL).
+      deadline_in: seconds until the lease may be released, its holder's
+        deadline plus safety margin (negative: past it), or ``None`` when the
+        key does not say (it then expires by its TTL).
       fence: the fence of the lease found (0 if unknown).
     """
 
@@ -145,7 +146,8 @@ class Lease:
 
     def confirm(self, sent_at: float) -> None:
         """Record a renewal that Redis confirmed; ``sent_at`` is when it was sent (monotonic)."""
-        self._valid_until = min(sent_at + (self.ttl - self.margin) / 1000, self._hold_until)
+        # max: a slow reply to an earlier renewal must not pull back what a later one confirmed.
+        self._valid_until = max(self._valid_until, min(sent_at + (self.ttl - self.margin) / 1000, self._hold_until))
 
     def __repr__(self) -> str:
         return f"Lease(key={self.key!r}, fence={self.fence}, ttl={self.ttl}, remaining={self.remaining():.3f}s)"
@@ -263,9 +265,19 @@ class LeaseInfo:
         return ends - self.margin_ms
 
     @property
+    def ends_ms(self) -> int | None:
+        """When the lease ends by its holder's own facts: its deadline plus the margin its actor has to stop.
+
+        The instant the key expires by itself unless its TTL was changed by
+        hand; from then on ``release --if-dead`` may end it.
+        """
+        deadline = self.holder_deadline_ms
+        return None if deadline is None else deadline + self.margin_ms
+
+    @property
     def state(self) -> State:
         """The lease's health; see :class:`State`. Agrees with :meth:`Leases.release_if_dead` on the same snapshot."""
-        deadline = self.holder_deadline_ms
+        deadline = self.ends_ms
         if deadline is not None and self.now_ms < deadline:
             # interval 0: nobody heartbeats this lease (taken in a web request, say); only its TTL ends it.
             if self.interval and self.now_ms - self.renewed_ms > stale_after(self.interval):
@@ -275,7 +287,7 @@ class LeaseInfo:
             return State.NO_TTL
         if deadline is None:
             return State.ALIVE  # a key we did not write, which expires by itself
-        if self.max_hold_until_ms and deadline >= self.max_hold_until_ms - self.margin_ms:
+        if self.max_hold_until_ms and deadline >= self.max_hold_until_ms:
             return State.PAST_MAX_HOLD
         return State.HOLDER_DEAD
 
@@ -629,13 +641,15 @@ class Leases:
         return released
 
     def release_if_dead(self, key: str) -> DeadRelease:
-        """Release the lease on ``key`` only if no holder can still believe it holds it.
+        """Release the lease on ``key`` only if no holder can still be running under it.
 
         Decided inside one script from facts the holder wrote itself: its
-        deadline (:attr:`LeaseInfo.holder_deadline_ms`) has passed; or the
-        hash names no holder deadline and the key has no TTL (written by
-        hand). A holder whose heartbeat is merely overdue keeps its lease: it
-        may still be running, and its lease ends by TTL soon after its deadline.
+        deadline and the margin its actor has to stop have passed
+        (:attr:`LeaseInfo.ends_ms`; the key outlived them because its TTL was
+        changed by hand); or the hash does not say and the key has no TTL
+        (written by hand). A holder whose heartbeat is merely overdue keeps
+        its lease: it may still be running, and the key expires by itself at
+        that same instant.
         """
         try:
             reply = self._release_if_dead(keys=[self.lease_name(validate_key(key)), self.fence_name(key)], args=[])

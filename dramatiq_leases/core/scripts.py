@@ -17,10 +17,12 @@ see :func:`dramatiq_leases.core.keys.hash_tag`):
 
 The holder's deadline. A holder stops trusting its lease ``margin_ms`` before
 the key can expire: at ``min(renewed_ms + ttl, max_hold_until_ms) - margin_ms``
-in server time, or earlier (it counts from when it *sent* the renewal). Those
-are facts the holder wrote itself, so a script that finds that instant passed
-knows no holder can still believe it holds the lease: that, and only that, is
-what :data:`RELEASE_IF_DEAD` calls dead.
+in server time, or earlier (it counts from when it *sent* the renewal), and the
+margin is the time its interrupted actor has to stop. Those are facts the
+holder wrote itself, so a script that finds the deadline *and* the margin past
+knows no holder can still be running under the lease: that, and only that, is
+what :data:`RELEASE_IF_DEAD` calls dead. It is the instant the key would have
+expired by itself had nobody changed its TTL.
 
 Lua scripts are not transactions: a command that fails midway keeps the writes
 before it. So every script checks all of its arguments before its first write,
@@ -56,15 +58,15 @@ end
 local function bad(name, value)
   return redis.error_reply('ERR dramatiq-leases: invalid ' .. name .. ' ' .. tostring(value))
 end
--- The instant after which no holder can believe it holds this lease (server ms), or nil if the hash
--- does not say (a key written by someone else).
-local function holder_deadline(renewed, ttl, until_ms, margin)
+-- The instant this lease ends by its holder's own facts (server ms): its holder's deadline plus the
+-- margin its actor has to stop. Nil if the hash does not say (a key written by someone else).
+local function lease_end(renewed, ttl, until_ms)
   renewed, ttl = tonumber(renewed), tonumber(ttl)
   if renewed == nil or ttl == nil or ttl <= 0 then return nil end
   local ends = renewed + ttl
   until_ms = tonumber(until_ms) or 0
   if until_ms > 0 and until_ms < ends then ends = until_ms end
-  return ends - (tonumber(margin) or 0)
+  return ends
 end
 """
 )
@@ -91,7 +93,12 @@ local now = server_now()
 if redis.call('EXISTS', KEYS[1]) == 1 then
   local holder_fence = 0
   if redis.call('TYPE', KEYS[1]).ok == 'hash' then
-    holder_fence = tonumber(redis.call('HGET', KEYS[1], 'fence')) or 0
+    local cur = redis.call('HMGET', KEYS[1], 'fence', 'token', 'acquired_ms')
+    holder_fence = tonumber(cur[1]) or 0
+    if cur[2] == token then
+      -- Our own grant, asked again (a client retry after a lost reply): the same answer.
+      return {1, holder_fence, tonumber(cur[3]) or now, 0}
+    end
   end
   return {0, redis.call('PTTL', KEYS[1]), holder_fence, now}
 end
@@ -167,22 +174,23 @@ return 1
 """
 
 #: KEYS: lease, fence. No ARGV. Releases the lease only if no holder can still
-#: believe it holds it: its holder's deadline has passed, or the hash does not
-#: name a holder's deadline and the key has no TTL (a key written by hand).
-#: Returns {1, ms_past_deadline, fence}, {0, ms_to_deadline, fence} (-1: the
-#: key expires by itself and has no holder deadline), or {-1} if there is no
-#: such key.
+#: be running under it: its holder's deadline and safety margin have passed (the
+#: key outlived them: its TTL was changed by hand), or the hash does not say and
+#: the key has no TTL (a key written by hand).
+#: Returns {1, ms_past_end, fence}, {0, ms_to_end, fence} (-1: the key expires
+#: by itself and its hash does not say when its holder stops), or {-1} if there
+#: is no such key.
 RELEASE_IF_DEAD = (
     _PRELUDE
     + """
 if redis.call('EXISTS', KEYS[1]) == 0 then return {-1} end
 local now = server_now()
 local pttl = redis.call('PTTL', KEYS[1])
-local cur = redis.pcall('HMGET', KEYS[1], 'renewed_ms', 'ttl', 'max_hold_until_ms', 'margin_ms', 'fence')
+local cur = redis.pcall('HMGET', KEYS[1], 'renewed_ms', 'ttl', 'max_hold_until_ms', 'fence')
 local deadline, fence = nil, 0
 if not cur.err then
-  deadline = holder_deadline(cur[1], cur[2], cur[3], cur[4])
-  fence = tonumber(cur[5]) or 0
+  deadline = lease_end(cur[1], cur[2], cur[3])
+  fence = tonumber(cur[4]) or 0
 end
 if deadline == nil then
   if pttl ~= -1 then return {0, -1, fence} end
@@ -223,6 +231,10 @@ local now = server_now()
 local cur = redis.pcall('HMGET', KEYS[1], 'token', 'fence', 'acquired_ms', 'max_hold_until_ms')
 if cur.err then return {-1, redis.call('PTTL', KEYS[1]), 0, now} end
 if not cur[1] then return {0} end
+if cur[1] == token then
+  -- Adopted by us already (a client retry after a lost reply): the same answer.
+  return {1, tonumber(cur[2]) or 0, tonumber(cur[3]) or now, tonumber(cur[4]) or 0, now}
+end
 if cur[1] ~= handed then return {-1, redis.call('PTTL', KEYS[1]), tonumber(cur[2]) or 0, now} end
 local until_ms = tonumber(cur[4]) or 0
 if max_hold > 0 and (until_ms == 0 or now + max_hold + margin < until_ms) then until_ms = now + max_hold + margin end
