@@ -27,7 +27,7 @@ import functools
 import itertools
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from dramatiq.middleware import Interrupt
@@ -66,8 +66,8 @@ class Run:
     release by token.
     """
 
-    __slots__ = ("injected", "key", "lease", "lock", "lost_reason", "release_tried", "released", "state", "thread_id",
-                 "token")
+    __slots__ = ("coroutine_running", "end_deferred", "injected", "key", "lease", "lock", "lost_reason",
+                 "release_tried", "released", "state", "thread_id", "token")
 
     def __init__(self, key: str, token: str, thread_id: int) -> None:
         self.key = key
@@ -80,6 +80,10 @@ class Run:
         self.injected = False
         self.release_tried = False
         self.released = False
+        # An async actor's coroutine may outlive the worker's wait for it (Dramatiq gives up after 1 s
+        # of ignored cancellation): the lease is then ended by the coroutine's own end.
+        self.coroutine_running = False
+        self.end_deferred = False
 
     def begin(self) -> None:
         """Enter the actor; raises :class:`LeaseLost` if the lease can no longer be trusted."""
@@ -114,6 +118,20 @@ class Run:
         fence = self.lease.fence if self.lease is not None else 0
         reason = self.lost_reason or "unknown"
         return f"lease {self.key!r} (fence {fence}) was lost: {reason} ({REASONS.get(reason, reason)})"
+
+
+async def coroutine_under(run: Run, coro: Coroutine[Any, Any, Any], end: Callable[[Run], None]) -> Any:
+    """Await an async actor's coroutine; if the worker stopped waiting for it meanwhile, end ``run`` here."""
+    with run.lock:
+        run.coroutine_running = True
+    try:
+        return await coro
+    finally:
+        with run.lock:
+            run.coroutine_running = False
+            deferred = run.end_deferred
+        if deferred:
+            end(run)
 
 
 def call_under(run: Run, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],

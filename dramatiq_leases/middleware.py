@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import inspect
 import logging
 import math
 import os
@@ -17,6 +18,7 @@ from typing import Any, NoReturn
 
 import dramatiq
 import redis
+from dramatiq.asyncio import async_to_sync
 from dramatiq.middleware import Middleware, SkipMessage
 from dramatiq.middleware.middleware import MiddlewareError
 from dramatiq.middleware.prometheus import DB_PATH as PROMETHEUS_DB_PATH
@@ -28,7 +30,7 @@ from .core.heartbeat import Heartbeat
 from .core.keys import DEFAULT_PREFIX, KeyTemplate
 from .core.lease import Busy, Lease, Leases, new_token
 from .core.numbers import whole_ms
-from .guard import DONE, READY, LeaseLost, Run, call_under
+from .guard import DONE, READY, LeaseLost, Run, call_under, coroutine_under
 from .metrics import (
     METRICS_DIR,
     LeaseMetrics,
@@ -236,6 +238,8 @@ class LeaseMiddleware(Middleware):
         self._actor_options: dict[str, _Options] = {}
         # Worker thread id -> its message's run; None while a lease is being asked for (the actor must not run).
         self._runs: dict[int, Run | None] = {}
+        # Token -> run of an async actor whose coroutine outlived the worker's wait: its lease is kept.
+        self._deferred: dict[str, Run] = {}
         self._time_limit: float | None = None
         self._time_limit_interval = 0
         self._metrics_endpoint = metrics_endpoint
@@ -333,7 +337,12 @@ class LeaseMiddleware(Middleware):
         except LeaseConfigError as e:
             raise LeaseOptionError(str(e)) from None
         self._fns[actor.actor_name] = actor.fn
-        actor.fn = self._guarded(actor.fn)
+        fn = actor.fn
+        original = getattr(fn, "__wrapped__", None)
+        if original is not None and inspect.iscoroutinefunction(original):
+            # Dramatiq runs it on its event loop: track the coroutine itself, which can outlive the wait.
+            fn = async_to_sync(self._coroutine_in_run(original))
+        actor.fn = self._guarded(fn)
         if self._booted:
             self.metrics.declare({"actor": actor.actor_name, "queue": actor.queue_name})
 
@@ -570,12 +579,32 @@ class LeaseMiddleware(Middleware):
 
         return guarded
 
+    def _coroutine_in_run(self, async_fn: Callable[..., Any]) -> Callable[..., Any]:
+        runs = self._runs
+        end = self._end
+
+        @functools.wraps(async_fn)
+        def start(*args: Any, **kwargs: Any) -> Any:
+            run = runs.get(threading.get_ident())
+            coro = async_fn(*args, **kwargs)
+            return coroutine_under(run, coro, end) if isinstance(run, Run) else coro
+
+        return start
+
     def _end(self, run: Run) -> None:
         """Stop renewing and release the lease. Idempotent, and never raises but for an interruption.
 
         Nothing after a completed actor may turn it into a failure: any error
-        here is logged, and the lease then ends by its TTL.
+        here is logged, and the lease then ends by its TTL. While an async
+        actor's coroutine still runs (it ignored cancellation), the lease is
+        kept, renewed, and ended when the coroutine ends.
         """
+        with run.lock:
+            if run.coroutine_running:
+                run.end_deferred = True
+                self._deferred[run.token] = run
+                return
+        self._deferred.pop(run.token, None)
         lease = run.lease
         if lease is not None:
             self.heartbeat.untrack(lease)
@@ -622,6 +651,7 @@ class LeaseMiddleware(Middleware):
         """
         # Not only running actors: one still being set up (its lease taken, its actor about to start) too.
         running = {r.token: r for r in list(self._runs.values()) if r is not None and r.state != DONE}
+        running.update(self._deferred)
         for lease in self.heartbeat.tracked():
             if lease.token in running:
                 logger.warning("Actor holding lease %r is still running at shutdown; the lease is kept until "

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import socket
@@ -21,6 +22,7 @@ from typing import Any
 
 import pytest
 import redis
+from dramatiq.middleware import AsyncIO
 from dramatiq.results import Results
 from dramatiq.results.backends import RedisBackend
 
@@ -524,3 +526,34 @@ def test_release_if_dead_never_frees_a_holder_cut_off_but_still_running(redis_se
         proxy.close()
         cut_off.close()
         operator.client.close()
+
+
+def test_an_async_actor_that_outlives_its_cancellation_keeps_its_lease(make_stack: Any) -> None:
+    """Dramatiq stops waiting for a coroutine 1 s after cancelling it; the coroutine may run on.
+
+    Its lease must stay held (and renewed) until the coroutine really ends, then be released.
+    """
+    stack = make_stack()
+    stack.broker.add_middleware(AsyncIO())
+    runs = Runs()
+
+    @stack.actor(lock_key="async:{n}", lock_ttl=600, lock_max_hold=20_000, time_limit=500, max_retries=0)
+    async def stubborn(n: int) -> None:
+        begin = time.monotonic()
+        while time.monotonic() - begin < 3.0:
+            try:
+                await asyncio.sleep(0.01)
+            except asyncio.CancelledError:
+                runs.add(kind="cancelled", at=time.monotonic())  # ignored: it goes on working
+        runs.add(kind="ended", at=time.monotonic())
+
+    stack.start()
+    message = stubborn.send(1)
+    wait_for(lambda: runs.where(kind="cancelled"), what="the time limit to cancel the coroutine", timeout=5)
+    assert stack.recorder.wait_settled(message.message_id) == "nacked"  # the worker gave up waiting
+    assert not runs.where(kind="ended")
+    # The coroutine still runs: its key stays busy past several TTLs, until it ends.
+    while not runs.where(kind="ended"):
+        assert isinstance(stack.leases.try_acquire("async:1", ttl=1_000), Busy), "a second holder while it ran"
+        time.sleep(0.05)
+    wait_for(lambda: stack.leases.inspect("async:1") is None, what="the lease to be released as it ended")
