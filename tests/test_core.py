@@ -378,3 +378,15 @@ def test_an_interrupted_call_never_hands_its_reply_to_the_next(redis_server: Emb
         leases._call(interrupted, [], [])
     assert isinstance(leases.try_acquire("held", ttl=10_000), Busy)  # its own reply, not the stale "acquired"
     assert isinstance(leases.try_acquire("free", ttl=10_000), Lease)
+
+
+def test_asking_again_with_the_same_token_gets_the_same_answer(leases: Leases) -> None:
+    """A client that retries after a lost reply must not find its own grant busy (nor its own adoption)."""
+    first = leases.try_acquire("retry", ttl=10_000, token="t" * 32)
+    again = leases.try_acquire("retry", ttl=10_000, token="t" * 32)
+    assert isinstance(first, Lease) and isinstance(again, Lease) and again.fence == first.fence
+    assert leases.fence_state("retry")["fence"] == first.fence  # no second grant
+    adopted = leases.adopt("retry", first.token, ttl=10_000, new_token="n" * 32)
+    adopted_again = leases.adopt("retry", first.token, ttl=10_000, new_token="n" * 32)
+    assert isinstance(adopted, Lease) and isinstance(adopted_again, Lease) and adopted_again.fence == first.fence
+    assert isinstance(leases.try_acquire("retry", ttl=10_000), Busy)  # anyone else: busy
