@@ -22,7 +22,12 @@ from .core import (
     Leases,
     LeaseUnavailableError,
 )
+from .core import tracing as _core_tracing
 from .metrics import LeaseMetrics, OTelMetrics, PrometheusMetrics
+from .tracing import span as _otel_span
+
+# The core opens its spans through an interface; OpenTelemetry's plugs in here.
+_core_tracing.set_tracer(_otel_span)
 
 if TYPE_CHECKING:
     from .middleware import (

@@ -1,6 +1,6 @@
-"""Metrics: the one place every other module reports to.
+"""Metrics: the core's :class:`LeaseMetrics` interface, implemented for Prometheus and OpenTelemetry.
 
-:class:`LeaseMetrics` is the reporting interface (every method a no-op);
+The interface lives in :mod:`dramatiq_leases.core.metrics` (re-exported here);
 :class:`PrometheusMetrics` implements it with ``prometheus_client``. Labels
 are ``actor_name`` and ``queue_name`` (taken from a lease's ``actor`` and
 ``queue`` metadata), never the lease key: keys are unbounded and often carry
@@ -20,8 +20,9 @@ import os
 import tempfile
 import threading
 import weakref
-from collections.abc import Mapping
 from typing import Any
+
+from .core.metrics import LOST_REASONS, NULL_METRICS, LeaseMetrics, Meta, labels_of
 
 #: Buckets (seconds) for acquire, release and renewal round trips.
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -29,56 +30,7 @@ LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 #: Buckets (seconds) for waits and holds, which last as long as jobs do.
 DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0)
 
-Meta = Mapping[str, str]
-
-#: Why a held lease can be lost (the ``reason`` label of ``dramatiq_lease_lost_total``).
-LOST_REASONS = ("gone", "stolen", "unreachable", "max_hold")
-
-
-def labels_of(meta: Meta) -> tuple[str, str]:
-    """The ``(actor_name, queue_name)`` labels of a lease's metadata."""
-    return meta.get("actor", ""), meta.get("queue", "")
-
-
-class LeaseMetrics:
-    """What the lease core and the middleware report. This base class records nothing."""
-
-    def acquire(self, meta: Meta, outcome: str, seconds: float) -> None:
-        """One acquire attempt took ``seconds``; ``outcome`` is acquired, busy or error."""
-
-    def wait(self, meta: Meta, seconds: float) -> None:
-        """A message acquired its lease ``seconds`` after its first attempt."""
-
-    def busy_retry(self, meta: Meta) -> None:
-        """A message went back to the queue because its lease was busy."""
-
-    def gave_up(self, meta: Meta) -> None:
-        """A message exhausted its wait budget."""
-
-    def held(self, meta: Meta, delta: int) -> None:
-        """The number of leases held changed by ``delta``."""
-
-    def hold(self, meta: Meta, seconds: float) -> None:
-        """A lease was held for ``seconds`` and has ended."""
-
-    def renewal(self, meta: Meta, outcome: str) -> None:
-        """One lease renewal ended with ``outcome``: ok, lost or error."""
-
-    def renew_round(self, seconds: float) -> None:
-        """One heartbeat round (all due leases of the process) took ``seconds``."""
-
-    def lost(self, meta: Meta, reason: str) -> None:
-        """A held lease was lost for ``reason``: gone, stolen, unreachable or max_hold."""
-
-    def redis_error(self, operation: str) -> None:
-        """Redis failed during ``operation``: acquire, renew, release or scan."""
-
-    def declare(self, meta: Meta) -> None:
-        """Create the series of an actor at zero, so that ``increase()`` sees its first event."""
-
-
-#: Records nothing; the default where no metrics are wanted.
-NULL_METRICS = LeaseMetrics()
+__all__ = ["LOST_REASONS", "NULL_METRICS", "LeaseMetrics", "Meta", "OTelMetrics", "PrometheusMetrics", "labels_of"]
 
 
 def _enable_multiprocess_values() -> None:

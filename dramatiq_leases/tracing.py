@@ -1,7 +1,8 @@
 """OpenTelemetry spans for lease operations, through ``opentelemetry-api`` only.
 
-The library never configures an SDK. Without one, :func:`span` skips the API
-altogether (its no-op spans still cost ~15 µs each on a hot path); with one,
+Plugged into the core's tracing interface (:mod:`dramatiq_leases.core.tracing`)
+when :mod:`dramatiq_leases` is imported. The library never configures an SDK.
+Without one, :func:`span` skips the API altogether (its no-op spans still cost ~15 µs each on a hot path); with one,
 each acquire, heartbeat round and release is a span, a child of whatever
 span is current (Dramatiq's message processing, when it is instrumented).
 """
@@ -14,14 +15,11 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from opentelemetry import trace
 from opentelemetry.trace import INVALID_SPAN, ProxyTracerProvider, Span, SpanKind, Status, StatusCode
 
+from .core.tracing import COUNT, FENCE, KEY, OUTCOME, TTL
+
 tracer = trace.get_tracer("dramatiq_leases")
 
-#: Span attribute names (an API: dashboards and queries use them).
-KEY = "lease.key"
-FENCE = "lease.fence"
-OUTCOME = "lease.outcome"
-TTL = "lease.ttl_ms"
-COUNT = "lease.count"
+__all__ = ["COUNT", "FENCE", "KEY", "OUTCOME", "TTL", "span"]
 
 _NO_SPAN: AbstractContextManager[Span] = nullcontext(INVALID_SPAN)
 

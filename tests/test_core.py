@@ -390,3 +390,20 @@ def test_asking_again_with_the_same_token_gets_the_same_answer(leases: Leases) -
     adopted_again = leases.adopt("retry", first.token, ttl=10_000, new_token="n" * 32)
     assert isinstance(adopted, Lease) and isinstance(adopted_again, Lease) and adopted_again.fence == first.fence
     assert isinstance(leases.try_acquire("retry", ttl=10_000), Busy)  # anyone else: busy
+
+
+def test_core_imports_nothing_outside_core() -> None:
+    """The arrows point one way: integrations plug into the core, never the reverse (walks every import)."""
+    forbidden = ("dramatiq", "prometheus_client", "opentelemetry", "dramatiq_leases")
+    for path in CORE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                assert node.level <= 1, f"{path.name} imports from outside core: {'.' * node.level}{node.module}"
+                names = [node.module or ""] if node.level == 0 else []
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            for name in names:
+                top = name.split(".")[0]
+                assert top not in forbidden, f"{path.name} imports {name}"

@@ -28,9 +28,9 @@ import time
 import weakref
 from collections.abc import Callable
 
-from ..metrics import NULL_METRICS, LeaseMetrics
 from .errors import LeaseUnavailableError
 from .lease import Lease, Leases, Renewal
+from .metrics import NULL_METRICS, LeaseMetrics
 
 logger = logging.getLogger(__name__)
 

@@ -27,8 +27,7 @@ import redis
 from redis.cluster import RedisCluster
 from redis.crc import key_slot
 
-from .. import tracing
-from . import scripts
+from . import scripts, tracing
 from .errors import LeaseConfigError, LeaseUnavailableError
 from .keys import DEFAULT_PREFIX, fence_name, lease_name, lease_pattern, validate_key, validate_prefix
 from .numbers import margin_ms, whole_ms

@@ -1,0 +1,61 @@
+"""The metrics interface of the lease core: what it reports, never how.
+
+:class:`LeaseMetrics` is implemented outside the core (Prometheus, OpenTelemetry);
+its base class records nothing. Labels are the lease's ``actor`` and ``queue``
+metadata, never the lease key: keys are unbounded and often carry user ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+Meta = Mapping[str, str]
+
+#: Why a held lease can be lost (the ``reason`` label of ``dramatiq_lease_lost_total``).
+LOST_REASONS = ("gone", "stolen", "unreachable", "max_hold")
+
+
+def labels_of(meta: Meta) -> tuple[str, str]:
+    """The ``(actor_name, queue_name)`` labels of a lease's metadata."""
+    return meta.get("actor", ""), meta.get("queue", "")
+
+
+class LeaseMetrics:
+    """What the lease core and the middleware report. This base class records nothing."""
+
+    def acquire(self, meta: Meta, outcome: str, seconds: float) -> None:
+        """One acquire attempt took ``seconds``; ``outcome`` is acquired, busy or error."""
+
+    def wait(self, meta: Meta, seconds: float) -> None:
+        """A message acquired its lease ``seconds`` after its first attempt."""
+
+    def busy_retry(self, meta: Meta) -> None:
+        """A message went back to the queue because its lease was busy."""
+
+    def gave_up(self, meta: Meta) -> None:
+        """A message exhausted its wait budget."""
+
+    def held(self, meta: Meta, delta: int) -> None:
+        """The number of leases held changed by ``delta``."""
+
+    def hold(self, meta: Meta, seconds: float) -> None:
+        """A lease was held for ``seconds`` and has ended."""
+
+    def renewal(self, meta: Meta, outcome: str) -> None:
+        """One lease renewal ended with ``outcome``: ok, lost or error."""
+
+    def renew_round(self, seconds: float) -> None:
+        """One heartbeat round (all due leases of the process) took ``seconds``."""
+
+    def lost(self, meta: Meta, reason: str) -> None:
+        """A held lease was lost for ``reason``: gone, stolen, unreachable or max_hold."""
+
+    def redis_error(self, operation: str) -> None:
+        """Redis failed during ``operation``: acquire, renew, release or scan."""
+
+    def declare(self, meta: Meta) -> None:
+        """Create the series of an actor at zero, so that ``increase()`` sees its first event."""
+
+
+#: Records nothing; the default where no metrics are wanted.
+NULL_METRICS = LeaseMetrics()
