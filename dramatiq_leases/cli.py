@@ -39,9 +39,9 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
+from .core import DeadRelease, LeaseInfo, Leases, State, stale_after
 from .core.errors import LeaseError, LeaseUnavailableError
 from .core.keys import DEFAULT_PREFIX, validate_key, validate_prefix
-from .core.lease import DeadRelease, LeaseInfo, Leases, State, stale_after
 
 EXIT_OK = 0
 EXIT_REFUSED = 1

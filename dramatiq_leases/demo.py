@@ -39,8 +39,8 @@ from typing import Any, TextIO
 
 import redis
 
+from .core import LeaseInfo, Leases, State, stale_after
 from .core.keys import DEFAULT_PREFIX
-from .core.lease import LeaseInfo, Leases, State, stale_after
 from .core.numbers import margin_ms
 
 # Names shared with demo_app, which reads its settings from the environment.

@@ -44,8 +44,8 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from .core import LeaseInfo, Leases, State
 from .core.errors import LeaseUnavailableError
-from .core.lease import LeaseInfo, Leases, State
 
 logger = logging.getLogger(__name__)
 

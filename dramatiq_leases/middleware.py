@@ -28,8 +28,9 @@ from dramatiq.middleware.time_limit import TimeLimit
 from .core.errors import LeaseConfigError, LeaseKeyError
 from .core.heartbeat import Heartbeat
 from .core.keys import DEFAULT_PREFIX, KeyTemplate
-from .core.lease import Busy, Lease, Leases, new_token
+from .core.lease import Busy, Lease, new_token
 from .core.numbers import whole_ms
+from .core.store import Leases
 from .guard import DONE, READY, LeaseLost, Run, call_under, coroutine_under
 from .metrics import (
     METRICS_DIR,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Final
 
-from .core.lease import Busy, Lease
+from .core import Busy, Lease
 
 #: ``423 Locked`` (RFC 4918): the resource is locked; here, a job for it is running.
 HTTP_423_LOCKED: Final = 423

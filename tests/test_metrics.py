@@ -46,7 +46,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from dramatiq_leases import LeaseMetrics, Leases, current_lease
-from dramatiq_leases.core.lease import RedisClient
+from dramatiq_leases.core import RedisClient
 from dramatiq_leases.embedded import EmbeddedRedis, free_port
 from dramatiq_leases.exporter import LEAK_REASONS
 from dramatiq_leases.metrics import LOST_REASONS, forget_dead_processes

@@ -2,8 +2,10 @@
 
 from .errors import LeaseConfigError, LeaseError, LeaseKeyError, LeaseUnavailableError
 from .heartbeat import Heartbeat
+from .info import LeaseInfo, State, stale_after
 from .keys import DEFAULT_PREFIX, KeyTemplate
-from .lease import Busy, DeadRelease, Lease, LeaseInfo, Leases, Renewal, State
+from .lease import Busy, Lease, Renewal
+from .store import DeadRelease, Leases, RedisClient
 
 __all__ = [
     "DEFAULT_PREFIX",
@@ -18,6 +20,8 @@ __all__ = [
     "LeaseKeyError",
     "LeaseUnavailableError",
     "Leases",
+    "RedisClient",
     "Renewal",
     "State",
+    "stale_after",
 ]

@@ -29,8 +29,9 @@ import weakref
 from collections.abc import Callable
 
 from .errors import LeaseUnavailableError
-from .lease import Lease, Leases, Renewal
+from .lease import Lease, Renewal
 from .metrics import NULL_METRICS, LeaseMetrics
+from .store import Leases
 
 logger = logging.getLogger(__name__)
 

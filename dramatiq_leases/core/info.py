@@ -1,0 +1,177 @@
+"""What Redis holds for a lease, as observers read it: its hash fields, its state, its holder's deadline."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from .errors import LeaseConfigError
+
+
+class State(str, Enum):
+    """The health of a lease as seen from Redis.
+
+    Only the *leaked* states (:attr:`leaked`) say that no holder can still
+    believe it holds the lease; they are what ``release --if-dead`` may end.
+    ``heartbeat_overdue`` is a warning: renewals are late, but the holder may
+    still be running under its lease until its own deadline.
+    """
+
+    ALIVE = "alive"
+    HEARTBEAT_OVERDUE = "heartbeat_overdue"
+    HOLDER_DEAD = "holder_dead"
+    PAST_MAX_HOLD = "past_max_hold"
+    NO_TTL = "no_ttl"
+
+    @property
+    def leaked(self) -> bool:
+        """True when no holder can still believe it holds the lease, yet the key is there."""
+        return self in (State.HOLDER_DEAD, State.PAST_MAX_HOLD, State.NO_TTL)
+
+
+def stale_after(interval_ms: int) -> int:
+    """Milliseconds without a renewal after which a heartbeat counts as overdue: two missed rounds plus slack."""
+    return 2 * interval_ms + 500
+
+
+@dataclass(frozen=True)
+class LeaseInfo:
+    """Everything Redis knows about one lease, as read at ``now_ms`` (server ms)."""
+
+    key: str
+    redis_key: str
+    token: str
+    fence: int
+    ttl: int
+    ttl_left: int
+    interval: int
+    acquired_ms: int
+    renewed_ms: int
+    max_hold_until_ms: int
+    now_ms: int
+    meta: Mapping[str, str] = field(default_factory=dict)
+    margin_ms: int = 0
+    adopted_ms: int = 0
+
+    @property
+    def age(self) -> float:
+        """Seconds since the lease was granted."""
+        return max(0, self.now_ms - self.acquired_ms) / 1000
+
+    @property
+    def heartbeat_age(self) -> float:
+        """Seconds since the last renewal (or the grant)."""
+        return max(0, self.now_ms - self.renewed_ms) / 1000
+
+    @property
+    def holder_deadline_ms(self) -> int | None:
+        """When the holder stops trusting the lease at the latest (server ms), or ``None`` if the hash does not say.
+
+        The same formula as the ``RELEASE_IF_DEAD`` script's: the earlier of
+        the last renewal plus the TTL and the end of the maximum hold, less
+        the holder's safety margin.
+        """
+        if not self.renewed_ms or self.ttl <= 0:
+            return None
+        ends = self.renewed_ms + self.ttl
+        if self.max_hold_until_ms:
+            ends = min(ends, self.max_hold_until_ms)
+        return ends - self.margin_ms
+
+    @property
+    def ends_ms(self) -> int | None:
+        """When the lease ends by its holder's own facts: its deadline plus the margin its actor has to stop.
+
+        The instant the key expires by itself unless its TTL was changed by
+        hand; from then on ``release --if-dead`` may end it.
+        """
+        deadline = self.holder_deadline_ms
+        return None if deadline is None else deadline + self.margin_ms
+
+    @property
+    def state(self) -> State:
+        """The lease's health; see :class:`State`. Agrees with :meth:`Leases.release_if_dead` on the same snapshot."""
+        deadline = self.ends_ms
+        if deadline is not None and self.now_ms < deadline:
+            # interval 0: nobody heartbeats this lease (taken in a web request, say); only its TTL ends it.
+            if self.interval and self.now_ms - self.renewed_ms > stale_after(self.interval):
+                return State.HEARTBEAT_OVERDUE
+            return State.ALIVE
+        if self.ttl_left == -1:
+            return State.NO_TTL
+        if deadline is None:
+            return State.ALIVE  # a key we did not write, which expires by itself
+        if self.max_hold_until_ms and deadline >= self.max_hold_until_ms:
+            return State.PAST_MAX_HOLD
+        return State.HOLDER_DEAD
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON-ready view (without the owner token)."""
+        deadline = self.holder_deadline_ms
+        return {
+            **self.meta,
+            "key": self.key,
+            "redis_key": self.redis_key,
+            "fence": self.fence,
+            "state": self.state.value,
+            "age": self.age,
+            "ttl": self.ttl,
+            "ttl_left": self.ttl_left,
+            "interval": self.interval,
+            "heartbeat_age": self.heartbeat_age,
+            "acquired_at": self.acquired_ms / 1000,
+            "renewed_at": self.renewed_ms / 1000,
+            "max_hold_until": self.max_hold_until_ms / 1000 if self.max_hold_until_ms else None,
+            "holder_deadline": deadline / 1000 if deadline is not None else None,
+            "adopted_at": self.adopted_ms / 1000 if self.adopted_ms else None,
+        }
+
+
+#: Hash fields the scripts own; holder metadata may not use these names.
+_CORE_FIELDS = frozenset({"token", "fence", "ttl", "interval", "margin_ms", "acquired_ms", "renewed_ms",
+                          "max_hold_until_ms", "adopted_ms", "key"})
+
+
+def text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def parse_info(redis_key: str, pttl: int, flat: Sequence[Any], now_ms: int) -> LeaseInfo:
+    raw = {text(flat[i]): text(flat[i + 1]) for i in range(0, len(flat) - 1, 2)}
+
+    def num(name: str) -> int:
+        try:
+            return int(raw.get(name, 0))
+        except ValueError:
+            return 0
+
+    return LeaseInfo(
+        key=raw.get("key", redis_key),
+        redis_key=redis_key,
+        token=raw.get("token", ""),
+        fence=num("fence"),
+        ttl=num("ttl"),
+        ttl_left=pttl,
+        interval=num("interval"),
+        acquired_ms=num("acquired_ms"),
+        renewed_ms=num("renewed_ms"),
+        max_hold_until_ms=num("max_hold_until_ms"),
+        now_ms=now_ms,
+        meta={k: v for k, v in raw.items() if k not in _CORE_FIELDS},
+        margin_ms=num("margin_ms"),
+        adopted_ms=num("adopted_ms"),
+    )
+
+
+def meta_args(key: str, meta: Mapping[str, str]) -> list[str]:
+    """Holder metadata as flat field/value arguments, after the lease key itself."""
+    args = ["key", key]
+    for name, value in meta.items():
+        if not isinstance(name, str) or name in _CORE_FIELDS or not isinstance(value, str):
+            raise LeaseConfigError(
+                f"lease metadata must map strings to strings, not reuse {sorted(_CORE_FIELDS)}; got {name!r}: {value!r}"
+            )
+        args += [name, value]
+    return args

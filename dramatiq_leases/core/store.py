@@ -1,0 +1,441 @@
+"""Leases on keys in one Redis deployment: acquire, renew, release, adopt and inspect.
+
+Every operation is one script and one round trip (see :mod:`.scripts`);
+numbers are checked before Redis is asked. This module knows nothing of Dramatiq.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import redis
+from redis.cluster import RedisCluster
+from redis.crc import key_slot
+
+from . import scripts, tracing
+from .errors import LeaseConfigError, LeaseUnavailableError
+from .info import LeaseInfo, meta_args, parse_info, text
+from .keys import DEFAULT_PREFIX, fence_name, lease_name, lease_pattern, validate_key, validate_prefix
+from .lease import Busy, Lease, Renewal, default_interval, new_token
+from .numbers import margin_ms, whole_ms
+
+#: A client this package can work with.
+RedisClient = redis.Redis | RedisCluster
+
+
+#: Largest number of leases renewed by one script call; bigger batches are
+#: split, and the calls still share one pipelined round trip.
+RENEW_BATCH = 1000
+
+
+_new_token = new_token  # for methods whose parameter is named new_token
+
+
+def _check_numbers(ttl: Any, interval: Any, max_hold: Any) -> tuple[int, int, int]:
+    """Validated ``(ttl, interval or 0, max_hold or 0)``: every number is checked before any write."""
+    ttl = whole_ms(ttl, "ttl")
+    interval = 0 if interval is None else whole_ms(interval, "interval")
+    max_hold = 0 if max_hold is None else whole_ms(max_hold, "max_hold")
+    return ttl, interval, max_hold
+
+
+class DeadRelease(NamedTuple):
+    """What :meth:`Leases.release_if_dead` did.
+
+    Attributes:
+      released: ``True`` if released, ``False`` if refused, ``None`` if there is no such lease.
+      deadline_in: seconds until the lease may be released, its holder's
+        deadline plus safety margin (negative: past it), or ``None`` when the
+        key does not say (it then expires by its TTL).
+      fence: the fence of the lease found (0 if unknown).
+    """
+
+    released: bool | None
+    deadline_in: float | None
+    fence: int
+
+
+_RENEW_CODES = {1: Renewal.OK, 0: Renewal.GONE, -1: Renewal.STOLEN, -2: Renewal.MAX_HOLD}
+
+
+class Leases:
+    """Leases on keys, stored in one Redis deployment (standalone, Sentinel or Cluster).
+
+    Parameters:
+      client: a ``redis.Redis`` or ``redis.cluster.RedisCluster`` client.
+        Give it a ``socket_timeout`` shorter than your TTLs: a renewal that
+        hangs cannot confirm a lease.
+      prefix: the prefix of every Redis key written. Defaults to
+        ``"dramatiq-leases"``.
+      thread_connections: acquire, adopt and release on a connection of the
+        calling thread's own, reopened after any call that did not complete.
+        For threads that asynchronous exceptions can interrupt (Dramatiq's
+        worker threads): an interruption between sending a command and
+        reading its reply would otherwise return a pooled connection with a
+        reply still unread, which the next caller would take for its own, or
+        leak the connection from the pool. Not available with RedisCluster.
+
+    Example:
+      >>> leases = Leases.from_url("redis://127.0.0.1:6379/1")
+      >>> lease = leases.try_acquire("export:report:42", ttl=30_000)
+      >>> if lease:
+      ...     try:
+      ...         do_export(fence=lease.fence)
+      ...     finally:
+      ...         leases.release(lease)
+      ... else:
+      ...     print(f"busy, retry in {lease.retry_after}s")
+    """
+
+    def __init__(self, client: RedisClient, *, prefix: str = DEFAULT_PREFIX, thread_connections: bool = False) -> None:
+        self.client = client
+        self.prefix = validate_prefix(prefix)
+        self._cluster = isinstance(client, RedisCluster)
+        self._threads: threading.local | None = threading.local() if thread_connections and not self._cluster else None
+        self._acquire = client.register_script(scripts.ACQUIRE)
+        self._renew_many = client.register_script(scripts.RENEW_MANY)
+        self._release = client.register_script(scripts.RELEASE)
+        self._release_if_dead = client.register_script(scripts.RELEASE_IF_DEAD)
+        self._adopt = client.register_script(scripts.ADOPT)
+        self._inspect_many = client.register_script(scripts.INSPECT_MANY)
+
+    @classmethod
+    def from_url(cls, url: str, *, prefix: str = DEFAULT_PREFIX, socket_timeout: float = 2.0) -> Leases:
+        """Leases on the Redis at ``url`` (``redis://``, ``rediss://`` or ``unix://``)."""
+        client = redis.Redis.from_url(url, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout)
+        return cls(client, prefix=prefix)
+
+    # Names -----------------------------------------------------------------
+
+    def lease_name(self, key: str) -> str:
+        """The Redis key holding the lease on ``key``."""
+        return lease_name(self.prefix, key)
+
+    def fence_name(self, key: str) -> str:
+        """The Redis key holding the fencing counter of ``key``."""
+        return fence_name(self.prefix, key)
+
+    # Acquire, adopt, renew, release -----------------------------------------
+
+    def try_acquire(
+        self,
+        key: str,
+        ttl: int,
+        *,
+        interval: int | None = None,
+        max_hold: int | None = None,
+        meta: Mapping[str, str] | None = None,
+        token: str | None = None,
+    ) -> Lease | Busy:
+        """Acquire ``key`` for ``ttl`` milliseconds without waiting.
+
+        Parameters:
+          key: the lease key.
+          ttl: the lease's time to live in whole milliseconds, restored by each renewal.
+          interval: how often a :class:`Heartbeat` will renew it, in
+            milliseconds, stored so observers can tell an overdue heartbeat.
+            Leave it out for a lease nobody renews (taken in a web request
+            and handed to a worker); a heartbeat that tracks it anyway
+            renews every ``ttl // 3``.
+          max_hold: the longest the holder may trust the lease, in
+            milliseconds from now; renewals never extend it past that.
+          meta: holder metadata stored with the lease (strings).
+          token: the owner token to use; default a fresh random one. Choose
+            it beforehand to be able to release a grant whose reply was lost.
+
+        Returns:
+          a :class:`Lease` with the token and a new fence, or :class:`Busy`
+          (falsy) with the holder's remaining TTL.
+
+        Raises:
+          LeaseConfigError: a number is not a whole count of milliseconds in
+            range, or the metadata is not strings; checked before Redis is asked.
+          LeaseUnavailableError: Redis could not be asked; nothing was granted.
+        """
+        validate_key(key)
+        ttl, stored_interval, max_hold_ms = _check_numbers(ttl, interval, max_hold)
+        token = token or new_token()
+        meta = dict(meta or {})
+        args: list[Any] = [token, ttl, max_hold_ms, stored_interval, margin_ms(ttl), *meta_args(key, meta)]
+        with tracing.span("lease.acquire", {tracing.KEY: key, tracing.TTL: ttl}) as span:
+            sent_at = time.monotonic()
+            try:
+                reply = self._call(self._acquire, [self.lease_name(key), self.fence_name(key)], args)
+            except redis.RedisError as e:
+                raise LeaseUnavailableError(f"could not acquire lease {key!r}: {type(e).__name__}: {e}") from e
+            if int(reply[0]) != 1:
+                span.set_attributes({tracing.OUTCOME: "busy", tracing.FENCE: int(reply[2])})
+                return Busy(key=key, ttl_left=int(reply[1]), fence=int(reply[2]), now_ms=int(reply[3]))
+            span.set_attributes({tracing.OUTCOME: "acquired", tracing.FENCE: int(reply[1])})
+        return Lease(
+            key=key,
+            token=token,
+            fence=int(reply[1]),
+            ttl=ttl,
+            interval=stored_interval or default_interval(ttl),
+            max_hold=max_hold_ms or None,
+            acquired_at=int(reply[2]) / 1000,
+            meta=meta,
+            sent_at=sent_at,
+        )
+
+    def adopt(
+        self,
+        key: str,
+        token: str,
+        ttl: int,
+        *,
+        interval: int | None = None,
+        max_hold: int | None = None,
+        meta: Mapping[str, str] | None = None,
+        new_token: str | None = None,
+    ) -> Lease | Busy | None:
+        """Take over a lease acquired elsewhere (a web request) by proving its ``token``.
+
+        Adoption happens once: the lease gets a new owner token, so a second
+        adopter presenting the same handed-over token finds the key busy. The
+        fence stays the grant's (one grant, one run). The TTL becomes ``ttl``;
+        the maximum hold becomes the earlier of the grant's and ``max_hold``
+        from now.
+
+        Returns:
+          the adopted :class:`Lease` (with the new token); :class:`Busy` if
+          another token holds ``key`` now, including an earlier adopter;
+          ``None`` if the lease is gone (expired or released) or its maximum
+          hold leaves less than the safety margin.
+
+        Raises:
+          LeaseConfigError: as :meth:`try_acquire`.
+          LeaseUnavailableError: Redis could not be asked.
+        """
+        validate_key(key)
+        ttl, stored_interval, max_hold_ms = _check_numbers(ttl, interval, max_hold)
+        if not isinstance(token, str) or not token:
+            raise LeaseConfigError(f"the handed-over token must be a non-empty string, got {token!r}")
+        mine = new_token or _new_token()
+        meta = dict(meta or {})
+        interval_ms = stored_interval or default_interval(ttl)
+        margin = margin_ms(ttl)
+        args: list[Any] = [token, mine, ttl, interval_ms, margin, max_hold_ms, *meta_args(key, meta)]
+        sent_at = time.monotonic()
+        try:
+            reply = self._call(self._adopt, [self.lease_name(key)], args)
+        except redis.RedisError as e:
+            raise LeaseUnavailableError(f"could not adopt lease {key!r}: {type(e).__name__}: {e}") from e
+        code = int(reply[0])
+        if code == 0:
+            return None
+        if code < 0:
+            return Busy(key=key, ttl_left=int(reply[1]), fence=int(reply[2]), now_ms=int(reply[3]))
+        _, fence, acquired_ms, until_ms, now_ms = (int(x) for x in reply)
+        return Lease(
+            key=key,
+            token=mine,
+            fence=fence,
+            ttl=ttl,
+            interval=interval_ms,
+            # The server keeps the key until until_ms; the holder stops a margin earlier.
+            max_hold=(until_ms - now_ms - margin) if until_ms else None,
+            acquired_at=acquired_ms / 1000,
+            meta=meta,
+            sent_at=sent_at,
+        )
+
+    def _call(self, script: Any, keys: list[str], args: list[Any]) -> Any:
+        """Run ``script`` on this thread's own connection when asked to (see ``thread_connections``)."""
+        local = self._threads
+        if local is None:
+            return script(keys=keys, args=args)
+        client = getattr(local, "client", None)
+        if client is None:
+            assert isinstance(self.client, redis.Redis)
+            client = local.client = redis.Redis(connection_pool=self.client.connection_pool,
+                                                single_connection_client=True)
+        elif local.dirty:
+            client.connection.disconnect()  # the last call did not complete: never read its reply as ours
+        # Two single stores around the call: an interruption anywhere in between leaves dirty set.
+        local.dirty = True
+        reply = script(keys=keys, args=args, client=client)
+        local.dirty = False
+        return reply
+
+    def renew(self, lease: Lease) -> Renewal:
+        """Restore ``lease``'s TTL if this token still holds it. Raises :class:`LeaseUnavailableError`."""
+        return self.renew_many([lease])[0]
+
+    def renew_many(self, leases: Sequence[Lease]) -> list[Renewal]:
+        """Renew many leases in one round trip per hash slot (one in all on a standalone Redis).
+
+        Confirmed leases have their local validity extended. Returns one
+        :class:`Renewal` per lease, in order.
+
+        Raises:
+          LeaseUnavailableError: Redis could not be asked.
+        """
+        if not leases:
+            return []
+        groups: dict[int, list[int]] = defaultdict(list)
+        for i, lease in enumerate(leases):
+            slot = key_slot(self.lease_name(lease.key).encode()) if self._cluster else 0
+            groups[slot].append(i)
+        batches = [idx[n : n + RENEW_BATCH] for idx in groups.values() for n in range(0, len(idx), RENEW_BATCH)]
+        with tracing.span("lease.renew", {tracing.COUNT: len(leases)}) as span:
+            sent_at = time.monotonic()
+            try:
+                replies = self._run_batches(leases, batches)
+            except redis.RedisError as e:
+                raise LeaseUnavailableError(f"could not renew {len(leases)} lease(s): {type(e).__name__}: {e}") from e
+            out = [Renewal.ERROR] * len(leases)
+            for batch, codes in zip(batches, replies):
+                for i, code in zip(batch, codes):
+                    out[i] = _RENEW_CODES.get(int(code), Renewal.STOLEN)
+                    if out[i] is Renewal.OK:
+                        leases[i].confirm(sent_at)
+            lost = len(leases) - out.count(Renewal.OK)
+            span.set_attributes({tracing.OUTCOME: "ok" if not lost else "lost", "lease.lost_count": lost})
+        return out
+
+    def _run_batches(self, leases: Sequence[Lease], batches: list[list[int]]) -> list[list[Any]]:
+        def keys_args(batch: list[int]) -> tuple[list[str], list[Any]]:
+            args: list[Any] = []
+            for i in batch:
+                args += [leases[i].token, leases[i].ttl]
+            return [self.lease_name(leases[i].key) for i in batch], args
+
+        if self._cluster or len(batches) == 1:
+            # A cluster routes each call to its slot's node: one round trip per slot.
+            return [self._renew_many(*keys_args(batch)) for batch in batches]
+        # redis-py would check SCRIPT EXISTS before a pipeline (an extra round trip);
+        # send bare EVALSHAs and load the script only if Redis lost it (a restart).
+        for attempt in (1, 2):
+            pipe = self.client.pipeline(transaction=False)
+            for batch in batches:
+                keys, args = keys_args(batch)
+                pipe.evalsha(self._renew_many.sha, len(keys), *keys, *args)
+            try:
+                return list(pipe.execute())
+            except redis.exceptions.NoScriptError:
+                if attempt == 2:
+                    raise
+                self.client.script_load(scripts.RENEW_MANY)
+        raise AssertionError("unreachable")
+
+    def release(self, lease: Lease) -> bool:
+        """Release ``lease`` if its token still holds it; ``False`` if it did not (nothing touched).
+
+        Raises:
+          LeaseUnavailableError: Redis could not be asked; the lease expires by its TTL.
+        """
+        return self.release_token(lease.key, lease.token, fence=lease.fence)
+
+    def release_token(self, key: str, token: str, *, fence: int | None = None) -> bool:
+        """Release the lease on ``key`` only if ``token`` holds it (``fence`` only labels the span)."""
+        attributes: dict[str, str | int] = {tracing.KEY: key}
+        if fence is not None:
+            attributes[tracing.FENCE] = fence
+        with tracing.span("lease.release", attributes) as span:
+            try:
+                released = int(self._call(self._release, [self.lease_name(key), self.fence_name(key)], [token])) == 1
+            except redis.RedisError as e:
+                raise LeaseUnavailableError(f"could not release lease {key!r}: {type(e).__name__}: {e}") from e
+            span.set_attribute(tracing.OUTCOME, "released" if released else "not_held")
+        return released
+
+    def release_if_dead(self, key: str) -> DeadRelease:
+        """Release the lease on ``key`` only if no holder can still be running under it.
+
+        Decided inside one script from facts the holder wrote itself: its
+        deadline and the margin its actor has to stop have passed
+        (:attr:`LeaseInfo.ends_ms`; the key outlived them because its TTL was
+        changed by hand); or the hash does not say and the key has no TTL
+        (written by hand). A holder whose heartbeat is merely overdue keeps
+        its lease: it may still be running, and the key expires by itself at
+        that same instant.
+        """
+        try:
+            reply = self._release_if_dead(keys=[self.lease_name(validate_key(key)), self.fence_name(key)], args=[])
+        except redis.RedisError as e:
+            raise LeaseUnavailableError(f"could not release lease {key!r}: {type(e).__name__}: {e}") from e
+        code = int(reply[0])
+        if code < 0:
+            return DeadRelease(None, None, 0)
+        ms, fence = int(reply[1]), int(reply[2])
+        if code == 1:
+            return DeadRelease(True, -ms / 1000, fence)
+        return DeadRelease(False, ms / 1000 if ms >= 0 else None, fence)
+
+    # Inspection ------------------------------------------------------------
+
+    def inspect(self, key: str) -> LeaseInfo | None:
+        """What Redis holds for the lease on ``key``, or ``None`` if there is none."""
+        infos = self.inspect_names([self.lease_name(validate_key(key))])
+        return infos[0] if infos else None
+
+    def inspect_names(self, names: Sequence[str]) -> list[LeaseInfo]:
+        """Read the lease hashes at these Redis keys (those that still exist), one round trip per slot."""
+        by_slot: dict[int, list[str]] = defaultdict(list)
+        for name in names:
+            by_slot[key_slot(name.encode()) if self._cluster else 0].append(name)
+        out: list[LeaseInfo] = []
+        try:
+            for group in by_slot.values():
+                reply = self._inspect_many(keys=group, args=[])
+                now_ms = int(reply[0])
+                for name, (pttl, flat) in zip(group, reply[1:]):
+                    if int(pttl) != -2:
+                        out.append(parse_info(name, int(pttl), flat, now_ms))
+        except redis.RedisError as e:
+            raise LeaseUnavailableError(f"could not read leases: {type(e).__name__}: {e}") from e
+        return out
+
+    def scan(self, match: str = "*", *, count: int = 500) -> Iterator[LeaseInfo]:
+        """Every lease whose key matches the glob ``match``, read in batches with ``SCAN`` (never ``KEYS``).
+
+        With the default ``match``, also any other key under ``{prefix}:lease:``
+        (a key someone wrote by hand, perhaps without TTL: the classic orphan).
+        """
+        if match == "*":
+            yield from self._scan(f"{self.prefix}:lease:*", count)
+            return
+        seen = set()
+        for info in self._scan(lease_pattern(self.prefix, match), count):
+            seen.add(info.redis_key)
+            yield info
+        # Keys with braces are stored under a digest (see hash_tag): match them here.
+        for info in self._scan(lease_pattern(self.prefix, "h:*"), count):
+            if info.redis_key not in seen and fnmatch.fnmatchcase(info.key, match):
+                yield info
+
+    def _scan(self, pattern: str, count: int) -> Iterator[LeaseInfo]:
+        batch: list[str] = []
+        try:
+            names: Iterable[Any] = self.client.scan_iter(match=pattern, count=count)
+            for name in names:
+                batch.append(text(name))
+                if len(batch) >= count:
+                    yield from self.inspect_names(batch)
+                    batch = []
+        except redis.RedisError as e:
+            raise LeaseUnavailableError(f"could not scan leases: {type(e).__name__}: {e}") from e
+        if batch:
+            yield from self.inspect_names(batch)
+
+    def fence_state(self, key: str) -> dict[str, int]:
+        """The fence counter of ``key``: last ``fence`` granted, last ``released``, last ``expired``."""
+        return self.fence_states([validate_key(key)])[0]
+
+    def fence_states(self, keys: Sequence[str]) -> list[dict[str, int]]:
+        """:meth:`fence_state` of many keys, pipelined."""
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.hgetall(self.fence_name(key))
+        try:
+            replies = pipe.execute()
+        except redis.RedisError as e:
+            raise LeaseUnavailableError(f"could not read fence counters: {type(e).__name__}: {e}") from e
+        return [{text(k): int(v) for k, v in raw.items()} for raw in replies]
