@@ -22,6 +22,7 @@ from dramatiq_leases.core import (
     LeaseUnavailableError,
     Renewal,
     State,
+    scripts,
 )
 from dramatiq_leases.core.keys import fence_name, lease_name
 from dramatiq_leases.embedded import EmbeddedRedis, free_port
@@ -407,3 +408,12 @@ def test_core_imports_nothing_outside_core() -> None:
             for name in names:
                 top = name.split(".")[0]
                 assert top not in forbidden, f"{path.name} imports {name}"
+
+
+def test_each_script_is_complete_and_checks_numbers_against_the_same_limit(redis_client: redis.Redis) -> None:
+    """Every .lua file loads alone (Redis compiles it), and those that check numbers use MAX_MS."""
+    for name, source in scripts.ALL.items():
+        assert source.startswith("-- KEYS:"), f"{name}.lua must begin with its KEYS/ARGV/returns header"
+        redis_client.script_load(source)
+        if "whole(" in source:
+            assert f"local MAX_MS = {scripts.MAX_MS}" in source, name

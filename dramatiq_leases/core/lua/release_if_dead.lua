@@ -1,0 +1,38 @@
+-- KEYS: lease, fence. No ARGV. Releases the lease only if no holder can still
+-- be running under it: its holder's deadline and safety margin have passed (the
+-- key outlived them: its TTL was changed by hand), or the hash does not say and
+-- the key has no TTL (a key written by hand).
+-- Returns {1, ms_past_end, fence}, {0, ms_to_end, fence} (-1: the key expires
+-- by itself and its hash does not say when its holder stops), or {-1} if there
+-- is no such key.
+local function server_now()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+-- The instant this lease ends by its holder's own facts (server ms): its holder's deadline plus the
+-- margin its actor has to stop. Nil if the hash does not say (a key written by someone else).
+local function lease_end(renewed, ttl, until_ms)
+  renewed, ttl = tonumber(renewed), tonumber(ttl)
+  if renewed == nil or ttl == nil or ttl <= 0 then return nil end
+  local ends = renewed + ttl
+  until_ms = tonumber(until_ms) or 0
+  if until_ms > 0 and until_ms < ends then ends = until_ms end
+  return ends
+end
+if redis.call('EXISTS', KEYS[1]) == 0 then return {-1} end
+local now = server_now()
+local pttl = redis.call('PTTL', KEYS[1])
+local cur = redis.pcall('HMGET', KEYS[1], 'renewed_ms', 'ttl', 'max_hold_until_ms', 'fence')
+local deadline, fence = nil, 0
+if not cur.err then
+  deadline = lease_end(cur[1], cur[2], cur[3])
+  fence = tonumber(cur[4]) or 0
+end
+if deadline == nil then
+  if pttl ~= -1 then return {0, -1, fence} end
+elseif now < deadline then
+  return {0, deadline - now, fence}
+end
+redis.call('DEL', KEYS[1])
+if fence > 0 then redis.call('HSET', KEYS[2], 'released', fence) end
+return {1, deadline and now - deadline or 0, fence}
