@@ -33,8 +33,8 @@ from typing import Any
 from dramatiq.middleware import Interrupt
 from dramatiq.threading import raise_thread_exception
 
-from .core.heartbeat import REASONS
-from .core.lease import Lease
+from ..core.heartbeat import REASONS
+from ..core.lease import Lease
 
 READY, RUNNING, DONE = "ready", "running", "done"
 

@@ -1,4 +1,4 @@
-"""The Dramatiq middleware: a thin adapter from actors to the lease core."""
+"""The middleware's hooks: declare, send, acquire or send back, run under the lease, release."""
 
 from __future__ import annotations
 
@@ -8,31 +8,26 @@ import inspect
 import logging
 import math
 import os
-import random
 import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import dramatiq
 import redis
 from dramatiq.asyncio import async_to_sync
 from dramatiq.middleware import Middleware, SkipMessage
-from dramatiq.middleware.middleware import MiddlewareError
 from dramatiq.middleware.prometheus import DB_PATH as PROMETHEUS_DB_PATH
 from dramatiq.middleware.prometheus import Prometheus
 from dramatiq.middleware.time_limit import TimeLimit
 
-from .core.errors import LeaseConfigError, LeaseKeyError
-from .core.heartbeat import Heartbeat
-from .core.keys import DEFAULT_PREFIX, KeyTemplate
-from .core.lease import Busy, Lease, new_token
-from .core.numbers import whole_ms
-from .core.store import Leases
-from .guard import DONE, READY, LeaseLost, Run, call_under, coroutine_under
-from .metrics import (
+from ..core.errors import LeaseConfigError, LeaseKeyError
+from ..core.heartbeat import Heartbeat
+from ..core.keys import DEFAULT_PREFIX, KeyTemplate
+from ..core.lease import Busy, Lease, new_token
+from ..core.store import Leases
+from ..metrics import (
     METRICS_DIR,
     LeaseMetrics,
     PrometheusMetrics,
@@ -40,33 +35,28 @@ from .metrics import (
     serve_worker_metrics,
     use_multiprocess_dir,
 )
+from .backoff import DEFAULT_BACKOFF_MAX, DEFAULT_BACKOFF_MIN, backoff_delay
+from .errors import LeaseKeyRenderError, LeaseOptionError, LeaseWaitExceeded
+from .guard import DONE, READY, LeaseLost, Run, call_under, coroutine_under
+from .options import (
+    ACTOR_OPTIONS,
+    ATTEMPTS_OPTION,
+    DEFAULT_GIVE_UP,
+    DEFAULT_MAX_WAIT,
+    DEFAULT_TTL,
+    FIRST_ATTEMPT_OPTION,
+    LEASE_MESSAGE_OPTIONS,
+    LEASE_OPTION,
+    TIME_LIMIT_GRACE,
+    Options,
+    optional_ms,
+    resolve,
+)
 
 __all__ = ["LeaseKeyRenderError", "LeaseLost", "LeaseMiddleware", "LeaseOptionError", "LeaseWaitExceeded",
            "current_lease"]
 
 logger = logging.getLogger(__name__)
-
-#: Actor options, each also accepted as a message option (``send_with_options``).
-ACTOR_OPTIONS = frozenset({
-    "lock_key",
-    "lock_ttl",
-    "lock_renew_interval",
-    "lock_max_hold",
-    "lock_backoff_min",
-    "lock_backoff_max",
-    "lock_max_wait",
-    "lock_give_up",
-})
-
-#: Message option carrying a lease acquired by the producer, to be adopted by the worker.
-LEASE_OPTION = "lease"
-
-#: Message options this middleware keeps across busy retries.
-ATTEMPTS_OPTION = "lease_busy_attempts"
-FIRST_ATTEMPT_OPTION = "lease_first_attempt_ms"
-
-#: What ``lock_give_up`` may be: dead-letter the message, or acknowledge it without running it.
-GIVE_UP_ACTIONS = ("fail", "drop")
 
 #: Set on a skipped delivery so Dramatiq's "was skipped" warning can be muted: a busy lease is routine.
 _SKIP_MARK = "lease_skipped"
@@ -86,18 +76,6 @@ class _RoutineSkipFilter(logging.Filter):
 _skip_filter = _RoutineSkipFilter()
 
 
-class LeaseOptionError(LeaseConfigError, MiddlewareError):
-    """An actor or message declares lease options that cannot work."""
-
-
-class LeaseKeyRenderError(LeaseKeyError, MiddlewareError):
-    """A message's arguments do not render its actor's ``lock_key``; raised to the producer."""
-
-
-class LeaseWaitExceeded(SkipMessage):
-    """Stored as the failure of a message that waited longer than ``lock_max_wait`` for its lease."""
-
-
 _current: contextvars.ContextVar[Lease | None] = contextvars.ContextVar("dramatiq_leases_current", default=None)
 
 
@@ -113,43 +91,7 @@ def current_lease() -> Lease:
     return lease
 
 
-#: The shortest ``lock_ttl``: a renewal must fit in a third of it, and the safety
-#: margin (a tenth) must exceed a scheduler tick.
-MIN_TTL = 100
-
-#: Added to the actor's ``time_limit`` (and TimeLimit's check interval) to make
-#: the default ``lock_max_hold``: the time limit, the real reason, fires first.
-TIME_LIMIT_GRACE = 1_000
-
-#: Lease options that make no sense on an actor without ``lock_key``.
-_LEASE_MESSAGE_OPTIONS = ACTOR_OPTIONS | {LEASE_OPTION}
-
 _DIRECT = object()  # marks a call of the actor outside a worker's message
-
-
-@dataclass(frozen=True)
-class _Options:
-    ttl: int
-    renew_interval: int
-    max_hold: int | None
-    backoff_min: int
-    backoff_max: int
-    max_wait: int | None
-    give_up: str
-
-
-def _ms(owner: str, name: str, value: Any, *, minimum: int = 1) -> int:
-    try:
-        return whole_ms(value, name, minimum=minimum, owner=owner)
-    except LeaseConfigError as e:
-        raise LeaseOptionError(str(e)) from None
-
-
-def _optional_ms(owner: str, name: str, value: Any) -> int | None:
-    """``None`` and infinity mean "no limit"."""
-    if value is None or (isinstance(value, float) and value == math.inf):
-        return None
-    return _ms(owner, name, value)
 
 
 class LeaseMiddleware(Middleware):
@@ -203,13 +145,13 @@ class LeaseMiddleware(Middleware):
         *,
         client: Any = None,
         prefix: str = DEFAULT_PREFIX,
-        ttl: int = 30_000,
+        ttl: int = DEFAULT_TTL,
         renew_interval: int | None = None,
         max_hold: int | None = None,
-        backoff_min: int = 50,
-        backoff_max: int = 2_000,
-        max_wait: int | None = 3_600_000,
-        give_up: str = "fail",
+        backoff_min: int = DEFAULT_BACKOFF_MIN,
+        backoff_max: int = DEFAULT_BACKOFF_MAX,
+        max_wait: int | None = DEFAULT_MAX_WAIT,
+        give_up: str = DEFAULT_GIVE_UP,
         metrics: LeaseMetrics | None = None,
         metrics_endpoint: bool = True,
     ) -> None:
@@ -236,7 +178,7 @@ class LeaseMiddleware(Middleware):
         self._templates: dict[str, KeyTemplate] = {}
         self._fns: dict[str, Callable[..., Any]] = {}
         self._message_templates: dict[tuple[str, str], KeyTemplate] = {}
-        self._actor_options: dict[str, _Options] = {}
+        self._actor_options: dict[str, Options] = {}
         # Worker thread id -> its message's run; None while a lease is being asked for (the actor must not run).
         self._runs: dict[int, Run | None] = {}
         # Token -> run of an async actor whose coroutine outlived the worker's wait: its lease is kept.
@@ -255,42 +197,11 @@ class LeaseMiddleware(Middleware):
 
     # Options -----------------------------------------------------------------
 
-    def _options(self, owner: str, *sources: Mapping[str, Any]) -> _Options:
+    def _options(self, owner: str, *sources: Mapping[str, Any]) -> Options:
         """Resolve options from the first source that has each (message, actor), then the defaults."""
+        return resolve(owner, self.defaults, *sources)
 
-        def get(name: str) -> Any:
-            for source in sources:
-                if source.get(name) is not None:
-                    return source[name]
-            return self.defaults[name]
-
-        ttl = _ms(owner, "lock_ttl", get("lock_ttl"), minimum=MIN_TTL)
-        interval = _optional_ms(owner, "lock_renew_interval", get("lock_renew_interval"))
-        if interval is None:
-            interval = max(1, ttl // 3)
-        elif interval * 2 > ttl:
-            raise LeaseOptionError(
-                f"{owner}: lock_renew_interval={interval} must be at most half of lock_ttl={ttl}, "
-                "so that a failed renewal is retried before the lease expires"
-            )
-        backoff_min = _ms(owner, "lock_backoff_min", get("lock_backoff_min"))
-        backoff_max = _ms(owner, "lock_backoff_max", get("lock_backoff_max"))
-        if backoff_max < backoff_min:
-            raise LeaseOptionError(f"{owner}: lock_backoff_max={backoff_max} is below lock_backoff_min={backoff_min}")
-        give_up = get("lock_give_up")
-        if give_up not in GIVE_UP_ACTIONS:
-            raise LeaseOptionError(f"{owner}: lock_give_up must be one of {GIVE_UP_ACTIONS}, got {give_up!r}")
-        return _Options(
-            ttl=ttl,
-            renew_interval=interval,
-            max_hold=_optional_ms(owner, "lock_max_hold", get("lock_max_hold")),
-            backoff_min=backoff_min,
-            backoff_max=backoff_max,
-            max_wait=_optional_ms(owner, "lock_max_wait", get("lock_max_wait")),
-            give_up=give_up,
-        )
-
-    def _max_hold(self, opts: _Options, message: Any, actor: Any) -> int | None:
+    def _max_hold(self, opts: Options, message: Any, actor: Any) -> int | None:
         """``lock_max_hold``, else the time limit plus TimeLimit's check interval and a grace, so it fires first."""
         if opts.max_hold is not None:
             return opts.max_hold
@@ -331,7 +242,7 @@ class LeaseMiddleware(Middleware):
         # Here too, not only at process boot: a Worker started in-process never emits process_boot.
         self._note_time_limit(broker)
         opts = self._options(name, actor.options)
-        _optional_ms(name, "time_limit", actor.options.get("time_limit"))
+        optional_ms(name, "time_limit", actor.options.get("time_limit"))
         self._actor_options[actor.actor_name] = opts
         try:
             self._templates[actor.actor_name] = KeyTemplate(spec, actor.fn, owner=name)
@@ -388,7 +299,7 @@ class LeaseMiddleware(Middleware):
         owner = f"actor {message.actor_name!r}"
         template = self._template(message.actor_name, options)
         if template is None:
-            stray = sorted(k for k in _LEASE_MESSAGE_OPTIONS if options.get(k) is not None)
+            stray = sorted(k for k in LEASE_MESSAGE_OPTIONS if options.get(k) is not None)
             if stray and message.actor_name in broker.actors:
                 raise LeaseOptionError(
                     f"{owner}: message option {stray[0]}={options[stray[0]]!r} needs an actor declared with "
@@ -483,7 +394,7 @@ class LeaseMiddleware(Middleware):
         message.fail()
         raise SkipMessage(str(error)) from None
 
-    def _acquire(self, run: Run, key: str, opts: _Options, max_hold: int | None, meta: dict[str, str],
+    def _acquire(self, run: Run, key: str, opts: Options, max_hold: int | None, meta: dict[str, str],
                  options: Mapping[str, Any]) -> Lease | Busy:
         handed = options.get(LEASE_OPTION)
         if isinstance(handed, dict) and handed.get("key") == key and handed.get("token"):
@@ -495,7 +406,7 @@ class LeaseMiddleware(Middleware):
         return self.leases.try_acquire(key, opts.ttl, interval=opts.renew_interval, max_hold=max_hold, meta=meta,
                                        token=run.token)
 
-    def _on_busy(self, broker: dramatiq.Broker, message: Any, opts: _Options, busy: Busy, meta: dict[str, str]) -> None:
+    def _on_busy(self, broker: dramatiq.Broker, message: Any, opts: Options, busy: Busy, meta: dict[str, str]) -> None:
         # The Redis server's clock, so workers with skewed clocks agree on how long a message waited.
         now_ms = busy.now_ms or int(time.time() * 1000)
         first = message.options.get(FIRST_ATTEMPT_OPTION) or now_ms
@@ -526,7 +437,7 @@ class LeaseMiddleware(Middleware):
         self,
         broker: dramatiq.Broker,
         message: Any,
-        opts: _Options,
+        opts: Options,
         *,
         count_attempt: bool,
         first_ms: int | None = None,
@@ -535,12 +446,7 @@ class LeaseMiddleware(Middleware):
     ) -> None:
         """Re-enqueue the same message (same id) after a backoff with full jitter."""
         attempts = int(message.options.get(ATTEMPTS_OPTION, 0))
-        cap = min(opts.backoff_max, opts.backoff_min * 2 ** min(attempts, 32))
-        delay = random.randint(opts.backoff_min, max(opts.backoff_min, cap))
-        if 0 <= holder_ttl < delay:
-            # The holder's lease ends before the drawn backoff (a dead holder, or one about to
-            # release): ask again just after, not later. A live holder renews and is unaffected.
-            delay = holder_ttl + 1
+        delay = backoff_delay(attempts, opts.backoff_min, opts.backoff_max, holder_ttl)
         options: dict[str, Any] = {ATTEMPTS_OPTION: attempts + 1 if count_attempt else attempts}
         if first_ms is not None:
             options[FIRST_ATTEMPT_OPTION] = first_ms
