@@ -42,6 +42,7 @@ import redis
 from .core import LeaseInfo, Leases, State, stale_after
 from .core.keys import DEFAULT_PREFIX
 from .core.numbers import margin_ms
+from .core.store import client_from_url
 
 # Names shared with demo_app, which reads its settings from the environment.
 ENV_REDIS_URL = "DRAMATIQ_LEASES_DEMO_REDIS_URL"
@@ -226,7 +227,7 @@ class _Demo:
         from .cli import redact_url
 
         try:
-            self.client = redis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
+            self.client = client_from_url(url)
             self.client.ping()
         except (redis.RedisError, ValueError) as e:
             reason = " ".join(str(e).split())

@@ -11,6 +11,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 import redis
@@ -28,12 +29,29 @@ from .numbers import margin_ms, whole_ms
 RedisClient = redis.Redis | RedisCluster
 
 
+#: Seconds a client made from a URL waits for Redis before giving up.
+DEFAULT_SOCKET_TIMEOUT = 2.0
+
 #: Largest number of leases renewed by one script call; bigger batches are
 #: split, and the calls still share one pipelined round trip.
 RENEW_BATCH = 1000
 
 
 _new_token = new_token  # for methods whose parameter is named new_token
+
+
+@contextmanager
+def unavailable(what: str) -> Iterator[None]:
+    """Turn a Redis error into :class:`LeaseUnavailableError`, saying what could not be done (``what``)."""
+    try:
+        yield
+    except redis.RedisError as e:
+        raise LeaseUnavailableError(f"could not {what}: {type(e).__name__}: {e}") from e
+
+
+def client_from_url(url: str, *, socket_timeout: float = DEFAULT_SOCKET_TIMEOUT) -> redis.Redis:
+    """A client for ``url`` whose calls and connects time out (a hung renewal cannot confirm a lease)."""
+    return redis.Redis.from_url(url, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout)
 
 
 def _check_numbers(ttl: Any, interval: Any, max_hold: Any) -> tuple[int, int, int]:
@@ -105,9 +123,10 @@ class Leases:
         self._inspect_many = client.register_script(scripts.INSPECT_MANY)
 
     @classmethod
-    def from_url(cls, url: str, *, prefix: str = DEFAULT_PREFIX, socket_timeout: float = 2.0) -> Leases:
+    def from_url(cls, url: str, *, prefix: str = DEFAULT_PREFIX,
+                 socket_timeout: float = DEFAULT_SOCKET_TIMEOUT) -> Leases:
         """Leases on the Redis at ``url`` (``redis://``, ``rediss://`` or ``unix://``)."""
-        client = redis.Redis.from_url(url, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout)
+        client = client_from_url(url, socket_timeout=socket_timeout)
         return cls(client, prefix=prefix)
 
     # Names -----------------------------------------------------------------
@@ -164,10 +183,8 @@ class Leases:
         args: list[Any] = [token, ttl, max_hold_ms, stored_interval, margin_ms(ttl), *meta_args(key, meta)]
         with tracing.span("lease.acquire", {tracing.KEY: key, tracing.TTL: ttl}) as span:
             sent_at = time.monotonic()
-            try:
+            with unavailable(f"acquire lease {key!r}"):
                 reply = self._call(self._acquire, [self.lease_name(key), self.fence_name(key)], args)
-            except redis.RedisError as e:
-                raise LeaseUnavailableError(f"could not acquire lease {key!r}: {type(e).__name__}: {e}") from e
             if int(reply[0]) != 1:
                 span.set_attributes({tracing.OUTCOME: "busy", tracing.FENCE: int(reply[2])})
                 return Busy(key=key, ttl_left=int(reply[1]), fence=int(reply[2]), now_ms=int(reply[3]))
@@ -223,10 +240,8 @@ class Leases:
         margin = margin_ms(ttl)
         args: list[Any] = [token, mine, ttl, interval_ms, margin, max_hold_ms, *meta_args(key, meta)]
         sent_at = time.monotonic()
-        try:
+        with unavailable(f"adopt lease {key!r}"):
             reply = self._call(self._adopt, [self.lease_name(key)], args)
-        except redis.RedisError as e:
-            raise LeaseUnavailableError(f"could not adopt lease {key!r}: {type(e).__name__}: {e}") from e
         code = int(reply[0])
         if code == 0:
             return None
@@ -286,10 +301,8 @@ class Leases:
         batches = [idx[n : n + RENEW_BATCH] for idx in groups.values() for n in range(0, len(idx), RENEW_BATCH)]
         with tracing.span("lease.renew", {tracing.COUNT: len(leases)}) as span:
             sent_at = time.monotonic()
-            try:
+            with unavailable(f"renew {len(leases)} lease(s)"):
                 replies = self._run_batches(leases, batches)
-            except redis.RedisError as e:
-                raise LeaseUnavailableError(f"could not renew {len(leases)} lease(s): {type(e).__name__}: {e}") from e
             out = [Renewal.ERROR] * len(leases)
             for batch, codes in zip(batches, replies):
                 for i, code in zip(batch, codes):
@@ -339,10 +352,8 @@ class Leases:
         if fence is not None:
             attributes[tracing.FENCE] = fence
         with tracing.span("lease.release", attributes) as span:
-            try:
+            with unavailable(f"release lease {key!r}"):
                 released = int(self._call(self._release, [self.lease_name(key), self.fence_name(key)], [token])) == 1
-            except redis.RedisError as e:
-                raise LeaseUnavailableError(f"could not release lease {key!r}: {type(e).__name__}: {e}") from e
             span.set_attribute(tracing.OUTCOME, "released" if released else "not_held")
         return released
 
@@ -357,10 +368,8 @@ class Leases:
         its lease: it may still be running, and the key expires by itself at
         that same instant.
         """
-        try:
+        with unavailable(f"release lease {key!r}"):
             reply = self._release_if_dead(keys=[self.lease_name(validate_key(key)), self.fence_name(key)], args=[])
-        except redis.RedisError as e:
-            raise LeaseUnavailableError(f"could not release lease {key!r}: {type(e).__name__}: {e}") from e
         code = int(reply[0])
         if code < 0:
             return DeadRelease(None, None, 0)
@@ -382,15 +391,13 @@ class Leases:
         for name in names:
             by_slot[key_slot(name.encode()) if self._cluster else 0].append(name)
         out: list[LeaseInfo] = []
-        try:
+        with unavailable("read leases"):
             for group in by_slot.values():
                 reply = self._inspect_many(keys=group, args=[])
                 now_ms = int(reply[0])
                 for name, (pttl, flat) in zip(group, reply[1:]):
                     if int(pttl) != -2:
                         out.append(parse_info(name, int(pttl), flat, now_ms))
-        except redis.RedisError as e:
-            raise LeaseUnavailableError(f"could not read leases: {type(e).__name__}: {e}") from e
         return out
 
     def scan(self, match: str = "*", *, count: int = 500) -> Iterator[LeaseInfo]:
@@ -413,15 +420,13 @@ class Leases:
 
     def _scan(self, pattern: str, count: int) -> Iterator[LeaseInfo]:
         batch: list[str] = []
-        try:
+        with unavailable("scan leases"):
             names: Iterable[Any] = self.client.scan_iter(match=pattern, count=count)
             for name in names:
                 batch.append(text(name))
                 if len(batch) >= count:
                     yield from self.inspect_names(batch)
                     batch = []
-        except redis.RedisError as e:
-            raise LeaseUnavailableError(f"could not scan leases: {type(e).__name__}: {e}") from e
         if batch:
             yield from self.inspect_names(batch)
 
@@ -434,8 +439,6 @@ class Leases:
         pipe = self.client.pipeline(transaction=False)
         for key in keys:
             pipe.hgetall(self.fence_name(key))
-        try:
+        with unavailable("read fence counters"):
             replies = pipe.execute()
-        except redis.RedisError as e:
-            raise LeaseUnavailableError(f"could not read fence counters: {type(e).__name__}: {e}") from e
         return [{text(k): int(v) for k, v in raw.items()} for raw in replies]

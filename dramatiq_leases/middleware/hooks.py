@@ -15,7 +15,6 @@ from collections.abc import Callable, Mapping
 from typing import Any, NoReturn
 
 import dramatiq
-import redis
 from dramatiq.asyncio import async_to_sync
 from dramatiq.middleware import Middleware, SkipMessage
 from dramatiq.middleware.prometheus import DB_PATH as PROMETHEUS_DB_PATH
@@ -26,7 +25,7 @@ from ..core.errors import LeaseConfigError, LeaseKeyError
 from ..core.heartbeat import Heartbeat
 from ..core.keys import DEFAULT_PREFIX, KeyTemplate
 from ..core.lease import Busy, Lease, new_token
-from ..core.store import Leases
+from ..core.store import Leases, client_from_url
 from ..metrics import (
     METRICS_DIR,
     LeaseMetrics,
@@ -158,7 +157,7 @@ class LeaseMiddleware(Middleware):
         if (redis_url is None) == (client is None):
             raise LeaseConfigError("LeaseMiddleware needs exactly one of redis_url or client")
         if client is None:
-            client = redis.Redis.from_url(redis_url or "", socket_timeout=2.0, socket_connect_timeout=2.0)
+            client = client_from_url(redis_url or "")
         else:
             _warn_without_socket_timeout(client)
         # Worker threads can be interrupted mid-command: each gets a connection of its own.

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..core.errors import LeaseConfigError
+from ..core.lease import default_interval
 from ..core.numbers import whole_ms
 from .errors import LeaseOptionError
 
@@ -94,7 +95,7 @@ def resolve(owner: str, defaults: Mapping[str, Any], *sources: Mapping[str, Any]
     ttl = ms(owner, "lock_ttl", get("lock_ttl"), minimum=MIN_TTL)
     interval = optional_ms(owner, "lock_renew_interval", get("lock_renew_interval"))
     if interval is None:
-        interval = max(1, ttl // 3)
+        interval = default_interval(ttl)
     elif interval * 2 > ttl:
         raise LeaseOptionError(
             f"{owner}: lock_renew_interval={interval} must be at most half of lock_ttl={ttl}, "
