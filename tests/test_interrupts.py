@@ -30,6 +30,7 @@ from dramatiq.worker import WorkerThread
 from prometheus_client import CollectorRegistry
 
 from dramatiq_leases import LeaseLost, PrometheusMetrics, current_lease
+from dramatiq_leases.core import LostReason
 from dramatiq_leases.embedded import EmbeddedRedis
 
 from .conftest import wait_for
@@ -92,7 +93,7 @@ class Storm(Middleware):
                         self.fired["lease_lost"] += 1
                         callbacks.append(slot[2])
             for lease, on_lost in callbacks:
-                on_lost(lease, "stolen")
+                on_lost(lease, LostReason.STOLEN)
             time.sleep(0.0002)
 
 

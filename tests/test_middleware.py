@@ -19,6 +19,7 @@ from dramatiq.results import Results
 from dramatiq.results.backends import RedisBackend
 
 from dramatiq_leases import LeaseKeyRenderError, LeaseLost, LeaseOptionError, current_lease
+from dramatiq_leases.core import LostReason
 from dramatiq_leases.embedded import EmbeddedRedis
 
 from .conftest import wait_for
@@ -318,7 +319,7 @@ def test_a_late_lease_lost_never_hits_a_finished_actor(make_stack: Any) -> None:
         def lose() -> None:
             for _ in range(spin):
                 pass
-            entry.on_lost(entry.lease, "stolen")
+            entry.on_lost(entry.lease, LostReason.STOLEN)
 
         threading.Thread(target=lose).start()
         for _ in range(spin // 2):

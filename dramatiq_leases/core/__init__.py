@@ -4,7 +4,7 @@ from .errors import LeaseConfigError, LeaseError, LeaseKeyError, LeaseUnavailabl
 from .heartbeat import Heartbeat
 from .info import LeaseInfo, State, stale_after
 from .keys import DEFAULT_PREFIX, KeyTemplate
-from .lease import Busy, Lease, Renewal
+from .lease import Busy, Lease, LostReason, Renewal
 from .store import DeadRelease, Leases, RedisClient
 
 __all__ = [
@@ -20,6 +20,7 @@ __all__ = [
     "LeaseKeyError",
     "LeaseUnavailableError",
     "Leases",
+    "LostReason",
     "RedisClient",
     "Renewal",
     "State",

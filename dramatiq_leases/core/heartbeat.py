@@ -29,15 +29,14 @@ import weakref
 from collections.abc import Callable
 
 from .errors import LeaseUnavailableError
-from .lease import Lease, Renewal
+from .lease import Lease, LostReason, Renewal
 from .metrics import NULL_METRICS, LeaseMetrics
 from .store import Leases
 
 logger = logging.getLogger(__name__)
 
-#: Called with the lease and the reason ("gone", "stolen", "unreachable" or
-#: "max_hold") when a tracked lease is lost. Runs on a heartbeat thread.
-LostCallback = Callable[[Lease, str], None]
+#: Called with the lease and the reason when a tracked lease is lost. Runs on a heartbeat thread.
+LostCallback = Callable[[Lease, LostReason], None]
 
 #: Shortest pause before retrying a failed renewal, in seconds.
 MIN_RETRY_DELAY = 0.05
@@ -262,7 +261,7 @@ class Heartbeat:
         # confirmation is true whenever it arrives, and a lease found gone or stolen stays lost.
         finished = time.monotonic()
         self.metrics.renew_round(finished - started)
-        lost: list[tuple[_Entry, str]] = []
+        lost: list[tuple[_Entry, LostReason]] = []
         with self._lock:
             for entry, result in zip(batch, results):
                 if entry.ended_at is not None or self._entries.get(entry.lease.token) is not entry:
@@ -274,7 +273,7 @@ class Heartbeat:
                     entry.next_due = finished + max(MIN_RETRY_DELAY, entry.lease.interval / 4000)
                 else:
                     self._drop(entry, finished)
-                    lost.append((entry, result.value))
+                    lost.append((entry, _LOST[result]))
                 self.metrics.renewal(entry.lease.meta, "lost" if result in _LOST else result.value)
         for entry, reason in lost:
             self._lose(entry, reason)
@@ -301,7 +300,7 @@ class Heartbeat:
                 if e.lease.valid_until <= now and self._drop(e, now):
                     expired.append(e)
         for e in expired:
-            self._lose(e, "max_hold" if now >= e.lease.hold_until else "unreachable")
+            self._lose(e, LostReason.MAX_HOLD if now >= e.lease.hold_until else LostReason.UNREACHABLE)
         deadline = min((e.lease.valid_until for e in live if e.lease.valid_until > now), default=math.inf)
         wake_at = min(now + IDLE_WAKE, deadline)
         started = self._round_started
@@ -330,22 +329,15 @@ class Heartbeat:
         with self._start_lock:
             self._spawn_renewer()
 
-    def _lose(self, entry: _Entry, reason: str) -> None:
+    def _lose(self, entry: _Entry, reason: LostReason) -> None:
         lease = entry.lease
-        logger.error("Lease %r (fence %d) lost: %s.", lease.key, lease.fence, REASONS.get(reason, reason))
-        self.metrics.lost(lease.meta, reason)
+        logger.error("Lease %r (fence %d) lost: %s.", lease.key, lease.fence, reason.description)
+        self.metrics.lost(lease.meta, reason.value)
         try:
             entry.on_lost(lease, reason)
         except Exception:
             logger.exception("Lost-lease callback failed for %r.", lease.key)
 
 
-_LOST = (Renewal.GONE, Renewal.STOLEN, Renewal.MAX_HOLD)
+_LOST = {Renewal.GONE: LostReason.GONE, Renewal.STOLEN: LostReason.STOLEN, Renewal.MAX_HOLD: LostReason.MAX_HOLD}
 
-#: Why a lease was lost, by reason, in words.
-REASONS = {
-    "gone": "the key is gone from Redis (expired or deleted)",
-    "stolen": "another owner holds the key",
-    "unreachable": "Redis did not confirm a renewal before the local deadline",
-    "max_hold": "the maximum hold time was reached",
-}

@@ -138,3 +138,31 @@ class Renewal(str, Enum):
     STOLEN = "stolen"
     MAX_HOLD = "max_hold"
     ERROR = "error"
+
+
+class LostReason(str, Enum):
+    """Why a held lease was lost (the ``reason`` label of ``dramatiq_lease_lost_total``)."""
+
+    GONE = "gone"
+    STOLEN = "stolen"
+    UNREACHABLE = "unreachable"
+    MAX_HOLD = "max_hold"
+
+    @property
+    def description(self) -> str:
+        """The reason in words, for logs and ``LeaseLost``."""
+        return _DESCRIPTIONS[self]
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return self.value.__format__(spec)
+
+
+_DESCRIPTIONS = {
+    LostReason.GONE: "the key is gone from Redis (expired or deleted)",
+    LostReason.STOLEN: "another owner holds the key",
+    LostReason.UNREACHABLE: "Redis did not confirm a renewal before the local deadline",
+    LostReason.MAX_HOLD: "the maximum hold time was reached",
+}

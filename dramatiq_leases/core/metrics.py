@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from .lease import LostReason
+
 Meta = Mapping[str, str]
 
 #: Why a held lease can be lost (the ``reason`` label of ``dramatiq_lease_lost_total``).
-LOST_REASONS = ("gone", "stolen", "unreachable", "max_hold")
+LOST_REASONS = tuple(reason.value for reason in LostReason)
 
 
 def labels_of(meta: Meta) -> tuple[str, str]:

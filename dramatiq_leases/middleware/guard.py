@@ -33,8 +33,7 @@ from typing import Any
 from dramatiq.middleware import Interrupt
 from dramatiq.threading import raise_thread_exception
 
-from ..core.heartbeat import REASONS
-from ..core.lease import Lease
+from ..core.lease import Lease, LostReason
 
 READY, RUNNING, DONE = "ready", "running", "done"
 
@@ -76,7 +75,7 @@ class Run:
         self.lease: Lease | None = None
         self.lock = threading.Lock()
         self.state = READY
-        self.lost_reason: str | None = None
+        self.lost_reason: LostReason | None = None
         self.injected = False
         self.release_tried = False
         self.released = False
@@ -91,7 +90,7 @@ class Run:
             lease = self.lease
             if self.lost_reason is None and (lease is None or lease.remaining() <= 0):
                 past_hold = lease is not None and time.monotonic() >= lease.hold_until
-                self.lost_reason = "max_hold" if past_hold else "unreachable"
+                self.lost_reason = LostReason.MAX_HOLD if past_hold else LostReason.UNREACHABLE
             if self.lost_reason is not None:
                 self.state = DONE
                 raise LeaseLost(self.describe())
@@ -105,7 +104,7 @@ class Run:
                 # Cancel a LeaseLost injected but not yet delivered: the actor has finished.
                 ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.thread_id), None)
 
-    def lost(self, lease: Lease, reason: str) -> None:
+    def lost(self, lease: Lease, reason: LostReason) -> None:
         """The heartbeat's callback: record the loss, and interrupt the actor if it is running."""
         with self.lock:
             self.lost_reason = reason
@@ -116,8 +115,10 @@ class Run:
     def describe(self) -> str:
         """What happened to the lease, for ``LeaseLost`` and logs."""
         fence = self.lease.fence if self.lease is not None else 0
-        reason = self.lost_reason or "unknown"
-        return f"lease {self.key!r} (fence {fence}) was lost: {reason} ({REASONS.get(reason, reason)})"
+        reason = self.lost_reason
+        if reason is None:
+            return f"lease {self.key!r} (fence {fence}) was lost"
+        return f"lease {self.key!r} (fence {fence}) was lost: {reason.value} ({reason.description})"
 
 
 async def coroutine_under(run: Run, coro: Coroutine[Any, Any, Any], end: Callable[[Run], None]) -> Any:
