@@ -35,13 +35,13 @@ import sys
 from collections.abc import Sequence
 from datetime import datetime, timezone
 from typing import Any, TextIO
-from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
 from .core import DeadRelease, LeaseInfo, Leases, State, stale_after
 from .core.errors import LeaseError, LeaseUnavailableError
 from .core.keys import DEFAULT_PREFIX, validate_key, validate_prefix
+from .urls import redact_url
 
 EXIT_OK = 0
 EXIT_REFUSED = 1
@@ -78,22 +78,6 @@ class _NotFoundError(Exception):
 
 
 # Formatting ------------------------------------------------------------------
-
-
-def redact_url(url: str) -> str:
-    """``url`` with its password replaced by ``***``, safe to print."""
-    try:
-        parts = urlsplit(url)
-        if parts.password is None:
-            return url
-        user = parts.username or ""
-        host = parts.hostname or ""
-        if ":" in host:
-            host = f"[{host}]"
-        netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
-        return urlunsplit(parts._replace(netloc=netloc))
-    except ValueError:
-        return "<unparsable URL>"
 
 
 def format_duration(seconds: float | None) -> str:

@@ -43,6 +43,7 @@ from .core import LeaseInfo, Leases, State, stale_after
 from .core.keys import DEFAULT_PREFIX
 from .core.numbers import margin_ms
 from .core.store import client_from_url
+from .urls import redact_url
 
 # Names shared with demo_app, which reads its settings from the environment.
 ENV_REDIS_URL = "DRAMATIQ_LEASES_DEMO_REDIS_URL"
@@ -224,7 +225,6 @@ class _Demo:
                 sys.stderr.write(f"dramatiq-leases: cannot start a private Redis for the demo: {e}\n")
                 return None
             url = self.embedded.url()
-        from .cli import redact_url
 
         try:
             self.client = client_from_url(url)
@@ -476,7 +476,6 @@ class _Demo:
         if url is None:
             return EXIT_UNREACHABLE
         assert self.client is not None
-        from .cli import redact_url
 
         metrics_url = self.start_metrics()
         total = self.invoices * self.per_invoice

@@ -49,7 +49,8 @@ from dramatiq_leases import LeaseMetrics, Leases, current_lease
 from dramatiq_leases.core import RedisClient
 from dramatiq_leases.embedded import EmbeddedRedis, free_port
 from dramatiq_leases.exporter import LEAK_REASONS
-from dramatiq_leases.metrics import LOST_REASONS, forget_dead_processes
+from dramatiq_leases.exposition import forget_dead_processes
+from dramatiq_leases.metrics import LOST_REASONS
 
 from .promtool import require
 from .stack import Stack

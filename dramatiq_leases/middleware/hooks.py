@@ -17,8 +17,6 @@ from typing import Any, NoReturn
 import dramatiq
 from dramatiq.asyncio import async_to_sync
 from dramatiq.middleware import Middleware, SkipMessage
-from dramatiq.middleware.prometheus import DB_PATH as PROMETHEUS_DB_PATH
-from dramatiq.middleware.prometheus import Prometheus
 from dramatiq.middleware.time_limit import TimeLimit
 
 from ..core.errors import LeaseConfigError, LeaseKeyError
@@ -26,14 +24,8 @@ from ..core.heartbeat import Heartbeat
 from ..core.keys import DEFAULT_PREFIX, KeyTemplate
 from ..core.lease import Busy, Lease, new_token
 from ..core.store import Leases, client_from_url
-from ..metrics import (
-    METRICS_DIR,
-    LeaseMetrics,
-    PrometheusMetrics,
-    forget_dead_processes,
-    serve_worker_metrics,
-    use_multiprocess_dir,
-)
+from ..exposition import WorkerExposition
+from ..metrics import LeaseMetrics, PrometheusMetrics
 from .backoff import DEFAULT_BACKOFF_MAX, DEFAULT_BACKOFF_MIN, backoff_delay
 from .errors import LeaseKeyRenderError, LeaseOptionError, LeaseWaitExceeded
 from .guard import DONE, READY, LeaseLost, Run, call_under, coroutine_under
@@ -184,8 +176,7 @@ class LeaseMiddleware(Middleware):
         self._deferred: dict[str, Run] = {}
         self._time_limit: float | None = None
         self._time_limit_interval = 0
-        self._metrics_endpoint = metrics_endpoint
-        self._serve_own_metrics = False
+        self._exposition = WorkerExposition(metrics_endpoint)
         self._booted = False
         self._host = socket.gethostname()
         logging.getLogger("dramatiq.worker.WorkerThread").addFilter(_skip_filter)
@@ -266,23 +257,12 @@ class LeaseMiddleware(Middleware):
     @property
     def forks(self) -> list[Callable[[], int]]:
         """The metrics endpoint process, when this middleware serves its own."""
-        return [serve_worker_metrics] if self._serve_own_metrics else []
+        return self._exposition.forks
 
     def after_process_boot(self, broker: dramatiq.Broker) -> None:
         """Set up metrics for this worker process and note TimeLimit's default."""
         self._note_time_limit(broker)
-        # Decide where metric values go before any is created: on Dramatiq's endpoint if it
-        # is there (its hook may run after this one), else on ours.
-        if any(isinstance(m, Prometheus) for m in broker.middleware):
-            # Dramatiq's hook sets the variable outright, whatever it was; so must this one, which may
-            # run first: values created from now on must land where its endpoint reads.
-            os.makedirs(PROMETHEUS_DB_PATH, exist_ok=True)
-            os.environ["PROMETHEUS_MULTIPROC_DIR"] = PROMETHEUS_DB_PATH
-        elif self._metrics_endpoint:
-            use_multiprocess_dir(METRICS_DIR)
-            self._serve_own_metrics = True
-        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-            forget_dead_processes(os.environ["PROMETHEUS_MULTIPROC_DIR"])
+        self._exposition.boot(broker.middleware)
         self._booted = True
         for actor_name in self._templates:
             actor = broker.get_actor(actor_name)
@@ -570,12 +550,7 @@ class LeaseMiddleware(Middleware):
                 logger.warning("Could not release lease %r at shutdown: %s.", lease.key, e)
         if not running:
             self.heartbeat.stop()
-        if self._serve_own_metrics:
-            from prometheus_client import multiprocess
-
-            multiprocess.mark_process_dead(  # type: ignore[no-untyped-call]
-                os.getpid(), os.environ["PROMETHEUS_MULTIPROC_DIR"]
-            )
+        self._exposition.shutdown()
 
 
 def _warn_without_socket_timeout(client: Any) -> None:
