@@ -319,8 +319,9 @@ def test_bad_keys_are_refused(leases: Leases) -> None:
 
 def test_unreachable_redis_raises_and_grants_nothing() -> None:
     leases = Leases(redis.Redis(port=free_port(), socket_connect_timeout=0.2))
-    with pytest.raises(LeaseUnavailableError, match="could not acquire lease 'k'"):
+    with pytest.raises(LeaseUnavailableError, match="could not acquire lease 'k'") as info:
         leases.try_acquire("k", ttl=1_000)
+    assert info.value.key == "k"
 
 
 def test_works_on_redis_cluster() -> None:

@@ -104,7 +104,7 @@ def test_bad_options_fail_at_declaration(make_stack: Any, options: dict[str, Any
         def send_invoice(invoice_id: int) -> None:
             pass
 
-    assert "actor 'send_invoice'" in str(info.value)
+    assert "actor 'send_invoice'" in str(info.value) and info.value.actor == "send_invoice"
     assert expected in str(info.value)
 
 
@@ -292,7 +292,7 @@ def test_a_lease_deleted_mid_run_interrupts_the_actor(make_stack: Any) -> None:
             while True:
                 time.sleep(0.01)
         except LeaseLost as e:
-            runs.add(lost_at=time.monotonic(), error=str(e))
+            runs.add(lost_at=time.monotonic(), error=str(e), key=e.key, reason=e.reason, fence=e.fence)
             raise
 
     stack.start()
@@ -304,6 +304,7 @@ def test_a_lease_deleted_mid_run_interrupts_the_actor(make_stack: Any) -> None:
     [run] = runs.items
     assert run["lost_at"] - deleted_at < 0.2 + 0.5  # within one renewal interval (+ slack)
     assert "'call:1'" in run["error"] and "gone" in run["error"]
+    assert (run["key"], run["reason"], run["fence"]) == ("call:1", LostReason.GONE, 1)
 
 
 def test_a_late_lease_lost_never_hits_a_finished_actor(make_stack: Any) -> None:

@@ -4,7 +4,17 @@ from __future__ import annotations
 
 
 class LeaseError(Exception):
-    """Base class of every error this package raises."""
+    """Base class of every error this package raises.
+
+    Attributes:
+      key: the lease key concerned, when there is one.
+      actor: the actor concerned, when there is one (errors of the Dramatiq middleware).
+    """
+
+    def __init__(self, *args: object, key: str | None = None, actor: str | None = None) -> None:
+        super().__init__(*args)
+        self.key = key
+        self.actor = actor
 
 
 class LeaseConfigError(LeaseError, ValueError):

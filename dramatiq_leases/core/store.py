@@ -41,12 +41,12 @@ _new_token = new_token  # for methods whose parameter is named new_token
 
 
 @contextmanager
-def unavailable(what: str) -> Iterator[None]:
+def unavailable(what: str, key: str | None = None) -> Iterator[None]:
     """Turn a Redis error into :class:`LeaseUnavailableError`, saying what could not be done (``what``)."""
     try:
         yield
     except redis.RedisError as e:
-        raise LeaseUnavailableError(f"could not {what}: {type(e).__name__}: {e}") from e
+        raise LeaseUnavailableError(f"could not {what}: {type(e).__name__}: {e}", key=key) from e
 
 
 def client_from_url(url: str, *, socket_timeout: float = DEFAULT_SOCKET_TIMEOUT) -> redis.Redis:
@@ -183,7 +183,7 @@ class Leases:
         args: list[Any] = [token, ttl, max_hold_ms, stored_interval, margin_ms(ttl), *meta_args(key, meta)]
         with tracing.span("lease.acquire", {tracing.KEY: key, tracing.TTL: ttl}) as span:
             sent_at = time.monotonic()
-            with unavailable(f"acquire lease {key!r}"):
+            with unavailable(f"acquire lease {key!r}", key):
                 reply = self._call(self._acquire, [self.lease_name(key), self.fence_name(key)], args)
             if int(reply[0]) != 1:
                 span.set_attributes({tracing.OUTCOME: "busy", tracing.FENCE: int(reply[2])})
@@ -240,7 +240,7 @@ class Leases:
         margin = margin_ms(ttl)
         args: list[Any] = [token, mine, ttl, interval_ms, margin, max_hold_ms, *meta_args(key, meta)]
         sent_at = time.monotonic()
-        with unavailable(f"adopt lease {key!r}"):
+        with unavailable(f"adopt lease {key!r}", key):
             reply = self._call(self._adopt, [self.lease_name(key)], args)
         code = int(reply[0])
         if code == 0:
@@ -352,7 +352,7 @@ class Leases:
         if fence is not None:
             attributes[tracing.FENCE] = fence
         with tracing.span("lease.release", attributes) as span:
-            with unavailable(f"release lease {key!r}"):
+            with unavailable(f"release lease {key!r}", key):
                 released = int(self._call(self._release, [self.lease_name(key), self.fence_name(key)], [token])) == 1
             span.set_attribute(tracing.OUTCOME, "released" if released else "not_held")
         return released
@@ -368,7 +368,7 @@ class Leases:
         its lease: it may still be running, and the key expires by itself at
         that same instant.
         """
-        with unavailable(f"release lease {key!r}"):
+        with unavailable(f"release lease {key!r}", key):
             reply = self._release_if_dead(keys=[self.lease_name(validate_key(key)), self.fence_name(key)], args=[])
         code = int(reply[0])
         if code < 0:

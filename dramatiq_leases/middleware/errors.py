@@ -17,4 +17,14 @@ class LeaseKeyRenderError(LeaseKeyError, MiddlewareError):
 
 
 class LeaseWaitExceeded(SkipMessage):
-    """Stored as the failure of a message that waited longer than ``lock_max_wait`` for its lease."""
+    """Stored as the failure of a message that waited longer than ``lock_max_wait`` for its lease.
+
+    Attributes:
+      key: the lease key it waited for.
+      actor: the message's actor.
+    """
+
+    def __init__(self, *args: object, key: str | None = None, actor: str | None = None) -> None:
+        super().__init__(*args)
+        self.key = key
+        self.actor = actor

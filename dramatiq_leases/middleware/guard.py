@@ -43,15 +43,27 @@ class LeaseLost(Interrupt):
 
     The actor stops and the message fails like any other exception (Retries
     retries it). It never reaches an actor that has already returned.
+
+    Attributes:
+      key: the lease key.
+      fence: the fence of the grant that was lost (0 if it was never granted).
+      reason: the :class:`LostReason`, or ``None`` when the actor was refused before it started.
     """
 
+    def __init__(self, *args: object, key: str | None = None, fence: int = 0,
+                 reason: LostReason | None = None) -> None:
+        super().__init__(*args)
+        self.key = key
+        self.fence = fence
+        self.reason = reason
 
-def _lease_lost_with(detail: str) -> type[LeaseLost]:
-    """A LeaseLost subclass that carries ``detail``: an exception raised in another thread is given as a class."""
+
+def _lease_lost_with(detail: str, key: str, fence: int, reason: LostReason | None) -> type[LeaseLost]:
+    """A LeaseLost subclass that carries its details: an exception raised in another thread is given as a class."""
 
     class DetailedLeaseLost(LeaseLost):
         def __init__(self, *args: object) -> None:
-            super().__init__(*(args or (detail,)))
+            super().__init__(*(args or (detail,)), key=key, fence=fence, reason=reason)
 
     DetailedLeaseLost.__name__ = DetailedLeaseLost.__qualname__ = "LeaseLost"
     return DetailedLeaseLost
@@ -93,7 +105,8 @@ class Run:
                 self.lost_reason = LostReason.MAX_HOLD if past_hold else LostReason.UNREACHABLE
             if self.lost_reason is not None:
                 self.state = DONE
-                raise LeaseLost(self.describe())
+                raise LeaseLost(self.describe(), key=self.key, fence=lease.fence if lease else 0,
+                                reason=self.lost_reason)
             self.state = RUNNING
 
     def finish(self) -> None:
@@ -110,7 +123,8 @@ class Run:
             self.lost_reason = reason
             if self.state == RUNNING and not self.injected:
                 self.injected = True
-                raise_thread_exception(self.thread_id, _lease_lost_with(self.describe()))  # type: ignore[no-untyped-call]
+                lost = _lease_lost_with(self.describe(), self.key, lease.fence, reason)
+                raise_thread_exception(self.thread_id, lost)  # type: ignore[no-untyped-call]
 
     def describe(self) -> str:
         """What happened to the lease, for ``LeaseLost`` and logs."""

@@ -165,7 +165,7 @@ class LeaseMiddleware(Middleware):
             "lock_max_wait": max_wait,
             "lock_give_up": give_up,
         }
-        self._options("LeaseMiddleware", {})  # validate the defaults now
+        self._options(None, {})  # validate the defaults now
         self._templates: dict[str, KeyTemplate] = {}
         self._fns: dict[str, Callable[..., Any]] = {}
         self._message_templates: dict[tuple[str, str], KeyTemplate] = {}
@@ -187,9 +187,13 @@ class LeaseMiddleware(Middleware):
 
     # Options -----------------------------------------------------------------
 
-    def _options(self, owner: str, *sources: Mapping[str, Any]) -> Options:
+    def _options(self, actor: str | None, *sources: Mapping[str, Any]) -> Options:
         """Resolve options from the first source that has each (message, actor), then the defaults."""
-        return resolve(owner, self.defaults, *sources)
+        try:
+            return resolve(f"actor {actor!r}" if actor else "LeaseMiddleware", self.defaults, *sources)
+        except LeaseOptionError as e:
+            e.actor = actor
+            raise
 
     def _max_hold(self, opts: Options, message: Any, actor: Any) -> int | None:
         """``lock_max_hold``, else the time limit plus TimeLimit's check interval and a grace, so it fires first."""
@@ -210,11 +214,12 @@ class LeaseMiddleware(Middleware):
         if cached is None:
             owner = f"actor {actor_name!r}"
             if not isinstance(spec, str):
-                raise LeaseOptionError(f"{owner}: a message's lock_key must be a template string, got {spec!r}")
+                raise LeaseOptionError(f"{owner}: a message's lock_key must be a template string, got {spec!r}",
+                                       actor=actor_name)
             try:
                 cached = KeyTemplate(spec, self._fns[actor_name], owner=owner)
             except LeaseConfigError as e:
-                raise LeaseOptionError(str(e)) from None
+                raise LeaseOptionError(str(e), actor=actor_name) from None
             self._message_templates[(actor_name, spec)] = cached
         return cached
 
@@ -227,17 +232,21 @@ class LeaseMiddleware(Middleware):
         if spec is None:
             stray = sorted(ACTOR_OPTIONS & {k for k, v in actor.options.items() if v is not None})
             if stray:
-                raise LeaseOptionError(f"{name}: {', '.join(stray)} given without lock_key")
+                raise LeaseOptionError(f"{name}: {', '.join(stray)} given without lock_key", actor=actor.actor_name)
             return
         # Here too, not only at process boot: a Worker started in-process never emits process_boot.
         self._note_time_limit(broker)
-        opts = self._options(name, actor.options)
-        optional_ms(name, "time_limit", actor.options.get("time_limit"))
+        opts = self._options(actor.actor_name, actor.options)
+        try:
+            optional_ms(name, "time_limit", actor.options.get("time_limit"))
+        except LeaseOptionError as e:
+            e.actor = actor.actor_name
+            raise
         self._actor_options[actor.actor_name] = opts
         try:
             self._templates[actor.actor_name] = KeyTemplate(spec, actor.fn, owner=name)
         except LeaseConfigError as e:
-            raise LeaseOptionError(str(e)) from None
+            raise LeaseOptionError(str(e), actor=actor.actor_name) from None
         self._fns[actor.actor_name] = actor.fn
         fn = actor.fn
         original = getattr(fn, "__wrapped__", None)
@@ -282,20 +291,21 @@ class LeaseMiddleware(Middleware):
             if stray and message.actor_name in broker.actors:
                 raise LeaseOptionError(
                     f"{owner}: message option {stray[0]}={options[stray[0]]!r} needs an actor declared with "
-                    "lock_key; without it the message would run with no lease"
+                    "lock_key; without it the message would run with no lease", actor=message.actor_name
                 )
             return
         if not ACTOR_OPTIONS.isdisjoint(options):
-            self._options(owner, options, broker.get_actor(message.actor_name).options)
+            self._options(message.actor_name, options, broker.get_actor(message.actor_name).options)
         try:
             key = template.render(tuple(message.args), message.kwargs)
         except LeaseKeyError as e:
-            raise LeaseKeyRenderError(str(e)) from None
+            raise LeaseKeyRenderError(str(e), actor=message.actor_name) from None
         handed = options.get(LEASE_OPTION)
         if isinstance(handed, Lease):
             if handed.key != key:
                 raise LeaseKeyRenderError(
-                    f"{owner}: the lease handed over is on {handed.key!r}, but this message's key is {key!r}"
+                    f"{owner}: the lease handed over is on {handed.key!r}, but this message's key is {key!r}",
+                    key=key, actor=message.actor_name,
                 )
             # Only what the worker needs to prove ownership travels with the message.
             options[LEASE_OPTION] = {"key": handed.key, "token": handed.token}
@@ -319,7 +329,6 @@ class LeaseMiddleware(Middleware):
         # Dramatiq swallows unexpected errors from this hook and would run the actor anyway.
         self._runs[thread_id] = None
         actor = broker.get_actor(message.actor_name)
-        owner = f"actor {message.actor_name!r}"
         meta = {
             "actor": message.actor_name,
             "queue": message.queue_name,
@@ -331,7 +340,7 @@ class LeaseMiddleware(Middleware):
             if ACTOR_OPTIONS.isdisjoint(message.options):
                 opts = self._actor_options[message.actor_name]
             else:
-                opts = self._options(owner, message.options, actor.options)
+                opts = self._options(message.actor_name, message.options, actor.options)
             key = template.render(tuple(message.args), message.kwargs)
         except (LeaseConfigError, LeaseKeyError) as e:
             self._refuse(message, e)
@@ -402,7 +411,8 @@ class LeaseMiddleware(Middleware):
             if opts.give_up == "fail":
                 message.fail()
                 raise LeaseWaitExceeded(
-                    f"lease {busy.key!r} stayed busy for {attempts} attempts over {waited / 1000:.1f}s"
+                    f"lease {busy.key!r} stayed busy for {attempts} attempts over {waited / 1000:.1f}s",
+                    key=busy.key, actor=message.actor_name,
                 )
             self._mark_skipped(message)
             return
