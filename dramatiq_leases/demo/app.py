@@ -1,7 +1,7 @@
 """The Dramatiq app that ``dramatiq-leases demo`` runs in its worker processes.
 
 Not meant to be imported by hand: :func:`dramatiq_leases.demo.run` starts
-``python -m dramatiq dramatiq_leases.demo_app`` with the environment
+``python -m dramatiq dramatiq_leases.demo.app`` with the environment
 variables below set, pointing at the demo's Redis and its run-specific
 names. The actor :func:`process_invoice` takes ``seconds`` to process an
 invoice while holding the lease ``invoice:{invoice_id}``, and records when
@@ -24,7 +24,8 @@ from dramatiq.brokers.redis import MAINTENANCE_SCALE, RedisBroker
 from dramatiq.middleware import CurrentMessage
 from dramatiq.middleware.prometheus import Prometheus
 
-from .demo import (
+from ..middleware import LeaseMiddleware, current_lease
+from . import (
     ACTOR_NAME,
     ENV_EVENTS_KEY,
     ENV_LOCK_TTL,
@@ -36,13 +37,12 @@ from .demo import (
     HEARTBEAT_TIMEOUT_MS,
     QUEUE_NAME,
 )
-from .middleware import LeaseMiddleware, current_lease
 
 try:
     REDIS_URL = os.environ[ENV_REDIS_URL]
 except KeyError:
     raise RuntimeError(
-        f"dramatiq_leases.demo_app is run by `dramatiq-leases demo`, which sets {ENV_REDIS_URL}; "
+        f"dramatiq_leases.demo.app is run by `dramatiq-leases demo`, which sets {ENV_REDIS_URL}; "
         "run that command instead"
     ) from None
 PREFIX = os.environ[ENV_PREFIX]

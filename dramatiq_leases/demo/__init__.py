@@ -1,7 +1,7 @@
 """``dramatiq-leases demo``: leases at work in under a minute, with nothing installed but this package.
 
 It starts a private Redis (unless given a Redis URL), a few independent
-Dramatiq worker instances running :mod:`dramatiq_leases.demo_app`, and sends
+Dramatiq worker instances running :mod:`dramatiq_leases.demo.app`, and sends
 several messages per invoice, all contending for the lease ``invoice:N``.
 While a worker holds a lease mid-job, the demo SIGKILLs it. That lease,
 which nobody will ever release, goes through the states every observer
@@ -39,13 +39,13 @@ from typing import Any, TextIO
 
 import redis
 
-from .core import LeaseInfo, Leases, State, stale_after
-from .core.keys import DEFAULT_PREFIX
-from .core.numbers import margin_ms
-from .core.store import client_from_url
-from .urls import redact_url
+from ..core import LeaseInfo, Leases, State, stale_after
+from ..core.keys import DEFAULT_PREFIX
+from ..core.numbers import margin_ms
+from ..core.store import client_from_url
+from ..urls import redact_url
 
-# Names shared with demo_app, which reads its settings from the environment.
+# Names shared with demo.app, which reads its settings from the environment.
 ENV_REDIS_URL = "DRAMATIQ_LEASES_DEMO_REDIS_URL"
 ENV_PREFIX = "DRAMATIQ_LEASES_DEMO_PREFIX"
 ENV_NAMESPACE = "DRAMATIQ_LEASES_DEMO_NAMESPACE"
@@ -215,7 +215,7 @@ class _Demo:
 
     def start_redis(self) -> str | None:
         """The Redis URL to use, or ``None`` (after saying why) if there is none."""
-        from .embedded import EmbeddedRedis
+        from ..embedded import EmbeddedRedis
 
         url = self.redis_url
         if url is None:
@@ -239,7 +239,7 @@ class _Demo:
         from prometheus_client import CollectorRegistry, start_http_server
         from prometheus_client.multiprocess import MultiProcessCollector
 
-        from .embedded import free_port
+        from ..embedded import free_port
 
         self.registry = CollectorRegistry()
         MultiProcessCollector(self.registry, path=str(self.metrics_dir))  # type: ignore[no-untyped-call]
@@ -267,7 +267,7 @@ class _Demo:
         for i in range(self.workers):
             with open(self.tmp / f"worker-{i + 1}.log", "wb") as log:  # the child keeps its own copy
                 self.procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "dramatiq", "dramatiq_leases.demo_app", "--processes", "1",
+                    [sys.executable, "-m", "dramatiq", "dramatiq_leases.demo.app", "--processes", "1",
                      "--threads", str(self.threads), "--worker-shutdown-timeout", "5000"],
                     cwd=self.tmp, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                     # Its own process group: stopped as one, and spared the terminal's Ctrl-C.
