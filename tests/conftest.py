@@ -1,29 +1,13 @@
-"""Shared fixtures: private Redis servers on free ports, and deadline-based waiting."""
+"""Shared fixtures: private Redis servers on free ports (helpers live in tests/support/)."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator
-from typing import TypeVar
+from collections.abc import Iterator
 
 import pytest
 import redis
 
 from dramatiq_leases.embedded import EmbeddedRedis
-
-T = TypeVar("T")
-
-
-def wait_for(predicate: Callable[[], T], timeout: float = 10.0, interval: float = 0.02, what: str = "condition") -> T:
-    """Poll ``predicate`` until it returns something truthy; fail the test at the deadline."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ import yaml
 from dramatiq_leases.core import State
 from dramatiq_leases.exporter import LEAK_REASONS
 
-from .promtool import check_promql, grafana_to_promql, run
+from .support.promtool import check_promql, grafana_to_promql, run
 
 ROOT = Path(__file__).resolve().parent.parent
 ALERT_RULES = ROOT / "alerts" / "dramatiq-leases.rules.yml"

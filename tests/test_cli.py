@@ -17,7 +17,7 @@ from dramatiq_leases.cli import main
 from dramatiq_leases.core import Lease, Leases, State
 from dramatiq_leases.embedded import EmbeddedRedis, free_port
 
-from .conftest import wait_for
+from .support.waiting import wait_for
 
 META = {"actor": "send_invoice", "queue": "default", "message_id": "msg-1", "host": "web-7", "pid": "4242"}
 

@@ -27,7 +27,7 @@ from dramatiq_leases.core import (
 from dramatiq_leases.core.keys import fence_name, lease_name
 from dramatiq_leases.embedded import EmbeddedRedis, free_port
 
-from .conftest import wait_for
+from .support.waiting import wait_for
 
 CORE = pathlib.Path(__file__).parents[1] / "dramatiq_leases" / "core"
 

@@ -11,8 +11,11 @@ import uuid
 from pathlib import Path
 
 import psutil
+import pytest
 
-from .conftest import wait_for
+from .support.waiting import wait_for
+
+pytestmark = pytest.mark.system
 
 
 def _started_by(marker: str) -> list[psutil.Process]:

@@ -15,7 +15,7 @@ from dramatiq_leases.core import Heartbeat, Lease, Leases
 from dramatiq_leases.embedded import EmbeddedRedis
 from dramatiq_leases.metrics import LeaseMetrics
 
-from .conftest import wait_for
+from .support.waiting import wait_for
 
 
 class Losses:

@@ -33,8 +33,8 @@ from dramatiq_leases import LeaseLost, PrometheusMetrics, current_lease
 from dramatiq_leases.core import LostReason
 from dramatiq_leases.embedded import EmbeddedRedis
 
-from .conftest import wait_for
-from .stack import Stack
+from .support.stack import Stack
+from .support.waiting import wait_for
 
 PACKAGE = "/dramatiq_leases/"
 

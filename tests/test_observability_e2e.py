@@ -44,8 +44,7 @@ from dramatiq_leases.core import Lease, State
 from dramatiq_leases.embedded import EmbeddedRedis, free_port
 from dramatiq_leases.exporter import DEFAULT_PORT as EXPORTER_PORT
 
-from .promtool import require
-from .test_metrics import (
+from .support.processes import (
     LONG_ACTOR,
     LONG_QUEUE,
     WORK_ACTOR,
@@ -59,6 +58,9 @@ from .test_metrics import (
     send,
     worker_processes,
 )
+from .support.promtool import require
+
+pytestmark = pytest.mark.system
 
 ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "alerts" / "dramatiq-leases.rules.yml"

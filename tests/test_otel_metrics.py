@@ -11,8 +11,8 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from dramatiq_leases import OTelMetrics
 from dramatiq_leases.embedded import EmbeddedRedis
 
-from .conftest import wait_for
-from .stack import Stack
+from .support.stack import Stack
+from .support.waiting import wait_for
 
 
 def points(reader: InMemoryMetricReader) -> dict[str, list[Any]]:

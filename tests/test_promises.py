@@ -39,8 +39,8 @@ from dramatiq_leases import (
 from dramatiq_leases.core import State
 from dramatiq_leases.embedded import EmbeddedRedis
 
-from .conftest import wait_for
-from .stack import Stack
+from .support.stack import Stack
+from .support.waiting import wait_for
 
 
 @pytest.fixture

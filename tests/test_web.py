@@ -26,7 +26,7 @@ import redis
 from dramatiq_leases.core import Leases, State
 from dramatiq_leases.embedded import EmbeddedRedis, free_port
 
-from .conftest import wait_for
+from .support.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS_KEY = "examples:export_report:runs"  # where examples.web_tasks records its jobs

@@ -18,7 +18,9 @@ import redis
 from dramatiq_leases import Leases
 from dramatiq_leases.embedded import EmbeddedRedis, free_port
 
-from .conftest import wait_for
+from .support.waiting import wait_for
+
+pytestmark = pytest.mark.system
 
 ROOT = Path(__file__).parents[1]
 

@@ -1,0 +1,1 @@
+"""Helpers shared by the test modules: an in-process Dramatiq stack, worker processes, promtool, waiting."""
