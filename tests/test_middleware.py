@@ -22,6 +22,7 @@ from dramatiq_leases import LeaseKeyRenderError, LeaseLost, LeaseOptionError, cu
 from dramatiq_leases.core import LostReason
 from dramatiq_leases.embedded import EmbeddedRedis
 
+from .support.runs import Runs
 from .support.stack import Stack
 from .support.waiting import wait_for
 
@@ -46,22 +47,6 @@ def make_stack(redis_server: EmbeddedRedis, lease_server: EmbeddedRedis) -> Iter
     yield make
     for stack in stacks:
         stack.stop()
-
-
-class Runs:
-    """Run intervals recorded by actors: (key, start, end, fence, exception name)."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.items: list[dict[str, Any]] = []
-
-    def add(self, **item: Any) -> None:
-        with self.lock:
-            self.items.append(item)
-
-    def count(self, **match: Any) -> int:
-        with self.lock:
-            return sum(1 for i in self.items if all(i.get(k) == v for k, v in match.items()))
 
 
 # Declaration and send time ----------------------------------------------------

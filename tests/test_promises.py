@@ -39,6 +39,7 @@ from dramatiq_leases import (
 from dramatiq_leases.core import State
 from dramatiq_leases.embedded import EmbeddedRedis
 
+from .support.runs import Runs
 from .support.stack import Stack
 from .support.waiting import wait_for
 
@@ -56,22 +57,6 @@ def make_stack(redis_server: EmbeddedRedis) -> Iterator[Any]:
     yield make
     for stack in stacks:
         stack.stop()
-
-
-class Runs:
-    """What actors did, recorded from worker threads."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.items: list[dict[str, Any]] = []
-
-    def add(self, **item: Any) -> None:
-        with self.lock:
-            self.items.append(item)
-
-    def where(self, **match: Any) -> list[dict[str, Any]]:
-        with self.lock:
-            return [i for i in self.items if all(i.get(k) == v for k, v in match.items())]
 
 
 def busy_for(leases: Leases, key: str, seconds: float) -> bool:
@@ -508,12 +493,14 @@ def test_release_if_dead_never_frees_a_holder_cut_off_but_still_running(redis_se
         wait_for(lambda: operator.inspect("bill:1").state is State.HEARTBEAT_OVERDUE,  # type: ignore[union-attr]
                  what="the heartbeat to be overdue", timeout=5)
         refused_while_overdue = 0
+        deadline = time.monotonic() + 10
         while True:  # the operator, following the old runbook, tries again and again
             result = operator.release_if_dead("bill:1")
             if result.released is not False:
                 break
             refused_while_overdue += 1
-            time.sleep(0.01)
+            assert time.monotonic() < deadline, "the key was never freed, not even by its TTL"
+            time.sleep(0.01)  # the operator's polling pace
         freed_at = time.monotonic()
         [run] = wait_for(lambda: runs.items, what="the holder to stop", timeout=5)
         assert refused_while_overdue > 10
@@ -553,7 +540,9 @@ def test_an_async_actor_that_outlives_its_cancellation_keeps_its_lease(make_stac
     assert stack.recorder.wait_settled(message.message_id) == "nacked"  # the worker gave up waiting
     assert not runs.where(kind="ended")
     # The coroutine still runs: its key stays busy past several TTLs, until it ends.
+    deadline = time.monotonic() + 10
     while not runs.where(kind="ended"):
         assert isinstance(stack.leases.try_acquire("async:1", ttl=1_000), Busy), "a second holder while it ran"
-        time.sleep(0.05)
+        assert time.monotonic() < deadline, "the coroutine never ended"
+        time.sleep(0.05)  # a rival tries every 50 ms
     wait_for(lambda: stack.leases.inspect("async:1") is None, what="the lease to be released as it ended")
