@@ -125,6 +125,8 @@ def test_unrenderable_messages_are_refused_at_send_time(make_stack: Any) -> None
         send_invoice.send_with_options(args=(1,), lock_ttl=-1)
     with pytest.raises(LeaseOptionError, match="actor 'send_invoice': lock_ttl must be .* got 1500.5"):
         send_invoice.send_with_options(args=(1,), lock_ttl=1500.5)
+    with pytest.raises(LeaseOptionError, match="actor 'send_invoice': time_limit must be .* got 'soon'"):
+        send_invoice.send_with_options(args=(1,), time_limit="soon")
     assert stack.recorder.enqueues == []  # nothing reached the queue
 
 
@@ -414,6 +416,19 @@ def test_default_max_hold_is_the_time_limit_and_ends_a_hung_actor(make_stack: An
     assert seen == [60_000 + 1_000 + 1_000]  # time limit + TimeLimit's check interval + grace: TimeLimit fires first
     assert stack.recorder.wait_settled(hung.send(1).message_id) == "nacked"
     assert "maximum hold" in runs.items[0]["error"] or "max_hold" in runs.items[0]["error"]
+
+
+def test_a_huge_time_limit_still_grants_the_lease(make_stack: Any) -> None:
+    stack = make_stack()
+    seen: list[int | None] = []
+
+    @stack.actor(lock_key="t:{n}", time_limit=10**12)
+    def patient(n: int) -> None:
+        seen.append(current_lease().max_hold)
+
+    stack.start()
+    assert stack.recorder.wait_settled(patient.send(1).message_id) == "acked"
+    assert seen == [10**12]  # capped at the largest accepted number, not refused
 
 
 def test_short_time_limits_run_and_end_for_the_real_reason(make_stack: Any) -> None:

@@ -24,6 +24,7 @@ from dramatiq.brokers.redis import MAINTENANCE_SCALE, RedisBroker
 from dramatiq.middleware import CurrentMessage
 from dramatiq.middleware.prometheus import Prometheus
 
+from ..core.store import client_from_url
 from ..middleware import LeaseMiddleware, current_lease
 from . import (
     ACTOR_NAME,
@@ -78,7 +79,7 @@ broker.add_middleware(_Prometheus())
 broker.add_middleware(LeaseMiddleware(REDIS_URL, prefix=PREFIX))
 dramatiq.set_broker(broker)
 
-_events = redis.Redis.from_url(REDIS_URL, socket_timeout=2.0)
+_events = client_from_url(REDIS_URL)
 
 
 def _record(event: str, invoice_id: int, job: int, **fields: Any) -> None:

@@ -23,6 +23,7 @@ from ..core.errors import LeaseConfigError, LeaseKeyError
 from ..core.heartbeat import Heartbeat
 from ..core.keys import DEFAULT_PREFIX, KeyTemplate
 from ..core.lease import Busy, Lease, new_token
+from ..core.scripts import MAX_MS
 from ..core.store import Leases, client_from_url
 from ..exposition import WorkerExposition
 from ..metrics import LeaseMetrics, PrometheusMetrics
@@ -202,7 +203,8 @@ class LeaseMiddleware(Middleware):
         limit = message.options.get("time_limit") or actor.options.get("time_limit") or self._time_limit
         if limit is None or limit == math.inf:
             return None
-        return math.ceil(limit) + self._time_limit_interval + TIME_LIMIT_GRACE
+        # Capped: a time limit near the largest accepted number must not make the lease refuse to be granted.
+        return min(MAX_MS, math.ceil(limit) + self._time_limit_interval + TIME_LIMIT_GRACE)
 
     def _template(self, actor_name: str, options: Mapping[str, Any]) -> KeyTemplate | None:
         """The key template of a message: its own ``lock_key`` option, else its actor's."""
@@ -296,6 +298,12 @@ class LeaseMiddleware(Middleware):
             return
         if not ACTOR_OPTIONS.isdisjoint(options):
             self._options(message.actor_name, options, broker.get_actor(message.actor_name).options)
+        if options.get("time_limit") is not None:  # the default lock_max_hold derives from it
+            try:
+                optional_ms(owner, "time_limit", options["time_limit"])
+            except LeaseOptionError as e:
+                e.actor = message.actor_name
+                raise
         try:
             key = template.render(tuple(message.args), message.kwargs)
         except LeaseKeyError as e:
