@@ -12,7 +12,7 @@ Configured through the environment, so one module serves every figure:
   2-round-trip lock costs) or ``crl`` (Dramatiq's
   ``ConcurrentRateLimiter(limit=1)`` as the mutex, retried by Retries).
 ``BENCH_TTL``, ``BENCH_BACKOFF_MIN``, ``BENCH_BACKOFF_MAX``
-  ``lock_ttl``, ``lock_backoff_min`` and ``lock_backoff_max`` (ms) for ours;
+  ``lock_ttl``, ``lock_min_backoff`` and ``lock_max_backoff`` (ms) for ours;
   the backoff pair also sets Retries' ``min_backoff``/``max_backoff`` in
   ``crl`` mode, so both wait the same way. Unset: LeaseMiddleware's defaults
   (:mod:`bench.defaults`; the ``raw`` and ``crl`` no-op locks use its TTL too).
@@ -68,7 +68,9 @@ if LEASES:
     from dramatiq_leases import LeaseMiddleware
 
     lease_defaults: dict[str, Any] = {
-        k: v for k, v in {"ttl": TTL, "backoff_min": BACKOFF_MIN, "backoff_max": BACKOFF_MAX}.items() if v is not None
+        k: v
+        for k, v in {"lock_ttl": TTL, "lock_min_backoff": BACKOFF_MIN, "lock_max_backoff": BACKOFF_MAX}.items()
+        if v is not None
     }
     broker.add_middleware(
         LeaseMiddleware(redis_url=URL, metrics=NULL_METRICS if MODE == "leases-nometrics" else None, **lease_defaults)

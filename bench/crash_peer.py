@@ -20,8 +20,8 @@ from dramatiq_leases.core.heartbeat import Heartbeat
 
 from .defaults import BACKOFF_MIN
 
-#: How often the core waiter retries, in ms: LeaseMiddleware's default ``lock_backoff_min``
-#: (read from its signature by :mod:`bench.defaults`), the shortest wait a busy message gets.
+#: How often the core waiter retries, in ms: LeaseMiddleware's default ``lock_min_backoff``
+#: (imported by :mod:`bench.defaults`), the shortest wait a busy message gets.
 CORE_RETRY_MS: int = BACKOFF_MIN
 
 

@@ -7,14 +7,14 @@ mimic them (``crash_peer``'s retry period, the ``raw``/``crl`` TTL of
 
 from __future__ import annotations
 
-from dramatiq_leases.middleware import DEFAULT_BACKOFF_MAX, DEFAULT_BACKOFF_MIN, DEFAULT_TTL
+from dramatiq_leases.middleware import DEFAULT_MAX_BACKOFF, DEFAULT_MIN_BACKOFF, DEFAULT_TTL
 from dramatiq_leases.middleware.backoff import backoff_cap as _backoff_cap
 
 #: ``lock_ttl`` default (ms).
 TTL_MS: int = DEFAULT_TTL
-#: ``lock_backoff_min`` and ``lock_backoff_max`` defaults (ms).
-BACKOFF_MIN: int = DEFAULT_BACKOFF_MIN
-BACKOFF_MAX: int = DEFAULT_BACKOFF_MAX
+#: ``lock_min_backoff`` and ``lock_max_backoff`` defaults (ms).
+BACKOFF_MIN: int = DEFAULT_MIN_BACKOFF
+BACKOFF_MAX: int = DEFAULT_MAX_BACKOFF
 DEFAULT_BACKOFF: tuple[int, int] = (BACKOFF_MIN, BACKOFF_MAX)
 
 #: The defaults before commit cf6e0a1, run once in figure 4 for comparison.

@@ -13,7 +13,7 @@ delay-queue poll.
 Outside Dramatiq, with the same TTL: python-redis-lock with
 ``auto_renewal=True`` (its waiter blocks in ``acquire()``), and our lease
 core (``Leases`` + ``Heartbeat``, the waiter retrying every
-``lock_backoff_min``, LeaseMiddleware's default), which shows the lease
+``lock_min_backoff``, LeaseMiddleware's default), which shows the lease
 mechanics without Dramatiq's delivery delays.
 """
 

@@ -145,10 +145,12 @@ def parse_duration(text: str) -> float:
 # --- alert rules ------------------------------------------------------------------------------------
 
 
+@pytest.mark.system
 def test_alert_rules_pass_promtool_check() -> None:
     run("promtool", "check", "rules", ALERT_RULES)
 
 
+@pytest.mark.system
 def test_alert_rules_pass_their_unit_tests() -> None:
     run("promtool", "test", "rules", ALERT_TESTS.name, cwd=ALERT_TESTS.parent)
 
@@ -256,6 +258,7 @@ def test_alert_jobs_are_scraped() -> None:
 # --- Alertmanager -----------------------------------------------------------------------------------
 
 
+@pytest.mark.system
 def test_alertmanager_config_passes_amtool_check() -> None:
     run("amtool", "check-config", ALERTMANAGER)
 
@@ -264,6 +267,7 @@ def test_alertmanager_config_passes_amtool_check() -> None:
     ("severity", "receiver"),
     [("critical", "pager"), ("warning", "ticket"), ("info", "null"), (None, "ticket")],
 )
+@pytest.mark.system
 def test_alertmanager_routes_by_severity(severity: str | None, receiver: str) -> None:
     labels = ["alertname=DramatiqLeaseLeaked", "actor_name=charge"]
     if severity is not None:
@@ -314,6 +318,7 @@ def host_path(service: str, container_path: str) -> Path:
     raise AssertionError(f"{container_path} is not mounted into the {service} service")
 
 
+@pytest.mark.system
 def test_prometheus_config_passes_promtool_check(tmp_path: Path) -> None:
     # promtool checks that the rule files exist: point them at the repository
     # files that docker-compose.yml mounts at those paths.
@@ -435,6 +440,7 @@ def test_dashboard_panel_conventions(panel: dict[str, Any]) -> None:
         assert unit in {"short", "none"}
 
 
+@pytest.mark.system
 def test_dashboard_queries_parse(tmp_path: Path) -> None:
     check_promql(dashboard_queries(), tmp_path)
 

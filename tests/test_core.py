@@ -24,6 +24,7 @@ from dramatiq_leases.core import (
     State,
     scripts,
 )
+from dramatiq_leases.core.client import ThreadConnections
 from dramatiq_leases.core.keys import fence_name, lease_name
 from dramatiq_leases.embedded import EmbeddedRedis, free_port
 
@@ -276,7 +277,7 @@ def test_the_acquire_script_checks_every_argument_before_writing(leases: Leases,
                                                                  args: list[str]) -> None:
     """Lua is not a transaction: a script that failed halfway would keep its first writes."""
     with pytest.raises(redis.ResponseError, match="dramatiq-leases: invalid"):
-        leases._acquire(keys=[leases.lease_name("k"), leases.fence_name("k")], args=args)
+        redis_client.eval(scripts.ACQUIRE, 2, leases.lease_name("k"), leases.fence_name("k"), *args)
     assert redis_client.keys("*") == []
 
 
@@ -284,11 +285,12 @@ def test_no_script_leaves_a_lease_without_ttl(leases: Leases, redis_client: redi
     """Every way in: acquire, adopt, renew, with good and bad numbers; after each, every lease key has a TTL."""
     lease = leases.try_acquire("a", ttl=1_000, max_hold=100_000)
     assert isinstance(lease, Lease)
+    name = leases.lease_name("a")
     attempts: list[Any] = [
-        lambda: leases._renew_many(keys=[leases.lease_name("a")], args=[lease.token, "12.5"]),
-        lambda: leases._renew_many(keys=[leases.lease_name("a")], args=[lease.token]),
-        lambda: leases._adopt(keys=[leases.lease_name("a")], args=[lease.token, "new", "-5", "0", "0", "0"]),
-        lambda: leases._adopt(keys=[leases.lease_name("a")], args=[lease.token, "new", "1000", "0", "0", "x"]),
+        lambda: redis_client.eval(scripts.RENEW_MANY, 1, name, lease.token, "12.5"),
+        lambda: redis_client.eval(scripts.RENEW_MANY, 1, name, lease.token),
+        lambda: redis_client.eval(scripts.ADOPT, 1, name, lease.token, "new", "-5", "0", "0", "0"),
+        lambda: redis_client.eval(scripts.ADOPT, 1, name, lease.token, "new", "1000", "0", "0", "x"),
         lambda: leases.adopt("a", lease.token, ttl=1_000, max_hold=10),
     ]
     for attempt in attempts:
@@ -366,19 +368,23 @@ def test_core_does_not_import_dramatiq_and_never_uses_keys() -> None:
 def test_an_interrupted_call_never_hands_its_reply_to_the_next(redis_server: EmbeddedRedis) -> None:
     """An interruption between sending a command and reading its reply must not make the next call read it.
 
-    With thread connections the dirty connection is reopened; the next acquire sees its own answer.
+    With thread connections (what Leases uses on Dramatiq's worker threads) the dirty connection is
+    reopened; the next call sees its own answer.
     """
-    leases = Leases(redis.Redis.from_url(redis_server.url(0), socket_timeout=2), thread_connections=True)
-    assert isinstance(leases.try_acquire("held", ttl=10_000), Lease)  # opens this thread's connection
+    client = redis.Redis.from_url(redis_server.url(0), socket_timeout=2)
+    connections = ThreadConnections(client)
+    echo = client.register_script("return ARGV[1]")
+    assert connections.call(echo, [], ["first"]) == b"first"  # opens this thread's connection
 
     def interrupted(keys: list[str], args: list[Any], client: redis.Redis) -> None:
         # Sent, not read: as if Dramatiq's TimeLimit struck right after the request left.
-        client.connection.send_command("EVAL", "return {1, 777, 1, 0}", 0)  # type: ignore[union-attr]
+        client.connection.send_command("EVAL", "return 'stale'", 0)  # type: ignore[union-attr]
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        leases._call(interrupted, [], [])
-    assert isinstance(leases.try_acquire("held", ttl=10_000), Busy)  # its own reply, not the stale "acquired"
+        connections.call(interrupted, [], [])
+    assert connections.call(echo, [], ["mine"]) == b"mine"  # its own reply, not the stale one
+    leases = Leases(client, thread_connections=True)
     assert isinstance(leases.try_acquire("free", ttl=10_000), Lease)
 
 

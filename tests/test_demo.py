@@ -82,7 +82,8 @@ def test_demo_runs_its_story_passes_its_checks_and_cleans_up() -> None:
                      r"\+[\d.]+s \(its holder's deadline\), expired by its TTL at \+[\d.]+s", out)
     # Seen by polling, so either may be missed, but never in the wrong order nor with a wrong meaning.
     overdue = re.search(r"heartbeat_overdue: no renewal for [\d.]+s, but its holder may still be running until its "
-                        r"deadline in [\d.]+s: nobody may release it yet", out)
+                        r"deadline in [\d.]+s, and stopping until its TTL runs out in [\d.]+s: nobody may release it before",
+                        out)
     dead = re.search(r"holder_dead: its holder's deadline passed [\d.]+s ago", out)
     if overdue and dead:
         assert overdue.start() < dead.start()

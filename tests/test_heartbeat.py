@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import queue
-import threading
 import time
 from collections.abc import Iterator
 
@@ -188,5 +187,4 @@ def test_stop_returns_what_was_still_held(leases: Leases) -> None:
     hb.track(b, Losses())
     hb.untrack(a)
     assert hb.stop() == [b]
-    assert not any(t.name.startswith("dramatiq-leases") and t.is_alive() for t in threading.enumerate()
-                   if t in (hb._renewer, hb._watchdog))
+    assert not hb.running

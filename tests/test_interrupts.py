@@ -154,7 +154,7 @@ def test_thousands_of_interrupts_leave_the_bookkeeping_whole(redis_server: Embed
     # set here, not in a fixture, to replace pytest's own capturing handlers as well.
     monkeypatch.setattr(logging.getLogger(), "handlers", [LockFreeHandler()])
     registry = CollectorRegistry()
-    stack = Stack(redis_server.url(0), lease_server.url(0), threads=8, backoff_min=1, backoff_max=5,
+    stack = Stack(redis_server.url(0), lease_server.url(0), threads=8, lock_min_backoff=1, lock_max_backoff=5,
                   metrics=PrometheusMetrics(registry=registry))
     storm = Storm(window=0.006, seed=8)
     outcomes = Outcomes()

@@ -142,6 +142,7 @@ def worker_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
         server.close()
 
 
+@pytest.mark.system
 def test_lease_metrics_are_served_for_all_worker_processes(worker_run: WorkerRun) -> None:
     text, sent = worker_run.exposition, worker_run.sent
     actor = {"actor_name": WORK_ACTOR, "queue_name": WORK_QUEUE}
@@ -165,6 +166,7 @@ def test_lease_metrics_are_served_for_all_worker_processes(worker_run: WorkerRun
     assert values(text, "dramatiq_lease_redis_errors_total") == [0, 0, 0]  # acquire, renew, release
 
 
+@pytest.mark.system
 def test_one_endpoint_serves_dramatiq_and_lease_metrics(worker_run: WorkerRun) -> None:
     dramatiq_messages = value(worker_run.exposition, "dramatiq_messages_total", actor_name=WORK_ACTOR)
     if worker_run.placement == "none":
@@ -178,6 +180,7 @@ def test_one_endpoint_serves_dramatiq_and_lease_metrics(worker_run: WorkerRun) -
         assert not listening(worker_run.own_port)
 
 
+@pytest.mark.system
 def test_an_inherited_multiprocess_dir_does_not_hide_the_metrics(tmp_path: Path, redis_server: EmbeddedRedis) -> None:
     port = free_port()
     db = tmp_path / "dramatiq-prometheus"
@@ -207,10 +210,12 @@ def test_an_inherited_multiprocess_dir_does_not_hide_the_metrics(tmp_path: Path,
         leases_client.close()
 
 
+@pytest.mark.system
 def test_worker_exposition_passes_promtool(worker_run: WorkerRun) -> None:
     assert_promtool_clean(worker_run.exposition, foreign_ok=worker_run.placement != "none")
 
 
+@pytest.mark.system
 def test_worker_metrics_never_carry_lease_keys(worker_run: WorkerRun) -> None:
     assert_no_lease_keys(worker_run.exposition, WORKER_KEYS)
 
@@ -226,6 +231,7 @@ def compose_command(service: str, compose: dict[str, Any]) -> list[str]:
     return [sys.executable, "-m", "dramatiq", *args]
 
 
+@pytest.mark.system
 def test_compose_example_serves_lease_metrics(redis_server: EmbeddedRedis, tmp_path: Path) -> None:
     # examples/compose_app.py and compose_producer.py, run as docker-compose.yml runs them, with the
     # URLs it gives pointed at a private Redis (same databases).
@@ -365,7 +371,7 @@ def test_lease_spans_nest_under_the_message_span(redis_server: EmbeddedRedis,
     broker.add_middleware(MessageSpans())  # before LeaseMiddleware, as an instrumentation would be
     broker.add_middleware(CurrentMessage())
     stack = Stack(redis_server.url(0), redis_server.url(1), threads=2, broker=broker, metrics=LeaseMetrics(),
-                  metrics_endpoint=False, backoff_min=20, backoff_max=100)
+                  metrics_endpoint=False, lock_min_backoff=20, lock_max_backoff=100)
     suffix = uuid.uuid4().hex[:8]
     key = f"otel:{suffix}"
     fences: dict[str, int] = {}

@@ -64,7 +64,7 @@ def make_stack(redis_server: EmbeddedRedis, lease_server: EmbeddedRedis) -> Iter
         ({"lock_key": "inv:{invoice_id}", "lock_ttl": 50}, "lock_ttl must be a whole number of milliseconds from 100"),
         ({"lock_key": "inv:{invoice_id}", "lock_max_hold": 2.5}, "lock_max_hold must be a whole number of milliseconds from 1"),
         ({"lock_key": "inv:{invoice_id}", "lock_max_wait": float("nan")}, "lock_max_wait must be a whole number"),
-        ({"lock_key": "inv:{invoice_id}", "lock_backoff_min": 0}, "lock_backoff_min must be a whole number"),
+        ({"lock_key": "inv:{invoice_id}", "lock_min_backoff": 0}, "lock_min_backoff must be a whole number"),
         ({"lock_key": "inv:{invoice_id}", "time_limit": 1500.5}, "time_limit must be a whole number of milliseconds"),
         ({"lock_key": "inv:{invoice_id}", "lock_ttl": 3000, "lock_renew_interval": 3000},
          "lock_renew_interval=3000 must be at most half of lock_ttl=3000"),
@@ -77,8 +77,8 @@ def make_stack(redis_server: EmbeddedRedis, lease_server: EmbeddedRedis) -> Iter
         ({"lock_key": 42}, "lock_key must be a template string or a callable, got 42"),
         ({"lock_ttl": 3000}, "lock_ttl given without lock_key"),
         ({"lock_key": "inv:{invoice_id}", "lock_give_up": "explode"}, "lock_give_up must be one of"),
-        ({"lock_key": "inv:{invoice_id}", "lock_backoff_min": 500, "lock_backoff_max": 100},
-         "lock_backoff_max=100 is below lock_backoff_min=500"),
+        ({"lock_key": "inv:{invoice_id}", "lock_min_backoff": 500, "lock_max_backoff": 100},
+         "lock_max_backoff=100 is below lock_min_backoff=500"),
     ],
 )
 def test_bad_options_fail_at_declaration(make_stack: Any, options: dict[str, Any], expected: str) -> None:
@@ -97,7 +97,7 @@ def test_bad_middleware_defaults_fail_at_construction(lease_server: EmbeddedRedi
     from dramatiq_leases import LeaseMiddleware
 
     with pytest.raises(LeaseOptionError, match="lock_ttl must be a whole number of milliseconds from 100 to 1000000000000, got 0"):
-        LeaseMiddleware(redis_url=lease_server.url(), ttl=0)
+        LeaseMiddleware(redis_url=lease_server.url(), lock_ttl=0)
 
 
 def test_unrenderable_messages_are_refused_at_send_time(make_stack: Any) -> None:
@@ -153,7 +153,7 @@ def test_keys_render_from_positional_keyword_and_callable(make_stack: Any) -> No
 
 
 def test_same_key_never_overlaps_different_keys_do(make_stack: Any) -> None:
-    stack = make_stack(threads=8, backoff_min=20, backoff_max=200)
+    stack = make_stack(threads=8, lock_min_backoff=20, lock_max_backoff=200)
     runs = Runs()
 
     @stack.actor(lock_key="inv:{invoice_id}", lock_ttl=2_000)
@@ -177,7 +177,7 @@ def test_same_key_never_overlaps_different_keys_do(make_stack: Any) -> None:
 
 
 def test_busy_messages_back_off_with_jitter_and_keep_their_retries(make_stack: Any, caplog: Any) -> None:
-    stack = make_stack(backoff_min=40, backoff_max=640)
+    stack = make_stack(lock_min_backoff=40, lock_max_backoff=640)
     holder_started = threading.Event()
     release_holder = threading.Event()
     options_seen: list[dict[str, Any]] = []
@@ -214,7 +214,7 @@ def test_busy_messages_back_off_with_jitter_and_keep_their_retries(make_stack: A
 
 @pytest.mark.parametrize("give_up", ["fail", "drop"])
 def test_wait_budget_gives_up(make_stack: Any, caplog: Any, give_up: str) -> None:
-    stack = make_stack(backoff_min=20, backoff_max=50)
+    stack = make_stack(lock_min_backoff=20, lock_max_backoff=50)
     runs = Runs()
     holding = threading.Event()
     done = threading.Event()
@@ -242,7 +242,7 @@ def test_wait_budget_gives_up(make_stack: Any, caplog: Any, give_up: str) -> Non
 
 
 def test_results_never_see_none_from_a_busy_skip(make_stack: Any, redis_server: EmbeddedRedis) -> None:
-    stack = make_stack(backoff_min=20, backoff_max=100)
+    stack = make_stack(lock_min_backoff=20, lock_max_backoff=100)
     backend = RedisBackend(url=redis_server.url(2))
     stack.broker.add_middleware(Results(backend=backend))
     holding = threading.Event()
@@ -302,12 +302,12 @@ def test_a_late_lease_lost_never_hits_a_finished_actor(make_stack: Any) -> None:
 
     @stack.actor(lock_key="race:{i}", lock_ttl=5_000, max_retries=0)
     def racer(i: int, spin: int) -> None:
-        entry = mw.heartbeat._entries[current_lease().token]
+        lease = current_lease()
 
         def lose() -> None:
             for _ in range(spin):
                 pass
-            entry.on_lost(entry.lease, LostReason.STOLEN)
+            mw.heartbeat.lose(lease, LostReason.STOLEN)
 
         threading.Thread(target=lose).start()
         for _ in range(spin // 2):
@@ -356,7 +356,7 @@ def test_redis_down_during_renewal_interrupts_before_expiry(make_stack: Any, lea
 
 
 def test_redis_down_at_acquire_means_no_run_until_it_is_back(make_stack: Any, lease_server: EmbeddedRedis) -> None:
-    stack = make_stack(backoff_min=50, backoff_max=200)
+    stack = make_stack(lock_min_backoff=50, lock_max_backoff=200)
     runs = Runs()
 
     @stack.actor(lock_key="bill:{n}")
@@ -490,7 +490,7 @@ def test_async_actors_hold_and_lose_leases(make_stack: Any) -> None:
 def test_rabbitmq_broker(lease_server: EmbeddedRedis) -> None:
     queue = f"leases-test-{uuid.uuid4().hex[:8]}"
     broker = RabbitmqBroker(url="amqp://guest:guest@127.0.0.1:5672")
-    stack = Stack("", lease_server.url(0), broker=broker, backoff_min=20, backoff_max=100)
+    stack = Stack("", lease_server.url(0), broker=broker, lock_min_backoff=20, lock_max_backoff=100)
     runs = Runs()
 
     @stack.actor(queue_name=queue, lock_key="inv:{n}")
@@ -515,7 +515,7 @@ def test_rabbitmq_broker(lease_server: EmbeddedRedis) -> None:
 
 
 def test_a_job_lasting_many_ttls_keeps_its_lease(make_stack: Any) -> None:
-    stack = make_stack(backoff_min=20, backoff_max=50)
+    stack = make_stack(lock_min_backoff=20, lock_max_backoff=50)
     runs = Runs()
     started = threading.Event()
 

@@ -28,7 +28,7 @@ def points(reader: InMemoryMetricReader) -> dict[str, list[Any]]:
 def test_a_contended_run_is_recorded_on_an_otel_meter(redis_server: EmbeddedRedis) -> None:
     reader = InMemoryMetricReader()
     metrics = OTelMetrics(meter_provider=MeterProvider(metric_readers=[reader]))
-    stack = Stack(redis_server.url(0), redis_server.url(1), metrics=metrics, backoff_min=20, backoff_max=50)
+    stack = Stack(redis_server.url(0), redis_server.url(1), metrics=metrics, lock_min_backoff=20, lock_max_backoff=50)
     holding, go = threading.Event(), threading.Event()
 
     @stack.actor(lock_key="inv:{n}", lock_ttl=600)

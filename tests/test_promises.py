@@ -75,7 +75,7 @@ def busy_for(leases: Leases, key: str, seconds: float) -> bool:
 
 
 def test_a_handed_over_lease_is_adopted_once(make_stack: Any) -> None:
-    stack = make_stack(backoff_min=20, backoff_max=60)
+    stack = make_stack(lock_min_backoff=20, lock_max_backoff=60)
     runs = Runs()
     started, go = threading.Event(), threading.Event()
 
@@ -155,7 +155,7 @@ def test_lease_options_on_an_actor_without_lock_key_are_refused_at_send_time(
     assert not isinstance(lease, Busy)
     options: dict[str, Any] = {
         "lock_key": "x", "lock_ttl": 1_000, "lock_renew_interval": 100, "lock_max_hold": 1_000,
-        "lock_backoff_min": 10, "lock_backoff_max": 100, "lock_max_wait": 1_000, "lock_give_up": "drop",
+        "lock_min_backoff": 10, "lock_max_backoff": 100, "lock_max_wait": 1_000, "lock_give_up": "drop",
         "lease": lease,
     }
     for name, value in options.items():
@@ -170,7 +170,7 @@ def test_lease_options_on_an_actor_without_lock_key_are_refused_at_send_time(
 
 
 def test_a_message_level_lock_key_is_honoured_or_refused_at_send_time(make_stack: Any) -> None:
-    stack = make_stack(backoff_min=20, backoff_max=60)
+    stack = make_stack(lock_min_backoff=20, lock_max_backoff=60)
     runs = Runs()
 
     @stack.actor(actor_name="keyed", lock_key="inv:{n}", max_retries=0)
@@ -206,7 +206,7 @@ def test_retries_do_not_inherit_the_wait_clock(make_stack: Any) -> None:
         def wait(self, meta: Any, seconds: float) -> None:
             waits.append(seconds)
 
-    stack = make_stack(backoff_min=20, backoff_max=60, metrics=Waits())
+    stack = make_stack(lock_min_backoff=20, lock_max_backoff=60, metrics=Waits())
     runs = Runs()
     running = threading.Event()
 
@@ -398,7 +398,7 @@ def test_the_heartbeat_survives_a_renewal_hung_on_a_socket(redis_server: Embedde
                                                           new_job: str) -> None:
     proxy = FreezableProxy(redis_server.port)
     hanging = redis.Redis(host="127.0.0.1", port=proxy.port, db=1, socket_timeout=None)  # a renewal can hang
-    stack = Stack(redis_server.url(0), "", middleware=LeaseMiddleware(client=hanging, backoff_min=20, backoff_max=60))
+    stack = Stack(redis_server.url(0), "", middleware=LeaseMiddleware(client=hanging, lock_min_backoff=20, lock_max_backoff=60))
     direct = Leases.from_url(redis_server.url(1))
     runs = Runs()
     started = threading.Event()

@@ -1,11 +1,12 @@
 """The lease core: Redis scripts, leases and their heartbeat. It does not import Dramatiq."""
 
+from .client import RedisClient
 from .errors import LeaseConfigError, LeaseError, LeaseKeyError, LeaseUnavailableError
 from .heartbeat import Heartbeat
 from .info import LeaseInfo, State, stale_after
 from .keys import DEFAULT_PREFIX, KeyTemplate
 from .lease import Busy, Lease, LostReason, Renewal
-from .store import DeadRelease, Leases, RedisClient
+from .store import DeadRelease, Leases
 
 __all__ = [
     "DEFAULT_PREFIX",

@@ -156,6 +156,25 @@ class Heartbeat:
         entry.ended_at = time.monotonic()
         return True
 
+    @property
+    def running(self) -> bool:
+        """Whether a heartbeat thread (the renewer or the watchdog) is alive."""
+        return any(t is not None and t.is_alive() for t in (self._renewer, self._watchdog))
+
+    def lose(self, lease: Lease, reason: LostReason) -> bool:
+        """Declare a tracked lease lost now, as a renewal that found it gone would: stop, count, call back.
+
+        For callers that learn of a loss elsewhere (a fenced write refused for
+        a newer fence). Call it from a thread no asynchronous exception can
+        reach. Returns ``False`` if ``lease`` is not tracked (or has ended).
+        """
+        with self._lock:
+            entry = self._entries.get(lease.token)
+            if entry is None or entry.ended_at is not None or not self._drop(entry, time.monotonic()):
+                return False
+        self._lose(entry, reason)
+        return True
+
     def tracked(self) -> list[Lease]:
         """The leases being renewed now."""
         return [e.lease for e in list(self._entries.values()) if e.ended_at is None]

@@ -6,12 +6,9 @@ numbers are checked before Redis is asked. This module knows nothing of Dramatiq
 
 from __future__ import annotations
 
-import fnmatch
-import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import redis
@@ -19,18 +16,13 @@ from redis.cluster import RedisCluster
 from redis.crc import key_slot
 
 from . import scripts, tracing
-from .errors import LeaseConfigError, LeaseUnavailableError
-from .info import LeaseInfo, meta_args, parse_info, text
-from .keys import DEFAULT_PREFIX, fence_name, lease_name, lease_pattern, validate_key, validate_prefix
+from .client import DEFAULT_SOCKET_TIMEOUT, RedisClient, ThreadConnections, client_from_url, unavailable
+from .errors import LeaseConfigError
+from .info import meta_args
+from .keys import DEFAULT_PREFIX, fence_name, lease_name, validate_key, validate_prefix
 from .lease import Busy, Lease, Renewal, default_interval, new_token
 from .numbers import margin_ms, whole_ms
-
-#: A client this package can work with.
-RedisClient = redis.Redis | RedisCluster
-
-
-#: Seconds a client made from a URL waits for Redis before giving up.
-DEFAULT_SOCKET_TIMEOUT = 2.0
+from .reading import LeaseReading
 
 #: Largest number of leases renewed by one script call; bigger batches are
 #: split, and the calls still share one pipelined round trip.
@@ -38,20 +30,6 @@ RENEW_BATCH = 1000
 
 
 _new_token = new_token  # for methods whose parameter is named new_token
-
-
-@contextmanager
-def unavailable(what: str, key: str | None = None) -> Iterator[None]:
-    """Turn a Redis error into :class:`LeaseUnavailableError`, saying what could not be done (``what``)."""
-    try:
-        yield
-    except redis.RedisError as e:
-        raise LeaseUnavailableError(f"could not {what}: {type(e).__name__}: {e}", key=key) from e
-
-
-def client_from_url(url: str, *, socket_timeout: float = DEFAULT_SOCKET_TIMEOUT) -> redis.Redis:
-    """A client for ``url`` whose calls and connects time out (a hung renewal cannot confirm a lease)."""
-    return redis.Redis.from_url(url, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout)
 
 
 def _check_numbers(ttl: Any, interval: Any, max_hold: Any) -> tuple[int, int, int]:
@@ -81,7 +59,7 @@ class DeadRelease(NamedTuple):
 _RENEW_CODES = {1: Renewal.OK, 0: Renewal.GONE, -1: Renewal.STOLEN, -2: Renewal.MAX_HOLD}
 
 
-class Leases:
+class Leases(LeaseReading):
     """Leases on keys, stored in one Redis deployment (standalone, Sentinel or Cluster).
 
     Parameters:
@@ -114,7 +92,8 @@ class Leases:
         self.client = client
         self.prefix = validate_prefix(prefix)
         self._cluster = isinstance(client, RedisCluster)
-        self._threads: threading.local | None = threading.local() if thread_connections and not self._cluster else None
+        self._threads = (ThreadConnections(client) if thread_connections and isinstance(client, redis.Redis)
+                         and not self._cluster else None)
         self._acquire = client.register_script(scripts.ACQUIRE)
         self._renew_many = client.register_script(scripts.RENEW_MANY)
         self._release = client.register_script(scripts.RELEASE)
@@ -262,22 +241,9 @@ class Leases:
         )
 
     def _call(self, script: Any, keys: list[str], args: list[Any]) -> Any:
-        """Run ``script`` on this thread's own connection when asked to (see ``thread_connections``)."""
-        local = self._threads
-        if local is None:
+        if self._threads is None:
             return script(keys=keys, args=args)
-        client = getattr(local, "client", None)
-        if client is None:
-            assert isinstance(self.client, redis.Redis)
-            client = local.client = redis.Redis(connection_pool=self.client.connection_pool,
-                                                single_connection_client=True)
-        elif local.dirty:
-            client.connection.disconnect()  # the last call did not complete: never read its reply as ours
-        # Two single stores around the call: an interruption anywhere in between leaves dirty set.
-        local.dirty = True
-        reply = script(keys=keys, args=args, client=client)
-        local.dirty = False
-        return reply
+        return self._threads.call(script, keys, args)
 
     def renew(self, lease: Lease) -> Renewal:
         """Restore ``lease``'s TTL if this token still holds it. Raises :class:`LeaseUnavailableError`."""
@@ -377,68 +343,3 @@ class Leases:
         if code == 1:
             return DeadRelease(True, -ms / 1000, fence)
         return DeadRelease(False, ms / 1000 if ms >= 0 else None, fence)
-
-    # Inspection ------------------------------------------------------------
-
-    def inspect(self, key: str) -> LeaseInfo | None:
-        """What Redis holds for the lease on ``key``, or ``None`` if there is none."""
-        infos = self.inspect_names([self.lease_name(validate_key(key))])
-        return infos[0] if infos else None
-
-    def inspect_names(self, names: Sequence[str]) -> list[LeaseInfo]:
-        """Read the lease hashes at these Redis keys (those that still exist), one round trip per slot."""
-        by_slot: dict[int, list[str]] = defaultdict(list)
-        for name in names:
-            by_slot[key_slot(name.encode()) if self._cluster else 0].append(name)
-        out: list[LeaseInfo] = []
-        with unavailable("read leases"):
-            for group in by_slot.values():
-                reply = self._inspect_many(keys=group, args=[])
-                now_ms = int(reply[0])
-                for name, (pttl, flat) in zip(group, reply[1:]):
-                    if int(pttl) != -2:
-                        out.append(parse_info(name, int(pttl), flat, now_ms))
-        return out
-
-    def scan(self, match: str = "*", *, count: int = 500) -> Iterator[LeaseInfo]:
-        """Every lease whose key matches the glob ``match``, read in batches with ``SCAN`` (never ``KEYS``).
-
-        With the default ``match``, also any other key under ``{prefix}:lease:``
-        (a key someone wrote by hand, perhaps without TTL: the classic orphan).
-        """
-        if match == "*":
-            yield from self._scan(f"{self.prefix}:lease:*", count)
-            return
-        seen = set()
-        for info in self._scan(lease_pattern(self.prefix, match), count):
-            seen.add(info.redis_key)
-            yield info
-        # Keys with braces are stored under a digest (see hash_tag): match them here.
-        for info in self._scan(lease_pattern(self.prefix, "h:*"), count):
-            if info.redis_key not in seen and fnmatch.fnmatchcase(info.key, match):
-                yield info
-
-    def _scan(self, pattern: str, count: int) -> Iterator[LeaseInfo]:
-        batch: list[str] = []
-        with unavailable("scan leases"):
-            names: Iterable[Any] = self.client.scan_iter(match=pattern, count=count)
-            for name in names:
-                batch.append(text(name))
-                if len(batch) >= count:
-                    yield from self.inspect_names(batch)
-                    batch = []
-        if batch:
-            yield from self.inspect_names(batch)
-
-    def fence_state(self, key: str) -> dict[str, int]:
-        """The fence counter of ``key``: last ``fence`` granted, last ``released``, last ``expired``."""
-        return self.fence_states([validate_key(key)])[0]
-
-    def fence_states(self, keys: Sequence[str]) -> list[dict[str, int]]:
-        """:meth:`fence_state` of many keys, pipelined."""
-        pipe = self.client.pipeline(transaction=False)
-        for key in keys:
-            pipe.hgetall(self.fence_name(key))
-        with unavailable("read fence counters"):
-            replies = pipe.execute()
-        return [{text(k): int(v) for k, v in raw.items()} for raw in replies]

@@ -24,7 +24,7 @@ from dramatiq.brokers.redis import MAINTENANCE_SCALE, RedisBroker
 from dramatiq.middleware import CurrentMessage
 from dramatiq.middleware.prometheus import Prometheus
 
-from ..core.store import client_from_url
+from ..core.client import client_from_url
 from ..middleware import LeaseMiddleware, current_lease
 from . import (
     ACTOR_NAME,
@@ -95,8 +95,8 @@ def _record(event: str, invoice_id: int, job: int, **fields: Any) -> None:
     queue_name=QUEUE_NAME,
     lock_key="invoice:{invoice_id}",
     lock_ttl=LOCK_TTL_MS,
-    lock_backoff_min=100,
-    lock_backoff_max=1000,
+    lock_min_backoff=100,
+    lock_max_backoff=1000,
     # Retries stay fast so that an unexpected failure shows up within the demo.
     max_retries=3,
     min_backoff=100,

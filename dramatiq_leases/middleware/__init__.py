@@ -3,21 +3,25 @@
 A small package, one idea a module: :mod:`.options` (names, defaults,
 checks), :mod:`.backoff` (how a busy message waits), :mod:`.guard` (the run
 of an actor under its lease, safe from asynchronous exceptions),
-:mod:`.errors`, and :mod:`.hooks` (:class:`LeaseMiddleware` itself).
+:mod:`.busy` (a busy key: back to the queue), :mod:`.declarations` (what
+actors declare and messages carry), :mod:`.runs` (which thread holds which
+lease, and how a run ends), :mod:`.errors`, and :mod:`.hooks`
+(:class:`LeaseMiddleware` itself).
 """
 
-from .backoff import DEFAULT_BACKOFF_MAX, DEFAULT_BACKOFF_MIN
+from .backoff import DEFAULT_MAX_BACKOFF, DEFAULT_MIN_BACKOFF
 from .errors import LeaseKeyRenderError, LeaseOptionError, LeaseWaitExceeded
 from .guard import LeaseLost
-from .hooks import LeaseMiddleware, current_lease
+from .hooks import LeaseMiddleware
 from .options import ACTOR_OPTIONS, DEFAULT_GIVE_UP, DEFAULT_MAX_WAIT, DEFAULT_TTL, LEASE_OPTION
+from .runs import current_lease
 
 __all__ = [
     "ACTOR_OPTIONS",
-    "DEFAULT_BACKOFF_MAX",
-    "DEFAULT_BACKOFF_MIN",
     "DEFAULT_GIVE_UP",
+    "DEFAULT_MAX_BACKOFF",
     "DEFAULT_MAX_WAIT",
+    "DEFAULT_MIN_BACKOFF",
     "DEFAULT_TTL",
     "LEASE_OPTION",
     "LeaseKeyRenderError",

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import random
 
-#: Default ``lock_backoff_min`` (ms): the smallest delay before a busy message is retried.
-DEFAULT_BACKOFF_MIN = 50
+#: Default ``lock_min_backoff`` (ms): the smallest delay before a busy message is retried.
+DEFAULT_MIN_BACKOFF = 50
 
-#: Default ``lock_backoff_max`` (ms): a waiting message asks at least this often.
-DEFAULT_BACKOFF_MAX = 2_000
+#: Default ``lock_max_backoff`` (ms): a waiting message asks at least this often.
+DEFAULT_MAX_BACKOFF = 2_000
 
 
 def backoff_cap(attempts: int, low: int, high: int) -> int:

@@ -18,8 +18,8 @@ ACTOR_OPTIONS = frozenset({
     "lock_ttl",
     "lock_renew_interval",
     "lock_max_hold",
-    "lock_backoff_min",
-    "lock_backoff_max",
+    "lock_min_backoff",
+    "lock_max_backoff",
     "lock_max_wait",
     "lock_give_up",
 })
@@ -62,8 +62,8 @@ class Options:
     ttl: int
     renew_interval: int
     max_hold: int | None
-    backoff_min: int
-    backoff_max: int
+    min_backoff: int
+    max_backoff: int
     max_wait: int | None
     give_up: str
 
@@ -101,10 +101,10 @@ def resolve(owner: str, defaults: Mapping[str, Any], *sources: Mapping[str, Any]
             f"{owner}: lock_renew_interval={interval} must be at most half of lock_ttl={ttl}, "
             "so that a failed renewal is retried before the lease expires"
         )
-    backoff_min = ms(owner, "lock_backoff_min", get("lock_backoff_min"))
-    backoff_max = ms(owner, "lock_backoff_max", get("lock_backoff_max"))
-    if backoff_max < backoff_min:
-        raise LeaseOptionError(f"{owner}: lock_backoff_max={backoff_max} is below lock_backoff_min={backoff_min}")
+    min_backoff = ms(owner, "lock_min_backoff", get("lock_min_backoff"))
+    max_backoff = ms(owner, "lock_max_backoff", get("lock_max_backoff"))
+    if max_backoff < min_backoff:
+        raise LeaseOptionError(f"{owner}: lock_max_backoff={max_backoff} is below lock_min_backoff={min_backoff}")
     give_up = get("lock_give_up")
     if give_up not in GIVE_UP_ACTIONS:
         raise LeaseOptionError(f"{owner}: lock_give_up must be one of {GIVE_UP_ACTIONS}, got {give_up!r}")
@@ -112,8 +112,8 @@ def resolve(owner: str, defaults: Mapping[str, Any], *sources: Mapping[str, Any]
         ttl=ttl,
         renew_interval=interval,
         max_hold=optional_ms(owner, "lock_max_hold", get("lock_max_hold")),
-        backoff_min=backoff_min,
-        backoff_max=backoff_max,
+        min_backoff=min_backoff,
+        max_backoff=max_backoff,
         max_wait=optional_ms(owner, "lock_max_wait", get("lock_max_wait")),
         give_up=give_up,
     )

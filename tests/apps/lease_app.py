@@ -19,7 +19,7 @@ from dramatiq_leases import LeaseMiddleware, current_lease
 # Redeliver a dead worker's messages within seconds, not Dramatiq's default minute.
 broker = RedisBroker(url=os.environ["LEASES_TEST_BROKER_URL"], heartbeat_timeout=3_000,
                      maintenance_chance=MAINTENANCE_SCALE)
-broker.add_middleware(LeaseMiddleware(redis_url=os.environ["LEASES_TEST_LEASES_URL"], backoff_min=20, backoff_max=200))
+broker.add_middleware(LeaseMiddleware(redis_url=os.environ["LEASES_TEST_LEASES_URL"], lock_min_backoff=20, lock_max_backoff=200))
 dramatiq.set_broker(broker)
 record = redis.Redis.from_url(os.environ["LEASES_TEST_BROKER_URL"])
 

@@ -56,7 +56,7 @@ if HEARTBEAT_TIMEOUT_MS:
     broker_options = {"heartbeat_timeout": int(HEARTBEAT_TIMEOUT_MS), "maintenance_chance": MAINTENANCE_SCALE}
 broker = RedisBroker(url=BROKER_URL, **broker_options)  # type: ignore[no-untyped-call]
 
-leases_middleware = LeaseMiddleware(redis_url=LEASES_URL, prefix=PREFIX, backoff_min=50, backoff_max=300)
+leases_middleware = LeaseMiddleware(redis_url=LEASES_URL, prefix=PREFIX, lock_min_backoff=50, lock_max_backoff=300)
 order: list[Middleware] = [leases_middleware]
 if PROMETHEUS == "before":
     order.insert(0, Prometheus())

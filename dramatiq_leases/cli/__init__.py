@@ -1,0 +1,234 @@
+"""The ``dramatiq-leases`` command: inspect and release leases, run the exporter or the demo.
+
+Commands::
+
+  dramatiq-leases list [--match GLOB] [--json]        (alias: ls)
+  dramatiq-leases show KEY [--json] [--show-token]
+  dramatiq-leases release KEY (--owner TOKEN | --if-dead)
+  dramatiq-leases exporter [--host HOST] [--port PORT] [--interval SECONDS]
+  dramatiq-leases demo [--invoices N] [--per-invoice N] [--job-seconds S]
+
+Global flags, accepted before or after the command: ``--redis-url`` (default:
+``$REDIS_URL``, else ``redis://127.0.0.1:6379/0``; ``demo`` ignores both and
+starts a private Redis unless ``--redis-url`` is given) and ``--prefix``
+(default ``dramatiq-leases``).
+
+Exit codes (an API: scripts rely on them):
+
+* 0: success.
+* 1: refused: ``release`` changed nothing because another owner holds the
+  lease, or (``--if-dead``) its holder may still believe it holds it; or the
+  demo's checks failed.
+* 2: usage error (bad or missing arguments).
+* 3: not found: there is no lease on KEY.
+* 4: Redis unreachable or failing; one line on stderr names the URL.
+* 130: interrupted (Ctrl-C); 143: the demo was stopped by SIGTERM (after cleaning up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from typing import TextIO
+
+from ..core import Leases
+from ..core.errors import LeaseError, LeaseUnavailableError
+from ..core.keys import DEFAULT_PREFIX, validate_prefix
+from ..urls import redact_url
+from .commands import (
+    EXIT_INTERRUPTED,
+    EXIT_NOT_FOUND,
+    EXIT_OK,
+    EXIT_REFUSED,
+    EXIT_UNREACHABLE,
+    EXIT_USAGE,
+    SCAN_COUNT,
+    NotFoundError,
+    RefusedError,
+    cmd_demo,
+    cmd_exporter,
+    cmd_list,
+    cmd_release,
+    cmd_show,
+)
+from .render import format_duration
+
+# What `dramatiq_leases.cli` offered as one module, still importable from here.
+__all__ = [
+    "DEFAULT_REDIS_URL",
+    "EXIT_CODES_HELP",
+    "EXIT_INTERRUPTED",
+    "EXIT_NOT_FOUND",
+    "EXIT_OK",
+    "EXIT_REFUSED",
+    "EXIT_UNREACHABLE",
+    "EXIT_USAGE",
+    "SCAN_COUNT",
+    "build_parser",
+    "cmd_demo",
+    "cmd_exporter",
+    "cmd_list",
+    "cmd_release",
+    "cmd_show",
+    "format_duration",
+    "main",
+]
+
+#: The Redis URL used when neither ``--redis-url`` nor ``$REDIS_URL`` is set.
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+
+EXIT_CODES_HELP = """\
+exit codes:
+  0    success
+  1    refused: release changed nothing (another owner holds the lease, or its
+       holder may still be running under it); or the demo's checks failed
+  2    usage error
+  3    not found: no lease on KEY
+  4    Redis unreachable or failing (one line on stderr names the URL)
+  130  interrupted (Ctrl-C)
+  143  demo stopped by SIGTERM (after cleaning up)
+"""
+
+# Parser ----------------------------------------------------------------------
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``dramatiq-leases``."""
+    # The global flags work before or after the command; SUPPRESS keeps a
+    # subcommand's absent flag from overwriting one given before it.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--redis-url", default=argparse.SUPPRESS, metavar="URL",
+        help=f"Redis holding the leases (default: $REDIS_URL, else {DEFAULT_REDIS_URL}; "
+             "demo: a private Redis unless given)",
+    )
+    common.add_argument("--prefix", default=argparse.SUPPRESS,
+                        help=f"prefix of the lease keys in Redis (default: {DEFAULT_PREFIX})")
+    parser = argparse.ArgumentParser(
+        prog="dramatiq-leases",
+        description="Inspect and release Dramatiq leases in Redis, export their metrics, or run the demo.",
+        epilog=EXIT_CODES_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        parents=[common],
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("list", aliases=["ls"], parents=[common], help="list leases under the prefix",
+                       description="List leases (and stray keys) under the prefix, using SCAN.",
+                       epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--match", default="*", metavar="GLOB",
+                   help="only leases whose key matches GLOB (default: *)")
+    p.add_argument("--json", action="store_true", help="print one JSON array")
+
+    p = sub.add_parser("show", parents=[common], help="everything known about one lease",
+                       epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("key", metavar="KEY", help="the lease key, such as invoice:42")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--show-token", action="store_true",
+                   help="print the owner token (whoever has it can release the lease)")
+
+    p = sub.add_parser(
+        "release", parents=[common], help="release a lease, only if owned or leaked",
+        description="Release a lease. Never a blind delete: prove ownership with --owner, or use --if-dead "
+                    "to release it only if no holder can still believe it holds it: its holder's own deadline "
+                    "(the last renewal plus the TTL, less the holder's safety margin, or the end of its maximum "
+                    "hold) has passed, or the key has no TTL and no holder deadline ahead. An overdue heartbeat "
+                    "is not enough: the holder may still be running.",
+        epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("key", metavar="KEY", help="the lease key, such as invoice:42")
+    how = p.add_mutually_exclusive_group(required=True)
+    how.add_argument("--owner", metavar="TOKEN", help="release only if TOKEN holds the lease")
+    how.add_argument("--if-dead", action="store_true",
+                     help="release only if the holder's deadline has passed, or the key has no TTL and no "
+                          "holder deadline ahead")
+
+    p = sub.add_parser("exporter", parents=[common], help="serve lease metrics for Prometheus",
+                       epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--host", default="0.0.0.0", help="address to listen on (default: 0.0.0.0)")
+    p.add_argument("--port", type=int, default=9808, help="port to listen on (default: 9808)")
+    p.add_argument("--interval", type=_positive_float, default=5.0, metavar="SECONDS",
+                   help="seconds between scans of the leases (default: 5)")
+
+    p = sub.add_parser(
+        "demo", parents=[common], help="watch workers contend, one die, and its lease expire",
+        description="Start a private Redis (unless --redis-url) and Dramatiq workers, send contending "
+                    "jobs, SIGKILL a worker holding a lease, and show the orphaned lease expire and the job "
+                    "complete.",
+        epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--invoices", type=_positive_int, default=3, help="number of lease keys (default: 3)")
+    p.add_argument("--per-invoice", type=_positive_int, default=4, help="messages per key (default: 4)")
+    p.add_argument("--job-seconds", type=_positive_float, default=1.0,
+                   help="duration of each job (default: 1)")
+    return parser
+
+
+def _fail(err: TextIO, text: str) -> None:
+    err.write("dramatiq-leases: " + " ".join(text.split()) + "\n")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``dramatiq-leases`` with ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help, or a usage error already printed by argparse
+        return e.code if isinstance(e.code, int) else EXIT_USAGE
+    args.redis_url = getattr(args, "redis_url", None)
+    args.prefix = getattr(args, "prefix", None)
+    out, err = sys.stdout, sys.stderr
+    try:
+        if args.command == "demo":
+            try:
+                validate_prefix(args.prefix or DEFAULT_PREFIX)
+            except LeaseError as e:
+                _fail(err, str(e))
+                return EXIT_USAGE
+            return cmd_demo(args)
+        url = args.redis_url or os.environ.get("REDIS_URL") or DEFAULT_REDIS_URL
+        try:
+            leases = Leases.from_url(url, prefix=args.prefix or DEFAULT_PREFIX)
+        except LeaseError as e:  # an invalid --prefix
+            _fail(err, str(e))
+            return EXIT_USAGE
+        except ValueError as e:
+            _fail(err, f"invalid --redis-url {redact_url(url)!r}: {e}")
+            return EXIT_USAGE
+        try:
+            command = {"list": cmd_list, "ls": cmd_list, "show": cmd_show, "release": cmd_release,
+                       "exporter": cmd_exporter}[args.command]
+            return command(leases, args, out)
+        except LeaseUnavailableError as e:
+            _fail(err, f"cannot use Redis at {redact_url(url)}: {e}")
+            return EXIT_UNREACHABLE
+        except RefusedError as e:
+            _fail(err, str(e))
+            return EXIT_REFUSED
+        except NotFoundError as e:
+            _fail(err, str(e))
+            return EXIT_NOT_FOUND
+        except LeaseError as e:  # an invalid key
+            _fail(err, str(e))
+            return EXIT_USAGE
+        finally:
+            leases.client.close()
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+

@@ -1,0 +1,148 @@
+"""What each ``dramatiq-leases`` command does, and the exit codes the commands end with."""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+from typing import TextIO
+
+import redis
+
+from ..core import LeaseInfo, Leases
+from ..core.errors import LeaseUnavailableError
+from ..core.keys import DEFAULT_PREFIX, validate_key
+from .render import (
+    deadline_in,
+    holder,
+    is_lease,
+    lease_dict,
+    overdue_after,
+    ttl_left,
+    why_refused,
+    why_released,
+    write_list,
+    write_show,
+)
+
+EXIT_OK = 0
+EXIT_REFUSED = 1
+EXIT_USAGE = 2
+EXIT_NOT_FOUND = 3
+EXIT_UNREACHABLE = 4
+EXIT_INTERRUPTED = 130
+
+#: Keys read per SCAN step and per inspect round trip.
+SCAN_COUNT = 500
+
+
+class RefusedError(Exception):
+    """A command that must not act (exit 1)."""
+
+
+class NotFoundError(Exception):
+    """The lease named on the command line does not exist (exit 3)."""
+
+
+def _problem(leases: Leases, info: LeaseInfo) -> str | None:
+    """Why this key is not a usable lease, or ``None`` if it is one."""
+    if is_lease(info):
+        return None
+    try:
+        kind = leases.client.type(info.redis_key)
+    except redis.RedisError as e:
+        raise LeaseUnavailableError(f"could not read {info.redis_key!r}: {type(e).__name__}: {e}") from e
+    kind = kind.decode() if isinstance(kind, bytes) else str(kind)
+    return "hash without an owner token" if kind == "hash" else f"a {kind} key, not a lease hash"
+
+
+def cmd_list(leases: Leases, args: argparse.Namespace, out: TextIO) -> int:
+    """``list``: every lease under the prefix (and debris), as a table or JSON."""
+    found = [info for info in leases.scan(count=SCAN_COUNT) if fnmatch.fnmatchcase(info.key, args.match)]
+    found.sort(key=lambda i: i.key)
+    problems = {info.redis_key: _problem(leases, info) for info in found}
+    if args.json:
+        json.dump([lease_dict(i, problems[i.redis_key]) for i in found], out, indent=2)
+        out.write("\n")
+        return EXIT_OK
+    if not found:
+        where = f"matching {args.match!r} " if args.match != "*" else ""
+        out.write(f"no leases {where}under prefix {leases.prefix!r}\n")
+        return EXIT_OK
+    write_list(found, problems, out)
+    return EXIT_OK
+
+
+def cmd_show(leases: Leases, args: argparse.Namespace, out: TextIO) -> int:
+    """``show KEY``: every field of one lease plus its fence counter."""
+    key = validate_key(args.key)
+    info = leases.inspect(key)
+    fences = leases.fence_state(key)
+    if info is None:
+        last = f" (the last grant had fence {fences['fence']})" if fences.get("fence") else ""
+        raise NotFoundError(f"no lease on {key!r} under prefix {leases.prefix!r}{last}")
+    problem = _problem(leases, info)
+    token = info.token if args.show_token else None
+    if args.json:
+        data = lease_dict(info, problem)
+        data.update(token=token, overdue_after=overdue_after(info), deadline_in=deadline_in(info),
+                    fence_state=fences)
+        json.dump(data, out, indent=2)
+        out.write("\n")
+        return EXIT_OK
+    if problem is not None:
+        out.write(f"{info.redis_key} is {problem} (TTL left: {ttl_left(info)}).\n")
+        return EXIT_OK
+    write_show(info, token, fences, out)
+    return EXIT_OK
+
+
+def cmd_release(leases: Leases, args: argparse.Namespace, out: TextIO) -> int:
+    """``release KEY``: end a lease only if the token proves ownership, or no holder can still believe it holds it."""
+    key = validate_key(args.key)
+    info = leases.inspect(key)
+    if info is None:
+        raise NotFoundError(f"no lease on {key!r} under prefix {leases.prefix!r}; nothing to release")
+    if args.owner is not None:
+        if leases.release_token(key, args.owner):
+            out.write(f"released {key!r} (fence {info.fence}, held by {holder(info)}): the token matched.\n")
+            return EXIT_OK
+        if leases.inspect(key) is None:
+            raise NotFoundError(f"the lease on {key!r} ended meanwhile; nothing to release")
+        raise RefusedError(f"refused: {key!r} is held by another owner (fence {info.fence}, "
+                           f"{holder(info)}); nothing changed")
+    # The verdict is the script's, from the facts in Redis at that instant; `info` only describes the holder.
+    result = leases.release_if_dead(key)
+    if result.released is None:
+        raise NotFoundError(f"the lease on {key!r} ended meanwhile; nothing to release")
+    if result.fence != info.fence:  # another grant meanwhile: describe that one
+        info = leases.inspect(key) or info
+    if result.released:
+        out.write(f"released {key!r} (fence {result.fence}, held by {holder(info)}): {why_released(info, result)}.\n")
+        return EXIT_OK
+    raise RefusedError(why_refused(key, info, result))
+
+
+def cmd_exporter(leases: Leases, args: argparse.Namespace, out: TextIO) -> int:
+    """``exporter``: serve lease metrics over HTTP for Prometheus (runs until interrupted)."""
+    try:
+        leases.client.ping()  # fail fast with exit 4 rather than serving errors
+    except redis.RedisError as e:
+        raise LeaseUnavailableError(f"{type(e).__name__}: {e}") from e
+    from ..exporter import serve  # type: ignore[import-not-found, unused-ignore]
+
+    serve(leases, host=args.host, port=args.port, interval=args.interval)
+    return EXIT_OK
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """``demo``: workers contend for leases, one is killed, its orphaned lease expires (:mod:`dramatiq_leases.demo`)."""
+    from .. import demo
+
+    return demo.run(
+        args.redis_url,
+        prefix=args.prefix or DEFAULT_PREFIX,
+        invoices=args.invoices,
+        per_invoice=args.per_invoice,
+        job_seconds=args.job_seconds,
+    )

@@ -1,0 +1,65 @@
+"""Redis clients for leases: timeouts, error translation, and per-thread connections."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import redis
+from redis.cluster import RedisCluster
+
+from .errors import LeaseUnavailableError
+
+#: A client this package can work with.
+RedisClient = redis.Redis | RedisCluster
+
+#: Seconds a client made from a URL waits for Redis before giving up.
+DEFAULT_SOCKET_TIMEOUT = 2.0
+
+
+@contextmanager
+def unavailable(what: str, key: str | None = None) -> Iterator[None]:
+    """Turn a Redis error into :class:`LeaseUnavailableError`, saying what could not be done (``what``)."""
+    try:
+        yield
+    except redis.RedisError as e:
+        raise LeaseUnavailableError(f"could not {what}: {type(e).__name__}: {e}", key=key) from e
+
+
+def client_from_url(url: str, *, socket_timeout: float = DEFAULT_SOCKET_TIMEOUT) -> redis.Redis:
+    """A client for ``url`` whose calls and connects time out (a hung renewal cannot confirm a lease)."""
+    return redis.Redis.from_url(url, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout)
+
+
+class ThreadConnections:
+    """Runs scripts on a connection of the calling thread's own, reopened after any call that did not complete.
+
+    For threads that asynchronous exceptions can interrupt (Dramatiq's worker
+    threads): an interruption between sending a command and reading its reply
+    would otherwise return a pooled connection with a reply still unread,
+    which the next caller would take for its own, or leak the connection.
+
+    Parameters:
+      client: a ``redis.Redis`` client whose pool the connections come from.
+    """
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.client = client
+        self._local = threading.local()
+
+    def call(self, script: Any, keys: list[str], args: list[Any]) -> Any:
+        """Run the registered ``script`` with ``keys`` and ``args`` on this thread's connection."""
+        local = self._local
+        client = getattr(local, "client", None)
+        if client is None:
+            client = local.client = redis.Redis(connection_pool=self.client.connection_pool,
+                                                single_connection_client=True)
+        elif local.dirty:
+            client.connection.disconnect()  # the last call did not complete: never read its reply as ours
+        # Two single stores around the call: an interruption anywhere in between leaves dirty set.
+        local.dirty = True
+        reply = script(keys=keys, args=args, client=client)
+        local.dirty = False
+        return reply

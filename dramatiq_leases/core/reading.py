@@ -1,0 +1,86 @@
+"""Reading leases without changing them: inspect, scan, fence counters (one round trip per slot)."""
+
+from __future__ import annotations
+
+import fnmatch
+from collections import defaultdict
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+from redis.crc import key_slot
+
+from .client import RedisClient, unavailable
+from .info import LeaseInfo, parse_info, text
+from .keys import fence_name, lease_name, lease_pattern, validate_key
+
+
+class LeaseReading:
+    """The read side of :class:`~dramatiq_leases.core.store.Leases` (its base class)."""
+
+    client: RedisClient
+    prefix: str
+    _cluster: bool
+    _inspect_many: Any
+
+    def inspect(self, key: str) -> LeaseInfo | None:
+        """What Redis holds for the lease on ``key``, or ``None`` if there is none."""
+        infos = self.inspect_names([lease_name(self.prefix, validate_key(key))])
+        return infos[0] if infos else None
+
+    def inspect_names(self, names: Sequence[str]) -> list[LeaseInfo]:
+        """Read the lease hashes at these Redis keys (those that still exist), one round trip per slot."""
+        by_slot: dict[int, list[str]] = defaultdict(list)
+        for name in names:
+            by_slot[key_slot(name.encode()) if self._cluster else 0].append(name)
+        out: list[LeaseInfo] = []
+        with unavailable("read leases"):
+            for group in by_slot.values():
+                reply = self._inspect_many(keys=group, args=[])
+                now_ms = int(reply[0])
+                for name, (pttl, flat) in zip(group, reply[1:]):
+                    if int(pttl) != -2:
+                        out.append(parse_info(name, int(pttl), flat, now_ms))
+        return out
+
+    def scan(self, match: str = "*", *, count: int = 500) -> Iterator[LeaseInfo]:
+        """Every lease whose key matches the glob ``match``, read in batches with ``SCAN`` (never ``KEYS``).
+
+        With the default ``match``, also any other key under ``{prefix}:lease:``
+        (a key someone wrote by hand, perhaps without TTL: the classic orphan).
+        """
+        if match == "*":
+            yield from self._scan(f"{self.prefix}:lease:*", count)
+            return
+        seen = set()
+        for info in self._scan(lease_pattern(self.prefix, match), count):
+            seen.add(info.redis_key)
+            yield info
+        # Keys with braces are stored under a digest (see hash_tag): match them here.
+        for info in self._scan(lease_pattern(self.prefix, "h:*"), count):
+            if info.redis_key not in seen and fnmatch.fnmatchcase(info.key, match):
+                yield info
+
+    def _scan(self, pattern: str, count: int) -> Iterator[LeaseInfo]:
+        batch: list[str] = []
+        with unavailable("scan leases"):
+            names: Iterable[Any] = self.client.scan_iter(match=pattern, count=count)
+            for name in names:
+                batch.append(text(name))
+                if len(batch) >= count:
+                    yield from self.inspect_names(batch)
+                    batch = []
+        if batch:
+            yield from self.inspect_names(batch)
+
+    def fence_state(self, key: str) -> dict[str, int]:
+        """The fence counter of ``key``: last ``fence`` granted, last ``released``, last ``expired``."""
+        return self.fence_states([validate_key(key)])[0]
+
+    def fence_states(self, keys: Sequence[str]) -> list[dict[str, int]]:
+        """:meth:`fence_state` of many keys, pipelined."""
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.hgetall(fence_name(self.prefix, key))
+        with unavailable("read fence counters"):
+            replies = pipe.execute()
+        return [{text(k): int(v) for k, v in raw.items()} for raw in replies]

@@ -1,0 +1,157 @@
+"""What actors declare and messages carry: key templates and lease options, checked at declaration and send."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import dramatiq
+from dramatiq.middleware.time_limit import TimeLimit
+
+from ..core.errors import LeaseConfigError, LeaseKeyError
+from ..core.keys import KeyTemplate
+from ..core.lease import Lease
+from ..core.scripts import MAX_MS
+from .errors import LeaseKeyRenderError, LeaseOptionError
+from .options import ACTOR_OPTIONS, LEASE_MESSAGE_OPTIONS, LEASE_OPTION, TIME_LIMIT_GRACE, Options, optional_ms, resolve
+
+
+class Declarations:
+    """The leased actors of one middleware: their templates and resolved options.
+
+    Parameters:
+      defaults: the middleware's default of each actor option (``lock_ttl``, ...).
+    """
+
+    def __init__(self, defaults: Mapping[str, Any]) -> None:
+        self.defaults = dict(defaults)
+        self._templates: dict[str, KeyTemplate] = {}
+        self._fns: dict[str, Callable[..., Any]] = {}
+        self._message_templates: dict[tuple[str, str], KeyTemplate] = {}
+        self._actor_options: dict[str, Options] = {}
+        self._time_limit: float | None = None
+        self._time_limit_interval = 0
+        self.options(None)  # check the defaults now
+
+    @property
+    def actors(self) -> list[str]:
+        """The names of the actors declared with ``lock_key``."""
+        return list(self._templates)
+
+    def options(self, actor: str | None, *sources: Mapping[str, Any]) -> Options:
+        """Each option from the first source that has it (message, actor), else the default; all checked."""
+        try:
+            return resolve(f"actor {actor!r}" if actor else "LeaseMiddleware", self.defaults, *sources)
+        except LeaseOptionError as e:
+            e.actor = actor
+            raise
+
+    def message_options(self, message: Any, actor: dramatiq.Actor[Any, Any]) -> Options:
+        """The options of ``message``: its actor's, resolved once, unless the message overrides some."""
+        if ACTOR_OPTIONS.isdisjoint(message.options):
+            return self._actor_options[message.actor_name]
+        return self.options(message.actor_name, message.options, actor.options)
+
+    def max_hold(self, opts: Options, message: Any, actor: Any) -> int | None:
+        """``lock_max_hold``, else the time limit plus TimeLimit's check interval and a grace, so it fires first."""
+        if opts.max_hold is not None:
+            return opts.max_hold
+        limit = message.options.get("time_limit") or actor.options.get("time_limit") or self._time_limit
+        if limit is None or limit == math.inf:
+            return None
+        # Capped: a time limit near the largest accepted number must not make the lease refuse to be granted.
+        return min(MAX_MS, math.ceil(limit) + self._time_limit_interval + TIME_LIMIT_GRACE)
+
+    def note_time_limit(self, broker: dramatiq.Broker) -> None:
+        """Read TimeLimit's default limit and check interval, from which ``lock_max_hold`` defaults."""
+        for m in broker.middleware:
+            if isinstance(m, TimeLimit):
+                self._time_limit = m.time_limit
+                self._time_limit_interval = math.ceil(getattr(m.manager, "interval", 1.0) * 1000)
+
+    def template(self, actor_name: str, options: Mapping[str, Any]) -> KeyTemplate | None:
+        """The key template of a message: its own ``lock_key`` option, else its actor's; ``None`` if not leased."""
+        template = self._templates.get(actor_name)
+        spec = options.get("lock_key")
+        if template is None or spec is None:
+            return template
+        cached = self._message_templates.get((actor_name, spec)) if isinstance(spec, str) else None
+        if cached is None:
+            owner = f"actor {actor_name!r}"
+            if not isinstance(spec, str):
+                raise LeaseOptionError(f"{owner}: a message's lock_key must be a template string, got {spec!r}",
+                                       actor=actor_name)
+            try:
+                cached = KeyTemplate(spec, self._fns[actor_name], owner=owner)
+            except LeaseConfigError as e:
+                raise LeaseOptionError(str(e), actor=actor_name) from None
+            self._message_templates[(actor_name, spec)] = cached
+        return cached
+
+    def declare(self, broker: dramatiq.Broker, actor: dramatiq.Actor[Any, Any]) -> bool:
+        """Check ``actor``'s lease options and prepare its key template; ``False`` if it has no ``lock_key``.
+
+        Raises:
+          LeaseOptionError: naming the actor, the option and the value.
+        """
+        name = f"actor {actor.actor_name!r}"
+        spec = actor.options.get("lock_key")
+        if spec is None:
+            stray = sorted(ACTOR_OPTIONS & {k for k, v in actor.options.items() if v is not None})
+            if stray:
+                raise LeaseOptionError(f"{name}: {', '.join(stray)} given without lock_key", actor=actor.actor_name)
+            return False
+        # Here too, not only at process boot: a Worker started in-process never emits process_boot.
+        self.note_time_limit(broker)
+        opts = self.options(actor.actor_name, actor.options)
+        self._check_time_limit(actor.actor_name, actor.options)
+        try:
+            template = KeyTemplate(spec, actor.fn, owner=name)
+        except LeaseConfigError as e:
+            raise LeaseOptionError(str(e), actor=actor.actor_name) from None
+        self._actor_options[actor.actor_name] = opts
+        self._templates[actor.actor_name] = template
+        self._fns[actor.actor_name] = actor.fn
+        return True
+
+    def check_message(self, broker: dramatiq.Broker, message: dramatiq.Message[Any]) -> None:
+        """Refuse, at send time, a message whose options are invalid or whose key cannot be rendered.
+
+        A lease handed over with the message (``lease=``) is reduced to what
+        the worker needs to prove ownership.
+        """
+        options = message.options
+        owner = f"actor {message.actor_name!r}"
+        template = self.template(message.actor_name, options)
+        if template is None:
+            stray = sorted(k for k in LEASE_MESSAGE_OPTIONS if options.get(k) is not None)
+            if stray and message.actor_name in broker.actors:
+                raise LeaseOptionError(
+                    f"{owner}: message option {stray[0]}={options[stray[0]]!r} needs an actor declared with "
+                    "lock_key; without it the message would run with no lease", actor=message.actor_name
+                )
+            return
+        if not ACTOR_OPTIONS.isdisjoint(options):
+            self.options(message.actor_name, options, broker.get_actor(message.actor_name).options)
+        self._check_time_limit(message.actor_name, options)  # the default lock_max_hold derives from it
+        try:
+            key = template.render(tuple(message.args), message.kwargs)
+        except LeaseKeyError as e:
+            raise LeaseKeyRenderError(str(e), actor=message.actor_name) from None
+        handed = options.get(LEASE_OPTION)
+        if isinstance(handed, Lease):
+            if handed.key != key:
+                raise LeaseKeyRenderError(
+                    f"{owner}: the lease handed over is on {handed.key!r}, but this message's key is {key!r}",
+                    key=key, actor=message.actor_name,
+                )
+            options[LEASE_OPTION] = {"key": handed.key, "token": handed.token}
+
+    @staticmethod
+    def _check_time_limit(actor: str, options: Mapping[str, Any]) -> None:
+        try:
+            optional_ms(f"actor {actor!r}", "time_limit", options.get("time_limit"))
+        except LeaseOptionError as e:
+            e.actor = actor
+            raise

@@ -1,0 +1,155 @@
+"""The runs of one worker process: which thread runs which message under which lease, and how each ends."""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from ..core.heartbeat import Heartbeat
+from ..core.lease import Lease
+from ..core.metrics import LeaseMetrics
+from ..core.store import Leases
+from .guard import DONE, READY, LeaseLost, Run, call_under, coroutine_under
+
+logger = logging.getLogger(__name__)
+
+_current: contextvars.ContextVar[Lease | None] = contextvars.ContextVar("dramatiq_leases_current", default=None)
+
+_DIRECT = object()  # marks a call of the actor outside a worker's message
+
+
+def current_lease() -> Lease:
+    """The lease held by the running actor (works in sync and async actors).
+
+    Raises:
+      RuntimeError: outside an actor that holds a lease.
+    """
+    lease = _current.get()
+    if lease is None:
+        raise RuntimeError("current_lease() was called outside an actor that holds a lease (is lock_key set?)")
+    return lease
+
+
+class Runs:
+    """Each worker thread's current :class:`Run`, and the ending of runs (stop renewing, release).
+
+    A thread maps to ``None`` while its lease is being asked for: the guarded
+    actor refuses to run then, because Dramatiq swallows unexpected errors
+    from ``before_process_message`` and would run the actor anyway.
+    """
+
+    def __init__(self, leases: Leases, heartbeat: Heartbeat, metrics: LeaseMetrics) -> None:
+        self.leases = leases
+        self.heartbeat = heartbeat
+        self.metrics = metrics
+        self._runs: dict[int, Run | None] = {}
+        # Token -> run of an async actor whose coroutine outlived the worker's wait: its lease is kept.
+        self._deferred: dict[str, Run] = {}
+
+    def pending(self) -> None:
+        """This thread is asking for a lease: its actor must not run yet. Ends a stale run first."""
+        thread_id = threading.get_ident()
+        stale = self._runs.get(thread_id)
+        if stale is not None:
+            self.end(stale)  # a previous message's after-hooks never ran (interrupted): end its hold now
+        self._runs[thread_id] = None
+
+    def unleased(self) -> None:
+        """This thread's message has no lease to hold (its actor has no ``lock_key``)."""
+        self._runs.pop(threading.get_ident(), None)
+
+    def register(self, run: Run) -> None:
+        """``run`` is this thread's, from before its lease is asked for (it can be released by token)."""
+        self._runs[run.thread_id] = run
+
+    def not_granted(self) -> None:
+        """This thread's lease was refused (busy): there is nothing to release, and the actor must not run."""
+        self._runs[threading.get_ident()] = None
+
+    def granted(self, run: Run, lease: Lease) -> None:
+        """``run``'s lease was granted: renew it, and expose it to :func:`current_lease`."""
+        run.lease = lease
+        _current.set(lease)
+        self.heartbeat.track(lease, run.lost)
+
+    def forget(self) -> None:
+        """This thread's message is done (processed or skipped): end its run, if any."""
+        run = self._runs.pop(threading.get_ident(), None)
+        if run is not None:
+            run.finish()
+            self.end(run)
+        _current.set(None)
+
+    def active_tokens(self) -> set[str]:
+        """Tokens of runs whose actor has not finished (or whose coroutine still runs)."""
+        tokens = {r.token for r in list(self._runs.values()) if r is not None and r.state != DONE}
+        return tokens | set(self._deferred)
+
+    def guarded(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """Wrap an actor's function so it runs only under its message's lease, released the moment it returns."""
+        runs = self._runs
+        end = self.end
+
+        @functools.wraps(fn)
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            run = runs.get(threading.get_ident(), _DIRECT)
+            if run is _DIRECT:
+                return fn(*args, **kwargs)  # called directly, not by a worker
+            if run is None:
+                raise LeaseLost("the actor was about to run without its lease; refusing (see the log)")
+            assert isinstance(run, Run)
+            if run.state is not READY:
+                return fn(*args, **kwargs)  # a direct call from inside the running actor
+            return call_under(run, fn, args, kwargs, end)
+
+        return guarded
+
+    def tracking_coroutine(self, async_fn: Callable[..., Any]) -> Callable[..., Any]:
+        """Wrap an async actor's function so its coroutine keeps the lease until it ends, even past the wait."""
+        runs = self._runs
+        end = self.end
+
+        @functools.wraps(async_fn)
+        def start(*args: Any, **kwargs: Any) -> Any:
+            run = runs.get(threading.get_ident())
+            coro = async_fn(*args, **kwargs)
+            return coroutine_under(run, coro, end) if isinstance(run, Run) else coro
+
+        return start
+
+    def end(self, run: Run) -> None:
+        """Stop renewing and release the lease. Idempotent, and never raises but for an interruption.
+
+        Nothing after a completed actor may turn it into a failure: any error
+        here is logged, and the lease then ends by its TTL. While an async
+        actor's coroutine still runs (it ignored cancellation), the lease is
+        kept, renewed, and ended when the coroutine ends.
+        """
+        with run.lock:
+            if run.coroutine_running:
+                run.end_deferred = True
+                self._deferred[run.token] = run
+                return
+        self._deferred.pop(run.token, None)
+        lease = run.lease
+        if lease is not None:
+            self.heartbeat.untrack(lease)
+        if run.released:
+            return
+        first_try = not run.release_tried
+        run.release_tried = True
+        try:
+            released = self.leases.release_token(run.key, run.token, fence=lease.fence if lease else None)
+        except Exception as e:
+            run.released = True
+            self.metrics.redis_error("release")
+            logger.warning("Could not release lease %r: %s: %s. It expires within its TTL.", run.key,
+                           type(e).__name__, e)
+            return
+        run.released = True
+        if not released and first_try and lease is not None and run.lost_reason is None:
+            logger.warning("Lease %r (fence %d) was no longer held at release.", run.key, lease.fence)
