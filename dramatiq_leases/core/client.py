@@ -19,6 +19,10 @@ RedisClient = redis.Redis | RedisCluster
 DEFAULT_SOCKET_TIMEOUT = 2.0
 
 
+#: The longest a blocking wait lasts before the caller asks again (seconds).
+MAX_BLOCK_S = 10
+
+
 @contextmanager
 def unavailable(what: str, key: str | None = None) -> Iterator[None]:
     """Turn a Redis error into :class:`LeaseUnavailableError`, saying what could not be done (``what``)."""
@@ -63,3 +67,25 @@ class ThreadConnections:
         reply = script(keys=keys, args=args, client=client)
         local.dirty = False
         return reply
+
+    def blpop(self, name: str, timeout_ms: int) -> bool:
+        """``BLPOP name`` for up to ``timeout_ms`` on this thread's blocking connection; ``True`` if popped.
+
+        That connection's reads wait a little longer than the block, so a
+        long block is not cut short by the client's ``socket_timeout``.
+        """
+        local = self._local
+        client = getattr(local, "blocking", None)
+        if client is None:
+            pool = self.client.connection_pool
+            kwargs = {**pool.connection_kwargs, "socket_timeout": MAX_BLOCK_S + 2}
+            client = local.blocking = redis.Redis(
+                connection_pool=redis.ConnectionPool(connection_class=pool.connection_class, **kwargs),
+                single_connection_client=True,
+            )
+        elif local.blocking_dirty:
+            client.connection.disconnect()
+        local.blocking_dirty = True
+        reply = client.blpop([name], timeout=min(timeout_ms, MAX_BLOCK_S * 1000) / 1000)
+        local.blocking_dirty = False
+        return reply is not None

@@ -49,10 +49,12 @@ class Lease:
       margin: the safety margin in milliseconds (``ttl * SAFETY_MARGIN``).
       acquired_at: when it was granted, in Unix seconds (server clock).
       meta: holder metadata stored with the lease (actor, message id, host...).
+      handoff: seconds from the previous holder's release to this grant, when
+        it went to a waiter of the key's line; ``None`` otherwise.
     """
 
-    __slots__ = ("_hold_until", "_valid_until", "acquired_at", "fence", "interval", "key", "margin", "max_hold", "meta",
-                 "token", "ttl")
+    __slots__ = ("_hold_until", "_valid_until", "acquired_at", "fence", "handoff", "interval", "key", "margin",
+                 "max_hold", "meta", "token", "ttl")
 
     def __init__(
         self,
@@ -76,6 +78,7 @@ class Lease:
         self.margin = margin_ms(ttl)
         self.acquired_at = acquired_at
         self.meta = dict(meta)
+        self.handoff: float | None = None
         self._hold_until = math.inf if max_hold is None else sent_at + max_hold / 1000
         self._valid_until = min(sent_at + (ttl - self.margin) / 1000, self._hold_until)
 
@@ -102,6 +105,21 @@ class Lease:
         return f"Lease(key={self.key!r}, fence={self.fence}, ttl={self.ttl}, remaining={self.remaining():.3f}s)"
 
 
+class Wait(str, Enum):
+    """What a waiter of a key's line should do with a busy answer."""
+
+    #: Not in the line (asked without a waiter id).
+    NONE = "none"
+    #: Wait in place: block on the waiter's wake list, then ask again.
+    IN_PLACE = "in_place"
+    #: Park: leave the worker thread; the waiter is asked to come back when its turn nears.
+    PARK = "park"
+    #: Ask again soon: near the head, but not allowed to wait in place.
+    SOON = "soon"
+    #: This waiter already ran: the message is a stray copy and must not run.
+    DUPLICATE = "duplicate"
+
+
 @dataclass(frozen=True)
 class Busy:
     """The answer to an acquire when someone else holds the key.
@@ -111,12 +129,20 @@ class Busy:
       ttl_left: the holder's remaining TTL in milliseconds (-1: the key has no TTL).
       fence: the holder's fencing token (0 if unknown).
       now_ms: the Redis server's clock when it answered (Unix ms; 0 if unknown).
+      wait: what the waiter should do (:class:`Wait`).
+      place: the waiter's place in the line (0: its head; -1: not in it).
+      line: how many wait in the key's line.
+      block_ms: with :attr:`Wait.IN_PLACE`, how long to block before asking again.
     """
 
     key: str
     ttl_left: int
     fence: int
     now_ms: int = 0
+    wait: Wait = Wait.NONE
+    place: int = -1
+    line: int = 0
+    block_ms: int = 0
 
     @property
     def retry_after(self) -> int:

@@ -13,6 +13,8 @@ from .client import RedisClient, unavailable
 from .info import LeaseInfo, parse_info, text
 from .keys import fence_name, lease_name, lease_pattern, validate_key
 
+_FENCE_FIELDS = frozenset({"fence", "released", "expired"})
+
 
 class LeaseReading:
     """The read side of :class:`~dramatiq_leases.core.store.Leases` (its base class)."""
@@ -83,4 +85,4 @@ class LeaseReading:
             pipe.hgetall(fence_name(self.prefix, key))
         with unavailable("read fence counters"):
             replies = pipe.execute()
-        return [{text(k): int(v) for k, v in raw.items()} for raw in replies]
+        return [{name: int(v) for k, v in raw.items() if (name := text(k)) in _FENCE_FIELDS} for raw in replies]

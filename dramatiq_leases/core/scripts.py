@@ -13,8 +13,13 @@ see :func:`dramatiq_leases.core.keys.hash_tag`):
   ``max_hold_until_ms`` (0: none), ``adopted_ms`` (set once a handed-over lease
   was adopted) and the holder's metadata. It always carries a TTL.
 * ``P:fence:{T}``: a hash that outlives every grant: ``fence`` (the last
-  fencing token handed out), ``released`` (the last fence released) and
-  ``expired`` (the last fence seen ending by TTL).
+  fencing token handed out), ``released`` (the last fence released),
+  ``released_ms`` (when) and ``expired`` (the last fence seen ending by TTL).
+* ``P:line:{T}``: the line of waiters, a sorted set by first attempt;
+  ``P:waiters:{T}``: each waiter's state, ``"<p|m|r> <deadline_ms> <holder>"``
+  (parked, promoted, waiting in place); ``P:line:{T}:w:<waiter>``: the list a
+  waiter waiting in place blocks on; ``P:done:{T}``: waiters that ran, by
+  expiry. See :mod:`.line`. All carry TTLs.
 
 The holder's deadline. A holder stops trusting its lease ``margin_ms`` before
 the key can expire: at ``min(renewed_ms + ttl, max_hold_until_ms) - margin_ms``
@@ -58,6 +63,8 @@ RELEASE = _load("release")
 RELEASE_IF_DEAD = _load("release_if_dead")
 #: Adopt a handed-over lease, once (``lua/adopt.lua``).
 ADOPT = _load("adopt")
+#: Hold parked waiters, or leave the line (``lua/line.lua``).
+LINE = _load("line")
 #: Read many lease hashes with the server time (``lua/inspect_many.lua``).
 INSPECT_MANY = _load("inspect_many")
 
@@ -69,4 +76,5 @@ ALL = {
     "release_if_dead": RELEASE_IF_DEAD,
     "adopt": ADOPT,
     "inspect_many": INSPECT_MANY,
+    "line": LINE,
 }

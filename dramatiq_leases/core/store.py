@@ -19,8 +19,18 @@ from . import scripts, tracing
 from .client import DEFAULT_SOCKET_TIMEOUT, RedisClient, ThreadConnections, client_from_url, unavailable
 from .errors import LeaseConfigError
 from .info import meta_args
-from .keys import DEFAULT_PREFIX, fence_name, lease_name, validate_key, validate_prefix
-from .lease import Busy, Lease, Renewal, default_interval, new_token
+from .keys import (
+    DEFAULT_PREFIX,
+    done_name,
+    fence_name,
+    lease_name,
+    line_name,
+    validate_key,
+    validate_prefix,
+    waiters_name,
+)
+from .lease import Busy, Lease, Renewal, Wait, default_interval, new_token
+from .line import PROMOTE_MS, LeaseLine
 from .numbers import margin_ms, whole_ms
 from .reading import LeaseReading
 
@@ -56,10 +66,18 @@ class DeadRelease(NamedTuple):
     fence: int
 
 
+#: How many waiters of one key may wait in place (holding a thread) by default.
+DEFAULT_READY = 2
+
+#: How long a parked waiter stays away at most, by default (ms).
+DEFAULT_PARK_MS = 300_000
+
+_WAITS = [Wait.NONE, Wait.IN_PLACE, Wait.PARK, Wait.SOON, Wait.DUPLICATE]
+
 _RENEW_CODES = {1: Renewal.OK, 0: Renewal.GONE, -1: Renewal.STOLEN, -2: Renewal.MAX_HOLD}
 
 
-class Leases(LeaseReading):
+class Leases(LeaseReading, LeaseLine):
     """Leases on keys, stored in one Redis deployment (standalone, Sentinel or Cluster).
 
     Parameters:
@@ -100,6 +118,7 @@ class Leases(LeaseReading):
         self._release_if_dead = client.register_script(scripts.RELEASE_IF_DEAD)
         self._adopt = client.register_script(scripts.ADOPT)
         self._inspect_many = client.register_script(scripts.INSPECT_MANY)
+        self._line = client.register_script(scripts.LINE)
 
     @classmethod
     def from_url(cls, url: str, *, prefix: str = DEFAULT_PREFIX,
@@ -129,8 +148,20 @@ class Leases(LeaseReading):
         max_hold: int | None = None,
         meta: Mapping[str, str] | None = None,
         token: str | None = None,
+        waiter: str | None = None,
+        first_ms: int = 0,
+        may_wait: bool = False,
+        ready: int = DEFAULT_READY,
+        park_ms: int = DEFAULT_PARK_MS,
+        promote_ms: int = PROMOTE_MS,
     ) -> Lease | Busy:
         """Acquire ``key`` for ``ttl`` milliseconds without waiting.
+
+        A key with a line of waiters goes to the head of its line only: a
+        caller without ``waiter`` is answered :class:`Busy` (and the head is
+        woken if the key is free). A caller with ``waiter`` takes its place
+        in the line, ordered by ``first_ms``, and the answer's
+        :attr:`Busy.wait` says how to wait (see :mod:`.line`).
 
         Parameters:
           key: the lease key.
@@ -145,6 +176,15 @@ class Leases(LeaseReading):
           meta: holder metadata stored with the lease (strings).
           token: the owner token to use; default a fresh random one. Choose
             it beforehand to be able to release a grant whose reply was lost.
+          waiter: the caller's id in the key's line (a message id and its
+            retry count); ``None`` never joins the line.
+          first_ms: the waiter's first attempt (server Unix ms) for its
+            place in the line; 0 for now.
+          may_wait: the waiter may wait in place (block on its wake list)
+            when it is among the ``ready`` first of the line; else it parks.
+          ready: how many waiters of one key may wait in place.
+          park_ms: how long a parked waiter stays away at most.
+          promote_ms: how long a waiter whose turn came has to show up.
 
         Returns:
           a :class:`Lease` with the token and a new fence, or :class:`Busy`
@@ -157,18 +197,23 @@ class Leases(LeaseReading):
         """
         validate_key(key)
         ttl, stored_interval, max_hold_ms = _check_numbers(ttl, interval, max_hold)
+        first_ms = whole_ms(first_ms, "first_ms", minimum=0)
         token = token or new_token()
         meta = dict(meta or {})
-        args: list[Any] = [token, ttl, max_hold_ms, stored_interval, margin_ms(ttl), *meta_args(key, meta)]
+        mode = 0 if not waiter else 2 if may_wait else 1
+        args: list[Any] = [token, ttl, max_hold_ms, stored_interval, margin_ms(ttl), waiter or "", first_ms, mode,
+                           ready, park_ms, promote_ms, *meta_args(key, meta)]
         with tracing.span("lease.acquire", {tracing.KEY: key, tracing.TTL: ttl}) as span:
             sent_at = time.monotonic()
             with unavailable(f"acquire lease {key!r}", key):
-                reply = self._call(self._acquire, [self.lease_name(key), self.fence_name(key)], args)
+                reply = self._call(self._acquire, self._keys(key), args)
             if int(reply[0]) != 1:
                 span.set_attributes({tracing.OUTCOME: "busy", tracing.FENCE: int(reply[2])})
-                return Busy(key=key, ttl_left=int(reply[1]), fence=int(reply[2]), now_ms=int(reply[3]))
+                return Busy(key=key, ttl_left=int(reply[1]), fence=int(reply[2]), now_ms=int(reply[3]),
+                            wait=_WAITS[int(reply[4])], place=int(reply[5]), line=int(reply[6]),
+                            block_ms=int(reply[7]))
             span.set_attributes({tracing.OUTCOME: "acquired", tracing.FENCE: int(reply[1])})
-        return Lease(
+        lease = Lease(
             key=key,
             token=token,
             fence=int(reply[1]),
@@ -179,6 +224,15 @@ class Leases(LeaseReading):
             meta=meta,
             sent_at=sent_at,
         )
+        released_ms = int(reply[4])
+        if released_ms:
+            lease.handoff = max(0, int(reply[2]) - released_ms) / 1000
+        return lease
+
+    def _keys(self, key: str) -> list[str]:
+        """The Redis keys of a lease's scripts: lease, fence, line, waiters, done."""
+        p = self.prefix
+        return [lease_name(p, key), fence_name(p, key), line_name(p, key), waiters_name(p, key), done_name(p, key)]
 
     def adopt(
         self,
@@ -312,14 +366,21 @@ class Leases(LeaseReading):
         """
         return self.release_token(lease.key, lease.token, fence=lease.fence)
 
-    def release_token(self, key: str, token: str, *, fence: int | None = None) -> bool:
-        """Release the lease on ``key`` only if ``token`` holds it (``fence`` only labels the span)."""
+    def release_token(self, key: str, token: str, *, fence: int | None = None, waiter: str | None = None,
+                      ready: int = DEFAULT_READY, promote_ms: int = PROMOTE_MS) -> bool:
+        """Release the lease on ``key`` only if ``token`` holds it (``fence`` only labels the span).
+
+        ``waiter``: the holder's id in the line if it waited there; it is
+        remembered as having run, so a stray copy of it never runs again.
+        The head of the line is woken either way.
+        """
         attributes: dict[str, str | int] = {tracing.KEY: key}
         if fence is not None:
             attributes[tracing.FENCE] = fence
         with tracing.span("lease.release", attributes) as span:
             with unavailable(f"release lease {key!r}", key):
-                released = int(self._call(self._release, [self.lease_name(key), self.fence_name(key)], [token])) == 1
+                reply = self._call(self._release, self._keys(key), [token, waiter or "", ready, promote_ms])
+                released = int(reply) == 1
             span.set_attribute(tracing.OUTCOME, "released" if released else "not_held")
         return released
 

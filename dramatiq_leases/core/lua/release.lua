@@ -1,9 +1,61 @@
--- KEYS: lease, fence. ARGV: token. Returns 1 if released, 0 if the token
--- did not hold the lease (nothing is touched then). The holder always has the
--- newest fence of its key, so it is recorded as the last one released.
+-- KEYS: lease, fence, line, waiters, done (one hash tag). ARGV: token, waiter
+-- (the holder's waiter id if it waited in the line, else ''), ready (waiters
+-- per key that may wait in place), promote_ms (how long a waiter whose turn
+-- came has to show up). Returns 1 if released, 0 if the token did
+-- not hold the lease (nothing is touched then). The holder always has the
+-- newest fence of its key, so it is recorded as the last one released. A
+-- waiter that ran is remembered for an hour, so a stray copy of it never runs
+-- again; the head of the line is woken, or asked to come back.
+local DONE_MS, WAKE_TTL_MS = 3600000, 12000
+local ready, PROMOTE_MS = tonumber(ARGV[3]), tonumber(ARGV[4])
+if ready == nil or ready ~= math.floor(ready) or ready < 0 or ready > 1000 then
+  return redis.error_reply('ERR dramatiq-leases: invalid ready ' .. tostring(ARGV[3]))
+end
+if PROMOTE_MS == nil or PROMOTE_MS ~= math.floor(PROMOTE_MS) or PROMOTE_MS < 1 or PROMOTE_MS > 1000000000000 then
+  return redis.error_reply('ERR dramatiq-leases: invalid promote_ms ' .. tostring(ARGV[4]))
+end
+if ARGV[2] == nil or #ARGV[2] > 512 then
+  return redis.error_reply('ERR dramatiq-leases: invalid waiter ' .. tostring(ARGV[2]))
+end
 local cur = redis.pcall('HMGET', KEYS[1], 'token', 'fence')
 if cur.err or not cur[1] or cur[1] ~= ARGV[1] then return 0 end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 redis.call('DEL', KEYS[1])
 local fence = tonumber(cur[2]) or 0
-if fence > 0 then redis.call('HSET', KEYS[2], 'released', fence) end
+if fence > 0 then redis.call('HSET', KEYS[2], 'released', fence, 'released_ms', now) end
+if ARGV[2] ~= '' then
+  redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', now)
+  redis.call('ZADD', KEYS[5], now + DONE_MS, ARGV[2])
+  redis.call('PEXPIRE', KEYS[5], DONE_MS)
+  redis.call('ZREM', KEYS[3], ARGV[2])
+  redis.call('HDEL', KEYS[4], ARGV[2])
+end
+if redis.call('EXISTS', KEYS[3]) == 0 then return 1 end
+local function entry(w)
+  local e = redis.call('HGET', KEYS[4], w)
+  if not e then return nil end
+  local state, deadline, holder = string.match(e, '^(%a) (%d+) ?(.*)$')
+  return {state = state, deadline = tonumber(deadline), holder = holder}
+end
+-- Vanished waiters at the head lose their place (bounded work per call).
+for _ = 1, 16 do
+  local h = redis.call('ZRANGE', KEYS[3], 0, 0)[1]
+  if not h then break end
+  local e = entry(h)
+  if e and e.deadline >= now then break end
+  redis.call('ZREM', KEYS[3], h)
+  redis.call('HDEL', KEYS[4], h)
+end
+for i, w in ipairs(redis.call('ZRANGE', KEYS[3], 0, math.max(ready, 1) - 1)) do
+  local e = entry(w)
+  if e and i == 1 and e.state == 'r' then
+    local list = KEYS[3] .. ':w:' .. w
+    redis.call('LPUSH', list, 1)
+    redis.call('PEXPIRE', list, WAKE_TTL_MS)
+  elseif e and e.state == 'p' then
+    redis.call('HSET', KEYS[4], w, 'm ' .. (now + PROMOTE_MS) .. ' ' .. e.holder)
+    if e.holder ~= '' then redis.call('PUBLISH', e.holder, w) end
+  end
+end
 return 1

@@ -1,0 +1,78 @@
+"""The line of waiters of a busy key: who waits, in which order, and how each is told its turn.
+
+A waiter is a message (its id and retry count) that found its key busy. The
+line orders waiters by their first attempt; a free key goes to its head only.
+Near the head, up to ``ready`` waiters wait *in place*: a worker thread blocks
+on the waiter's wake list, which the release pushes to, so the head starts at
+once. Further back a waiter is *parked*: its message goes back to the broker
+with a long delay, held by some worker process, which registers it here
+(:meth:`LeaseLine.hold`) and is told on its channel when its turn nears (the
+waiter is *promoted*) to send it back at once. A waiter whose turn came and
+who does not show up within a bounded time (its deadline) has vanished and
+loses its place; if it comes back later it takes its place again, by its first
+attempt. A waiter that ran is remembered for an hour, so a stray copy of its
+message never runs again. Every decision is taken inside one script.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from .client import MAX_BLOCK_S, RedisClient, ThreadConnections, unavailable
+from .keys import done_name, lease_name, line_name, validate_key, waiters_name, wake_name
+
+#: How long a waiter asked to come back (promoted) has to show up, in ms (as in ``lua/*.lua``).
+PROMOTE_MS = 10_000
+
+
+class LeaseLine:
+    """The line side of :class:`~dramatiq_leases.core.store.Leases` (its base class)."""
+
+    client: RedisClient
+    prefix: str
+    _threads: ThreadConnections | None
+    _line: Any
+
+    def _line_keys(self, key: str) -> list[str]:
+        p = self.prefix
+        return [lease_name(p, key), line_name(p, key), waiters_name(p, key), done_name(p, key)]
+
+    def hold(self, key: str, waiters: Sequence[str], holder: str, *, park_ms: int, ready: int,
+             promote_ms: int = PROMOTE_MS) -> list[str]:
+        """This process holds the parked copies of ``waiters`` of ``key``; tell it what to do with each.
+
+        Returns one letter per waiter: ``"p"`` keep it parked; ``"m"`` send it
+        back now (its turn is near); ``"r"`` keep it (the waiter waits in place
+        elsewhere: this copy is a spare); ``"d"`` it already ran (drop it);
+        ``"x"`` it has no place (send it back now to take it again).
+        ``holder`` is the channel this process listens on for promotions.
+        """
+        validate_key(key)
+        with unavailable(f"hold waiters of {key!r}", key):
+            reply = self._line(keys=self._line_keys(key), args=["hold", holder, park_ms, ready, promote_ms, *waiters])
+        return [r.decode() if isinstance(r, bytes) else str(r) for r in reply]
+
+    def leave(self, key: str, waiters: Sequence[str], *, ready: int, promote_ms: int = PROMOTE_MS) -> int:
+        """``waiters`` give up their places in the line of ``key``; returns how many had one."""
+        validate_key(key)
+        keys, args = self._line_keys(key), ["leave", "", 1, ready, promote_ms, *waiters]
+        with unavailable(f"leave the line of {key!r}", key):
+            if self._threads is not None:
+                return int(self._threads.call(self._line, keys, args))
+            return int(self._line(keys=keys, args=args))
+
+    def wait_turn(self, key: str, waiter: str, block_ms: int) -> bool:
+        """Block until ``waiter`` is woken (its turn may have come) or ``block_ms`` passed; ``True`` if woken.
+
+        Without per-thread connections the block is kept under the client's
+        own socket timeout.
+        """
+        name = wake_name(self.prefix, key, waiter)
+        with unavailable(f"wait for {key!r}", key):
+            if self._threads is not None:
+                return self._threads.blpop(name, block_ms)
+            kwargs = getattr(getattr(self.client, "connection_pool", None), "connection_kwargs", {})
+            limit = (kwargs.get("socket_timeout") or MAX_BLOCK_S + 1) - 0.5
+            timeout = max(0.05, min(block_ms / 1000, limit))
+            return self.client.blpop([name], timeout=timeout) is not None

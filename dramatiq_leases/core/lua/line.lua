@@ -1,0 +1,92 @@
+-- KEYS: lease, line, waiters, done (one hash tag). ARGV: op ('hold' or
+-- 'leave'), holder (the channel of the process holding the waiters' parked
+-- copies; '' for leave), park_ms, ready (waiters per key that may wait in
+-- place), promote_ms (how long a waiter whose turn came has to show up),
+-- then waiter ids.
+-- hold: the process holds these waiters' parked copies; returns one state per
+-- waiter: 'p' parked (keep it), 'm' promoted (send it back now), 'r' waiting
+-- in place elsewhere (this copy is a spare: keep it parked), 'd' already ran
+-- (drop it), 'x' not in the line (send it back now, to take its place again).
+-- leave: the waiters give up their places; returns how many had one.
+-- Either way vanished waiters at the head lose their place, and a free key's
+-- head is woken or asked to come back (so a missed wake-up heals here).
+local WAKE_TTL_MS, MAX_MS = 12000, 1000000000000
+local op, holder = ARGV[1], ARGV[2]
+local park_ms, ready, PROMOTE_MS = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+if op ~= 'hold' and op ~= 'leave' then return redis.error_reply('ERR dramatiq-leases: invalid op ' .. tostring(op)) end
+if holder == nil or #holder > 512 then return redis.error_reply('ERR dramatiq-leases: invalid holder') end
+if park_ms == nil or park_ms ~= math.floor(park_ms) or park_ms < 1 or park_ms > MAX_MS then
+  return redis.error_reply('ERR dramatiq-leases: invalid park_ms ' .. tostring(ARGV[3]))
+end
+if ready == nil or ready ~= math.floor(ready) or ready < 0 or ready > 1000 then
+  return redis.error_reply('ERR dramatiq-leases: invalid ready ' .. tostring(ARGV[4]))
+end
+if PROMOTE_MS == nil or PROMOTE_MS ~= math.floor(PROMOTE_MS) or PROMOTE_MS < 1 or PROMOTE_MS > MAX_MS then
+  return redis.error_reply('ERR dramatiq-leases: invalid promote_ms ' .. tostring(ARGV[5]))
+end
+for i = 6, #ARGV do
+  if ARGV[i] == '' or #ARGV[i] > 512 then return redis.error_reply('ERR dramatiq-leases: invalid waiter') end
+end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local function entry(w)
+  local e = redis.call('HGET', KEYS[3], w)
+  if not e then return nil end
+  local state, deadline, h = string.match(e, '^(%a) (%d+) ?(.*)$')
+  return {state = state, deadline = tonumber(deadline), holder = h}
+end
+local out = {}
+for i = 6, #ARGV do
+  local w = ARGV[i]
+  local e = entry(w)
+  if op == 'leave' then
+    if e then
+      redis.call('ZREM', KEYS[2], w)
+      redis.call('HDEL', KEYS[3], w)
+      redis.call('DEL', KEYS[2] .. ':w:' .. w)
+      out[#out + 1] = w
+    end
+  else
+    local done = redis.call('ZSCORE', KEYS[4], w)
+    if done and tonumber(done) > now then
+      out[#out + 1] = 'd'
+    elseif not e or not redis.call('ZSCORE', KEYS[2], w) then
+      out[#out + 1] = 'x'
+    elseif e.state == 'r' then
+      out[#out + 1] = 'r'
+    elseif e.state == 'm' then
+      redis.call('HSET', KEYS[3], w, 'm ' .. e.deadline .. ' ' .. holder)
+      out[#out + 1] = 'm'
+    else
+      redis.call('HSET', KEYS[3], w, 'p ' .. (now + park_ms + PROMOTE_MS) .. ' ' .. holder)
+      out[#out + 1] = 'p'
+    end
+  end
+end
+if redis.call('EXISTS', KEYS[2]) == 1 then
+  for _ = 1, 16 do
+    local h = redis.call('ZRANGE', KEYS[2], 0, 0)[1]
+    if not h then break end
+    local e = entry(h)
+    if e and e.deadline >= now then break end
+    redis.call('ZREM', KEYS[2], h)
+    redis.call('HDEL', KEYS[3], h)
+  end
+  if redis.call('EXISTS', KEYS[1]) == 0 then
+    for i, w in ipairs(redis.call('ZRANGE', KEYS[2], 0, math.max(ready, 1) - 1)) do
+      local e = entry(w)
+      if e and i == 1 and e.state == 'r' then
+        local list = KEYS[2] .. ':w:' .. w
+        redis.call('LPUSH', list, 1)
+        redis.call('PEXPIRE', list, WAKE_TTL_MS)
+      elseif e and e.state == 'p' then
+        redis.call('HSET', KEYS[3], w, 'm ' .. (now + PROMOTE_MS) .. ' ' .. e.holder)
+        if e.holder ~= '' then redis.call('PUBLISH', e.holder, w) end
+        -- The caller may hold it: its reply says so below.
+        for j = 6, #ARGV do if ARGV[j] == w and out[j - 5] == 'p' then out[j - 5] = 'm' end end
+      end
+    end
+  end
+end
+if op == 'leave' then return #out end
+return out

@@ -1,0 +1,180 @@
+"""The line of a busy key, at the core: order, wake-ups, promotions, strays and vanished waiters.
+
+Real Redis, real scripts; the middleware's use of them is tested in test_wait_line.py.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+import redis
+
+from dramatiq_leases.core import Busy, Lease, Leases, scripts
+from dramatiq_leases.core.keys import done_name, fence_name, lease_name, line_name, waiters_name
+from dramatiq_leases.core.lease import Wait
+
+from .support.waiting import wait_for
+
+TTL = 10_000
+
+
+@pytest.fixture
+def leases(redis_client: redis.Redis) -> Leases:
+    return Leases(redis_client, prefix="t")
+
+
+def join(leases: Leases, key: str, waiter: str, first_ms: int, *, may_wait: bool = False, ready: int = 2,
+         promote_ms: int = 10_000) -> Lease | Busy:
+    return leases.try_acquire(key, TTL, waiter=waiter, first_ms=first_ms, may_wait=may_wait, ready=ready,
+                              promote_ms=promote_ms)
+
+
+def busy(reply: Lease | Busy) -> Busy:
+    assert isinstance(reply, Busy), reply
+    return reply
+
+
+def test_a_free_key_goes_to_the_head_of_its_line_in_first_attempt_order(leases: Leases) -> None:
+    holder = leases.try_acquire("k", TTL)
+    assert isinstance(holder, Lease)
+    # Joined out of order; the line orders them by first attempt.
+    for waiter, first in [("c", 300), ("a", 100), ("b", 200)]:
+        busy(join(leases, "k", waiter, first))
+    assert [busy(join(leases, "k", w, f)).place for w, f in [("a", 100), ("b", 200), ("c", 300)]] == [0, 1, 2]
+    assert leases.release(holder)
+    # Nobody but the head may take the free key: not a newcomer, not a caller outside the line, not the second.
+    assert busy(join(leases, "k", "d", 50_000)).place == 3
+    assert busy(leases.try_acquire("k", TTL)).wait is Wait.NONE
+    assert isinstance(join(leases, "k", "b", 200), Busy)
+    order = []
+    for waiter, first in [("a", 100), ("b", 200), ("c", 300), ("d", 50_000)]:
+        lease = join(leases, "k", waiter, first)
+        assert isinstance(lease, Lease), waiter
+        order.append(waiter)
+        assert lease.handoff is not None and lease.handoff >= 0
+        leases.release_token("k", lease.token, waiter=waiter)
+    assert order == ["a", "b", "c", "d"]
+    assert leases.try_acquire("k", TTL)  # the line is empty again: anyone may take it
+
+
+def test_release_wakes_the_head_waiting_in_place(leases: Leases) -> None:
+    holder = leases.try_acquire("k", TTL)
+    assert isinstance(holder, Lease)
+    answer = busy(join(leases, "k", "w", 1, may_wait=True))
+    assert answer.wait is Wait.IN_PLACE and 0 < answer.block_ms <= 10_000
+    woken: list[float] = []
+    waiter = threading.Thread(target=lambda: woken.append(time.monotonic()) if leases.wait_turn(
+        "k", "w", answer.block_ms) else None)
+    waiter.start()
+    time.sleep(0.05)  # let it block: a wake-up before the block is kept in the list anyway
+    released = time.monotonic()
+    assert leases.release(holder)
+    waiter.join(5)
+    assert woken and woken[0] - released < 0.5
+    assert isinstance(join(leases, "k", "w", 1, may_wait=True), Lease)
+
+
+def test_only_the_first_ready_waiters_wait_in_place(leases: Leases) -> None:
+    assert leases.try_acquire("k", TTL)
+    waits = [busy(join(leases, "k", f"w{i}", i + 1, may_wait=True, ready=2)).wait for i in range(4)]
+    assert waits == [Wait.IN_PLACE, Wait.IN_PLACE, Wait.PARK, Wait.PARK]
+    # Near the head but not allowed to block: asked to come again soon.
+    assert busy(join(leases, "k", "w0", 1, may_wait=False, ready=2)).wait is Wait.SOON
+
+
+def test_a_parked_waiter_is_promoted_on_its_holders_channel_when_its_turn_nears(
+        leases: Leases, redis_client: redis.Redis) -> None:
+    holder = leases.try_acquire("k", TTL)
+    assert isinstance(holder, Lease)
+    for i in range(3):
+        assert busy(join(leases, "k", f"w{i}", i + 1, ready=1)).wait in (Wait.PARK, Wait.SOON)
+    assert leases.hold("k", ["w1", "w2"], "chan:x", park_ms=60_000, ready=1) == ["p", "p"]
+    pubsub = redis_client.pubsub()
+    pubsub.subscribe("chan:x")
+    wait_for(lambda: pubsub.get_message(timeout=0.1) is not None, what="the subscription")
+    # w0 (head, asked to come soon) takes the key: w1 is next, and told so.
+    lease = join(leases, "k", "w0", 1, ready=1)
+    assert isinstance(lease, Busy)  # still held by holder
+    assert leases.release(holder)
+    lease = join(leases, "k", "w0", 1, ready=1)
+    assert isinstance(lease, Lease)
+    message: Any = wait_for(lambda: pubsub.get_message(timeout=0.1), what="a promotion")
+    assert message["data"] == b"w1"
+    assert leases.hold("k", ["w1", "w2"], "chan:x", park_ms=60_000, ready=1) == ["m", "p"]
+    pubsub.close()
+
+
+def test_a_waiter_that_ran_never_runs_again(leases: Leases) -> None:
+    holder = leases.try_acquire("k", TTL)
+    assert isinstance(holder, Lease)
+    busy(join(leases, "k", "w", 1))
+    assert leases.release(holder)
+    lease = join(leases, "k", "w", 1)
+    assert isinstance(lease, Lease)
+    leases.release_token("k", lease.token, waiter="w")
+    # A stray copy of the same message (a duplicate delivery, a parked copy left behind).
+    assert busy(join(leases, "k", "w", 1)).wait is Wait.DUPLICATE
+    assert leases.hold("k", ["w"], "chan:x", park_ms=60_000, ready=1) == ["d"]
+
+
+def test_a_vanished_waiter_loses_its_place_after_its_deadline(leases: Leases) -> None:
+    holder = leases.try_acquire("k", TTL)
+    assert isinstance(holder, Lease)
+    busy(join(leases, "k", "gone", 1, ready=1, promote_ms=300))  # near the head, never comes back
+    busy(join(leases, "k", "next", 2, ready=1, promote_ms=300))
+    assert leases.release_token("k", holder.token, promote_ms=300)
+    assert isinstance(join(leases, "k", "next", 2, ready=1, promote_ms=300), Busy)  # "gone" still has its turn
+    lease = wait_for(lambda: join(leases, "k", "next", 2, ready=1, promote_ms=300) or None, timeout=3,
+                     what="the vanished head to lose its place")
+    assert isinstance(lease, Lease)
+    # Back later, it takes its place again by its first attempt: first in line.
+    assert busy(join(leases, "k", "gone", 1, ready=1)).place == 0
+
+
+def test_a_waiter_who_gives_up_leaves_and_the_next_is_woken(leases: Leases) -> None:
+    assert leases.try_acquire("k", TTL)
+    busy(join(leases, "k", "a", 1))
+    busy(join(leases, "k", "b", 2))
+    assert leases.leave("k", ["a", "nobody"], ready=2) == 1
+    assert busy(join(leases, "k", "b", 2)).place == 0
+
+
+def test_hold_reports_waiters_without_a_place(leases: Leases, redis_client: redis.Redis) -> None:
+    assert leases.try_acquire("k", TTL)
+    busy(join(leases, "k", "a", 1))
+    redis_client.flushdb()  # the lease store lost everything, say a restart without persistence
+    assert leases.hold("k", ["a"], "chan:x", park_ms=60_000, ready=2) == ["x"]
+
+
+def test_no_line_key_is_left_without_ttl(leases: Leases, redis_client: redis.Redis) -> None:
+    holder = leases.try_acquire("k", TTL)
+    assert isinstance(holder, Lease)
+    busy(join(leases, "k", "a", 1, may_wait=True))
+    busy(join(leases, "k", "b", 2))
+    leases.hold("k", ["b"], "chan:x", park_ms=60_000, ready=2)
+    leases.release(holder)
+    lease = join(leases, "k", "a", 1)
+    assert isinstance(lease, Lease)
+    leases.release_token("k", lease.token, waiter="a")
+    for name in redis_client.scan_iter("t:*"):
+        if not name.startswith(b"t:fence:"):
+            assert redis_client.pttl(name) > 0, name
+
+
+@pytest.mark.parametrize("args", [
+    ["t", "1000", "0", "0", "0", "", "0", "1", "2", "1000", "1000"],  # joining without a waiter id
+    ["t", "1000", "0", "0", "0", "w", "-1", "1", "2", "1000", "1000"],
+    ["t", "1000", "0", "0", "0", "w", "0", "3", "2", "1000", "1000"],
+    ["t", "1000", "0", "0", "0", "w", "0", "1", "2", "0", "1000"],
+    ["t", "1000", "0", "0", "0", "w", "0", "1", "2", "1000", "0"],
+    ["t", "1000", "0", "0", "0", "w", "0", "1", "x", "1000", "1000"],
+])
+def test_the_acquire_script_checks_its_line_arguments_before_writing(
+        leases: Leases, redis_client: redis.Redis, args: list[str]) -> None:
+    names = [f(leases.prefix, "k") for f in (lease_name, fence_name, line_name, waiters_name, done_name)]
+    with pytest.raises(redis.ResponseError, match="dramatiq-leases: invalid"):
+        redis_client.eval(scripts.ACQUIRE, 5, *names, *args)
+    assert redis_client.keys("*") == []
