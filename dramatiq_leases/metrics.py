@@ -67,6 +67,11 @@ def _create(reg: Any) -> dict[str, Any]:
             "dramatiq_lease_busy_retries_total",
             "Messages sent back to the queue because their lease was busy.", actor, registry=reg,
         ),
+        "handoff": Histogram(
+            "dramatiq_lease_handoff_duration_seconds",
+            "Time from a release to the grant of the same key to the next message waiting in its line.",
+            actor, buckets=LATENCY_BUCKETS, registry=reg,
+        ),
         "gave_up": Counter(
             "dramatiq_lease_gave_up_total",
             "Messages that exhausted their wait budget for a lease.", actor, registry=reg,
@@ -140,6 +145,9 @@ class PrometheusMetrics(LeaseMetrics):
     def held(self, meta: Meta, delta: int) -> None:
         self._metrics()["held"].labels(*labels_of(meta)).inc(delta)
 
+    def handoff(self, meta: Meta, seconds: float) -> None:
+        self._metrics()["handoff"].labels(*labels_of(meta)).observe(seconds)
+
     def hold(self, meta: Meta, seconds: float) -> None:
         self._metrics()["hold"].labels(*labels_of(meta)).observe(seconds)
 
@@ -192,6 +200,9 @@ class OTelMetrics(LeaseMetrics):
                                             description="Time from a message's first acquire attempt to acquisition.")
         self._busy = meter.create_counter("dramatiq.lease.busy_retries",
                                           description="Messages sent back to the queue because their lease was busy.")
+        self._handoff = meter.create_histogram(
+            "dramatiq.lease.handoff.duration", unit="s",
+            description="Time from a release to the grant of the same key to the next waiter of its line.")
         self._gave_up = meter.create_counter("dramatiq.lease.gave_up",
                                              description="Messages that exhausted their wait budget.")
         self._held = meter.create_up_down_counter("dramatiq.lease.held", description="Leases held now.")
@@ -222,6 +233,9 @@ class OTelMetrics(LeaseMetrics):
 
     def held(self, meta: Meta, delta: int) -> None:
         self._held.add(delta, self._attrs(meta))
+
+    def handoff(self, meta: Meta, seconds: float) -> None:
+        self._handoff.record(seconds, self._attrs(meta))
 
     def hold(self, meta: Meta, seconds: float) -> None:
         self._hold.record(seconds, self._attrs(meta))

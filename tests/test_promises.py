@@ -189,7 +189,7 @@ def test_a_message_level_lock_key_is_honoured_or_refused_at_send_time(make_stack
     holder = stack.leases.try_acquire("other:5", ttl=10_000)  # someone holds the message's own key
     assert not isinstance(holder, Busy)
     message = keyed.send_with_options(args=(5,), lock_key="other:{n}")
-    wait_for(lambda: len(stack.recorder.delays(message.message_id)) >= 2, what="the message to wait for other:5")
+    wait_for(lambda: stack.leases.inspect_line("other:5").length == 1, what="the message to wait for other:5")
     assert runs.items == [], "ran while its message-level key was held"
     assert stack.leases.release(holder)
     assert stack.recorder.wait_settled(message.message_id) == "acked"
@@ -223,25 +223,18 @@ def test_retries_do_not_inherit_the_wait_clock(make_stack: Any) -> None:
     holder = stack.leases.try_acquire("r:1", ttl=10_000)
     assert not isinstance(holder, Busy)
     message = flaky.send(1)
-    wait_for(lambda: stack.recorder.delays(message.message_id), what="the first delivery to be turned away")
+    wait_for(lambda: stack.leases.inspect_line("r:1").length == 1, what="the first delivery to wait in line")
     assert stack.leases.release(holder)
     assert running.wait(10)
     # The moment the failed run releases, another holder takes the key (Retries waits >= 200 ms).
     rival = wait_for(lambda: stack.leases.try_acquire("r:1", ttl=10_000) or None, interval=0.005,
                      what="the failed run to release")
-
-    def retry_sends() -> list[dict[str, Any]]:
-        """Delayed sends of the Retries copy: Retries' own, then each busy turn-away of the copy."""
-        with stack.recorder.lock:
-            return [opts for mid, delay, opts in stack.recorder.enqueues
-                    if mid == message.message_id and delay is not None and opts.get("retries") == 1]
-
-    wait_for(lambda: len(retry_sends()) >= 2 or message.message_id in stack.recorder.nacked,
-             what="the Retries copy to meet the busy key")
-    assert message.message_id not in stack.recorder.nacked, "the retry was dead-lettered on the wait clock of its first delivery"
-    assert retry_sends()[1]["lease_busy_attempts"] == 1, "the retry did not start a wait of its own"
+    # The Retries copy is a new waiter, with a wait clock of its own: on its first delivery's clock it
+    # would be given up at once (over 300 ms have passed).
+    wait_for(lambda: stack.leases.inspect_line("r:1").head == f"{message.message_id}:1"
+             or message.message_id in stack.recorder.nacked, what="the Retries copy to meet the busy key")
     assert stack.leases.release(rival)
-    assert stack.recorder.wait_settled(message.message_id) == "acked"
+    assert stack.recorder.wait_settled(message.message_id) == "acked", "the retry was given up on its first clock"
     assert len(runs.items) == 2
 
     # What dramatiq_lease_wait_duration_seconds observes: both deliveries waited, neither for the 0.7 s run.

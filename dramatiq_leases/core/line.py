@@ -25,6 +25,9 @@ from .keys import done_name, lease_name, line_name, validate_key, waiters_name, 
 #: How long a waiter asked to come back (promoted) has to show up, in ms (as in ``lua/*.lua``).
 PROMOTE_MS = 10_000
 
+#: How long a wake-up waits in its list for a waiter that has not blocked yet (ms; as in ``lua/*.lua``).
+WAKE_TTL_MS = 12_000
+
 
 class LeaseLine:
     """The line side of :class:`~dramatiq_leases.core.store.Leases` (its base class)."""
@@ -61,6 +64,15 @@ class LeaseLine:
             if self._threads is not None:
                 return int(self._threads.call(self._line, keys, args))
             return int(self._line(keys=keys, args=args))
+
+    def wake(self, key: str, waiter: str) -> None:
+        """Wake ``waiter`` if it waits in place (it then asks again); for a process shutting down."""
+        name = wake_name(self.prefix, validate_key(key), waiter)
+        with unavailable(f"wake a waiter of {key!r}", key):
+            pipe = self.client.pipeline(transaction=False)
+            pipe.lpush(name, 0)
+            pipe.pexpire(name, WAKE_TTL_MS)
+            pipe.execute()
 
     def wait_turn(self, key: str, waiter: str, block_ms: int) -> bool:
         """Block until ``waiter`` is woken (its turn may have come) or ``block_ms`` passed; ``True`` if woken.

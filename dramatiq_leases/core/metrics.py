@@ -32,7 +32,10 @@ class LeaseMetrics:
         """A message acquired its lease ``seconds`` after its first attempt."""
 
     def busy_retry(self, meta: Meta) -> None:
-        """A message went back to the queue because its lease was busy."""
+        """A message went back to the queue because its lease was busy (parked, or asked to come again)."""
+
+    def handoff(self, meta: Meta, seconds: float) -> None:
+        """A waiter of the line was granted the lease ``seconds`` after the previous holder released it."""
 
     def gave_up(self, meta: Meta) -> None:
         """A message exhausted its wait budget."""

@@ -8,14 +8,17 @@ from typing import Any
 from .errors import LeaseConfigError
 from .scripts import MAX_MS
 
+#: The largest Unix time in milliseconds accepted (the year 2286); the scripts declare the same value.
+MAX_TIMESTAMP_MS = 10**13
+
 #: Part of the TTL a holder keeps as a safety margin: it stops trusting its lease
 #: ``ttl * SAFETY_MARGIN`` before the key can expire on the server, so an actor
 #: interrupted at its deadline has that long to stop before anyone else is granted the key.
 SAFETY_MARGIN = 0.1
 
 
-def whole_ms(value: Any, name: str, *, minimum: int = 1, owner: str = "") -> int:
-    """Return ``value`` as an ``int`` if it is a whole number of milliseconds in ``[minimum, MAX_MS]``.
+def whole_ms(value: Any, name: str, *, minimum: int = 1, owner: str = "", maximum: int = MAX_MS) -> int:
+    """Return ``value`` as an ``int`` if it is a whole number of milliseconds in ``[minimum, maximum]``.
 
     Floats are accepted only when whole (``1500.0``): a fraction would be
     truncated somewhere on the way to Redis, and ``0.5`` would become 0.
@@ -28,12 +31,12 @@ def whole_ms(value: Any, name: str, *, minimum: int = 1, owner: str = "") -> int
         and isinstance(value, (int, float))
         and math.isfinite(value)
         and value == int(value)
-        and minimum <= value <= MAX_MS
+        and minimum <= value <= maximum
     )
     if not ok:
         prefix = f"{owner}: " if owner else ""
         raise LeaseConfigError(
-            f"{prefix}{name} must be a whole number of milliseconds from {minimum} to {MAX_MS}, got {value!r}"
+            f"{prefix}{name} must be a whole number of milliseconds from {minimum} to {maximum}, got {value!r}"
         )
     return int(value)
 

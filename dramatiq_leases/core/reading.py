@@ -1,19 +1,52 @@
-"""Reading leases without changing them: inspect, scan, fence counters (one round trip per slot)."""
+"""Reading leases without changing them: inspect, scan, lines, fence counters (one round trip per slot)."""
 
 from __future__ import annotations
 
 import fnmatch
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from redis.crc import key_slot
 
 from .client import RedisClient, unavailable
 from .info import LeaseInfo, parse_info, text
-from .keys import fence_name, lease_name, lease_pattern, validate_key
+from .keys import fence_name, lease_name, lease_pattern, line_name, line_pattern, validate_key
 
 _FENCE_FIELDS = frozenset({"fence", "released", "expired"})
+
+
+@dataclass(frozen=True)
+class LineInfo:
+    """What the line of one key holds now.
+
+    Attributes:
+      name: the Redis key of the line.
+      length: how many wait in it.
+      head: the waiter id at its head (``""`` if empty).
+      oldest_first_ms: the first attempt of its oldest waiter (server Unix ms; 0 if empty).
+      now_ms: the server's clock when read.
+      states: how many waiters are parked (``"parked"``), asked back (``"promoted"``), waiting in place
+        (``"in_place"``).
+      actors: how many waiters each actor has.
+    """
+
+    name: str
+    length: int
+    head: str
+    oldest_first_ms: int
+    now_ms: int
+    states: dict[str, int]
+    actors: dict[str, int]
+
+    @property
+    def oldest_wait(self) -> float:
+        """Seconds its oldest waiter has waited since its first attempt (0 if empty)."""
+        return max(0.0, (self.now_ms - self.oldest_first_ms) / 1000) if self.oldest_first_ms else 0.0
+
+
+_STATES = {"p": "parked", "m": "promoted", "r": "in_place"}
 
 
 class LeaseReading:
@@ -73,6 +106,52 @@ class LeaseReading:
                     batch = []
         if batch:
             yield from self.inspect_names(batch)
+
+    def inspect_line(self, key: str) -> LineInfo:
+        """The line of waiters of ``key`` (empty if there is none)."""
+        return self.inspect_lines([line_name(self.prefix, validate_key(key))])[0]
+
+    def inspect_lines(self, names: Sequence[str]) -> list[LineInfo]:
+        """Read the lines at these Redis keys (see :func:`~dramatiq_leases.core.keys.line_name`), pipelined."""
+        pipe = self.client.pipeline(transaction=False)
+        for name in names:
+            pipe.zrange(name, 0, 0, withscores=True)
+            pipe.zcard(name)
+            pipe.hvals(name.replace(":line:", ":waiters:", 1))
+        pipe.time()
+        with unavailable("read lines"):
+            replies = pipe.execute()
+        seconds, micros = replies[-1]
+        now_ms = int(seconds) * 1000 + int(micros) // 1000
+        out = []
+        for i, name in enumerate(names):
+            head, length, entries = replies[3 * i : 3 * i + 3]
+            states: dict[str, int] = {}
+            actors: dict[str, int] = {}
+            for raw in entries:
+                parts = text(raw).split(" ", 3)
+                state = _STATES.get(parts[0], parts[0])
+                states[state] = states.get(state, 0) + 1
+                actor = parts[3] if len(parts) > 3 else ""
+                actors[actor] = actors.get(actor, 0) + 1
+            first = head[0] if head else (b"", 0)
+            out.append(LineInfo(name, int(length), text(first[0]), int(first[1]), now_ms, states, actors))
+        return out
+
+    def scan_lines(self, *, count: int = 500) -> Iterator[LineInfo]:
+        """Every line of waiters under this prefix, read in batches with ``SCAN``."""
+        batch: list[str] = []
+        with unavailable("scan lines"):
+            names: Iterable[Any] = self.client.scan_iter(match=line_pattern(self.prefix), count=count)
+            for raw in names:
+                name = text(raw)
+                if name.endswith("}"):  # not a waiter's wake list
+                    batch.append(name)
+                if len(batch) >= count:
+                    yield from self.inspect_lines(batch)
+                    batch = []
+        if batch:
+            yield from self.inspect_lines(batch)
 
     def fence_state(self, key: str) -> dict[str, int]:
         """The fence counter of ``key``: last ``fence`` granted, last ``released``, last ``expired``."""

@@ -16,7 +16,7 @@ see :func:`dramatiq_leases.core.keys.hash_tag`):
   fencing token handed out), ``released`` (the last fence released),
   ``released_ms`` (when) and ``expired`` (the last fence seen ending by TTL).
 * ``P:line:{T}``: the line of waiters, a sorted set by first attempt;
-  ``P:waiters:{T}``: each waiter's state, ``"<p|m|r> <deadline_ms> <holder>"``
+  ``P:waiters:{T}``: each waiter's state, ``"<p|m|r> <deadline_ms> <holder> <actor>"``
   (parked, promoted, waiting in place); ``P:line:{T}:w:<waiter>``: the list a
   waiter waiting in place blocks on; ``P:done:{T}``: waiters that ran, by
   expiry. See :mod:`.line`. All carry TTLs.

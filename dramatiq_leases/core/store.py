@@ -31,7 +31,7 @@ from .keys import (
 )
 from .lease import Busy, Lease, Renewal, Wait, default_interval, new_token
 from .line import PROMOTE_MS, LeaseLine
-from .numbers import margin_ms, whole_ms
+from .numbers import MAX_TIMESTAMP_MS, margin_ms, whole_ms
 from .reading import LeaseReading
 
 #: Largest number of leases renewed by one script call; bigger batches are
@@ -197,7 +197,7 @@ class Leases(LeaseReading, LeaseLine):
         """
         validate_key(key)
         ttl, stored_interval, max_hold_ms = _check_numbers(ttl, interval, max_hold)
-        first_ms = whole_ms(first_ms, "first_ms", minimum=0)
+        first_ms = whole_ms(first_ms, "first_ms", minimum=0, maximum=MAX_TIMESTAMP_MS)
         token = token or new_token()
         meta = dict(meta or {})
         mode = 0 if not waiter else 2 if may_wait else 1

@@ -1,4 +1,4 @@
-"""A message whose key is busy: back to the queue after a backoff, until its wait budget runs out."""
+"""A message whose key is busy and cannot wait in place: parked, sent back soon, dropped as a copy, or given up."""
 
 from __future__ import annotations
 
@@ -8,11 +8,12 @@ from typing import Any
 
 import dramatiq
 
-from ..core.lease import Busy
+from ..core.lease import Busy, Wait
 from ..core.metrics import LeaseMetrics
 from .backoff import backoff_delay
 from .errors import LeaseWaitExceeded
 from .options import ATTEMPTS_OPTION, FIRST_ATTEMPT_OPTION, Options
+from .waiting import READY_PER_KEY, Waiting, waiter_id
 
 logger = logging.getLogger(__name__)
 
@@ -37,19 +38,31 @@ def mark_skipped(message: Any) -> None:
     message.options[SKIP_MARK] = True
 
 
+def gives_up(opts: Options, first_ms: int, now_ms: int) -> bool:
+    """Whether a message first tried at ``first_ms`` has spent its wait budget at ``now_ms`` (server ms)."""
+    return opts.max_wait is not None and now_ms - first_ms >= opts.max_wait
+
+
 def on_busy(broker: dramatiq.Broker, message: Any, opts: Options, busy: Busy, meta: dict[str, str],
-            metrics: LeaseMetrics) -> None:
-    """Send ``message`` back to wait for ``busy.key``, or give up on it past ``lock_max_wait``.
+            metrics: LeaseMetrics, waiting: Waiting, first_ms: int) -> None:
+    """Park ``message`` (or send it back soon) to wait for ``busy.key``; give up on it past ``lock_max_wait``.
 
     Raises:
       LeaseWaitExceeded: given up with ``lock_give_up="fail"`` (the message is dead-lettered).
     """
-    # The Redis server's clock, so workers with skewed clocks agree on how long a message waited.
+    if busy.wait is Wait.DUPLICATE:
+        logger.info("Message %s is a copy of one that already ran under lease %r; not running it again.",
+                    message.message_id, busy.key)
+        mark_skipped(message)
+        return
     now_ms = busy.now_ms or int(time.time() * 1000)
-    first = message.options.get(FIRST_ATTEMPT_OPTION) or now_ms
-    waited = now_ms - first
     attempts = int(message.options.get(ATTEMPTS_OPTION, 0)) + 1
-    if opts.max_wait is not None and waited >= opts.max_wait:
+    if gives_up(opts, first_ms, now_ms):
+        waited = now_ms - first_ms
+        try:
+            waiting.leases.leave(busy.key, [waiter_id(message)], ready=READY_PER_KEY)
+        except Exception as e:  # its place then lapses by its deadline
+            logger.warning("Could not take message %s out of the line of %r: %s", message.message_id, busy.key, e)
         metrics.gave_up(meta)
         logger.error(
             "Gave up on message %s of actor %r: lease %r stayed busy for %d attempts over %.1fs "
@@ -66,9 +79,21 @@ def on_busy(broker: dramatiq.Broker, message: Any, opts: Options, busy: Busy, me
         mark_skipped(message)
         return
     metrics.busy_retry(meta)
-    logger.debug("Lease %r is busy (%d ms left); message %s goes back to the queue (attempt %d).",
-                 busy.key, busy.ttl_left, message.message_id, attempts)
-    send_back(broker, message, opts, count_attempt=True, first_ms=first, now_ms=now_ms, holder_ttl=busy.ttl_left)
+    if busy.wait is Wait.SOON or busy.wait is Wait.NONE:
+        logger.debug("Lease %r is busy; message %s (place %d of %d) comes again soon.",
+                     busy.key, message.message_id, busy.place, busy.line)
+        send_back(broker, message, opts, count_attempt=True, first_ms=first_ms, now_ms=now_ms,
+                  holder_ttl=busy.ttl_left)
+        return
+    logger.debug("Lease %r is busy; message %s parks at place %d of %d.", busy.key, message.message_id,
+                 busy.place, busy.line)
+    try:
+        waiting.park(broker, message, busy.key, busy, first_ms, opts.max_wait)
+    except Exception:
+        logger.exception("Could not park message %s; failing it instead.", message.message_id)
+        message.fail()
+        return
+    mark_skipped(message)
 
 
 def send_back(

@@ -78,13 +78,15 @@ class Run:
     """
 
     __slots__ = ("coroutine_running", "end_deferred", "injected", "key", "lease", "lock", "lost_reason",
-                 "release_tried", "released", "state", "thread_id", "token")
+                 "release_tried", "released", "state", "thread_id", "token", "waiter")
 
     def __init__(self, key: str, token: str, thread_id: int) -> None:
         self.key = key
         self.token = token
         self.thread_id = thread_id
         self.lease: Lease | None = None
+        # Its id in the key's line, if it waited there (see dramatiq_leases.core.line).
+        self.waiter: str | None = None
         self.lock = threading.Lock()
         self.state = READY
         self.lost_reason: LostReason | None = None

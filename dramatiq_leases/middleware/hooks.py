@@ -19,12 +19,12 @@ from ..core.client import client_from_url
 from ..core.errors import LeaseConfigError, LeaseKeyError
 from ..core.heartbeat import Heartbeat
 from ..core.keys import DEFAULT_PREFIX
-from ..core.lease import Busy, Lease, new_token
+from ..core.lease import Busy, Lease, Wait, new_token
 from ..core.store import Leases
 from ..exposition import WorkerExposition
 from ..metrics import LeaseMetrics, PrometheusMetrics
 from .backoff import DEFAULT_MAX_BACKOFF, DEFAULT_MIN_BACKOFF
-from .busy import RoutineSkipFilter, on_busy, send_back
+from .busy import RoutineSkipFilter, gives_up, on_busy, send_back
 from .declarations import Declarations
 from .errors import LeaseOptionError
 from .guard import Run
@@ -39,6 +39,7 @@ from .options import (
     Options,
 )
 from .runs import Runs
+from .waiting import LINE_OPTION, MAX_IN_PLACE, PARK_MS, READY_PER_KEY, Waiting, waiter_id
 
 __all__ = ["LeaseMiddleware"]
 
@@ -129,6 +130,7 @@ class LeaseMiddleware(Middleware):
         self.metrics = metrics if metrics is not None else PrometheusMetrics()
         self.heartbeat = Heartbeat(self.leases, metrics=self.metrics)
         self.runs = Runs(self.leases, self.heartbeat, self.metrics)
+        self.waiting = Waiting(self.leases, self.metrics)
         self._exposition = WorkerExposition(metrics_endpoint)
         self._booted = False
         self._host = socket.gethostname()
@@ -168,11 +170,21 @@ class LeaseMiddleware(Middleware):
             self.metrics.declare({"actor": actor_name, "queue": actor.queue_name})
 
     def after_worker_boot(self, broker: dramatiq.Broker, worker: dramatiq.Worker) -> None:
-        """Start the heartbeat here, on a thread no asynchronous exception can reach."""
+        """Start the heartbeat and the line's listener here, on threads no asynchronous exception can reach."""
         self.heartbeat.start()
+        self.waiting.boot(broker, worker.worker_threads)
+
+    def before_worker_shutdown(self, broker: dramatiq.Broker, worker: dramatiq.Worker) -> None:
+        """Wake the threads waiting in place: they park their messages instead of holding up the shutdown."""
+        self.waiting.shutdown()
+
+    def before_delay_message(self, broker: dramatiq.Broker, message: Any) -> None:
+        """A parked copy reached this process's delay queue: register it with its line."""
+        self.waiting.on_delay(message)
 
     def before_enqueue(self, broker: dramatiq.Broker, message: dramatiq.Message[Any], delay: int | None) -> None:
         """Refuse, at send time, a message whose options are invalid or whose key cannot be rendered."""
+        self.waiting.on_enqueue(message)
         self.declarations.check_message(broker, message)
 
     # Processing -------------------------------------------------------------
@@ -181,6 +193,7 @@ class LeaseMiddleware(Middleware):
         """Acquire (or adopt) the message's lease, or send the message back and skip it."""
         # Until a lease is registered below, the guarded actor refuses to run in this thread.
         self.runs.pending()
+        self.waiting.forget_thread()
         try:
             template = self.declarations.template(message.actor_name, message.options)
         except LeaseOptionError as e:
@@ -206,29 +219,49 @@ class LeaseMiddleware(Middleware):
         # after-hooks release by this token (an owner-checked no-op if nothing was granted).
         run = Run(key, new_token(), threading.get_ident())
         self.runs.register(run)
-        started = time.monotonic()
         max_hold = self.declarations.max_hold(opts, message, actor)
-        try:
-            result = self._acquire(run, key, opts, max_hold, meta, message.options)
-        except Exception as e:
-            # Fail closed: no lease, no run.
-            self.metrics.acquire(meta, "error", time.monotonic() - started)
-            self.metrics.redis_error("acquire")
-            logger.warning("Could not acquire lease %r for message %s: %s. Retrying later.", key, message.message_id, e)
-            send_back(broker, message, opts, count_attempt=False)
-            raise SkipMessage(f"lease {key!r} unavailable: {e}") from None
-
-        if isinstance(result, Busy):
-            self.runs.not_granted()
+        waiter = waiter_id(message)
+        first = int(message.options.get(FIRST_ATTEMPT_OPTION) or 0)
+        in_place = 0.0
+        while True:
+            may_wait = in_place < MAX_IN_PLACE and self.waiting.may_wait_in_place()
+            started = time.monotonic()
+            try:
+                result = self._acquire(run, key, opts, max_hold, meta, message.options, waiter, first, may_wait)
+            except Exception as e:
+                # Fail closed: no lease, no run.
+                self.metrics.acquire(meta, "error", time.monotonic() - started)
+                self.metrics.redis_error("acquire")
+                logger.warning("Could not acquire lease %r for message %s: %s. Retrying later.", key,
+                               message.message_id, e)
+                send_back(broker, message, opts, count_attempt=False)
+                raise SkipMessage(f"lease {key!r} unavailable: {e}") from None
+            if isinstance(result, Lease):
+                break
             self.metrics.acquire(meta, "busy", time.monotonic() - started)
-            on_busy(broker, message, opts, result, meta, self.metrics)
+            first = first or result.now_ms
+            if result.wait is Wait.IN_PLACE and not gives_up(opts, first, result.now_ms) and not self.waiting.stopping:
+                block_ms = result.block_ms
+                if opts.max_wait is not None:  # wake up in time to give up
+                    block_ms = max(1, min(block_ms, first + opts.max_wait - result.now_ms))
+                started = time.monotonic()
+                self.waiting.wait_in_place(key, waiter, block_ms)
+                in_place += time.monotonic() - started
+                continue
+            self.runs.not_granted()
+            on_busy(broker, message, opts, result, meta, self.metrics, self.waiting, first)
             raise SkipMessage(f"lease {key!r} is busy")
 
+        if first:
+            run.waiter = waiter  # it waited in the line: remembered as having run when released
         self.runs.granted(run, result)
         self.metrics.acquire(meta, "acquired", time.monotonic() - started)
+        if result.handoff is not None:
+            self.metrics.handoff(meta, result.handoff)
         # The wait clock belongs to this delivery: a retry of it (Retries) starts a new one.
-        first = message.options.pop(FIRST_ATTEMPT_OPTION, None)
+        message.options.pop(FIRST_ATTEMPT_OPTION, None)
         message.options.pop(ATTEMPTS_OPTION, None)
+        message.options.pop(LINE_OPTION, None)
         self.metrics.wait(meta, max(0.0, result.acquired_at - first / 1000) if first else 0.0)
         logger.debug("Acquired lease %r (fence %d) for message %s.", key, result.fence, message.message_id)
 
@@ -240,7 +273,7 @@ class LeaseMiddleware(Middleware):
         raise SkipMessage(str(error)) from None
 
     def _acquire(self, run: Run, key: str, opts: Options, max_hold: int | None, meta: dict[str, str],
-                 options: dict[str, Any]) -> Lease | Busy:
+                 options: dict[str, Any], waiter: str, first: int, may_wait: bool) -> Lease | Busy:
         handed = options.get(LEASE_OPTION)
         if isinstance(handed, dict) and handed.get("key") == key and handed.get("token"):
             adopted = self.leases.adopt(key, handed["token"], opts.ttl, interval=opts.renew_interval,
@@ -249,7 +282,8 @@ class LeaseMiddleware(Middleware):
                 return adopted
             logger.info("Lease %r handed over with the message has ended; acquiring anew.", key)
         return self.leases.try_acquire(key, opts.ttl, interval=opts.renew_interval, max_hold=max_hold, meta=meta,
-                                       token=run.token)
+                                       token=run.token, waiter=waiter, first_ms=first, may_wait=may_wait,
+                                       ready=READY_PER_KEY, park_ms=PARK_MS)
 
     def after_process_message(
         self, broker: dramatiq.Broker, message: Any, *, result: Any = None, exception: BaseException | None = None

@@ -143,7 +143,8 @@ class Runs:
         first_try = not run.release_tried
         run.release_tried = True
         try:
-            released = self.leases.release_token(run.key, run.token, fence=lease.fence if lease else None)
+            released = self.leases.release_token(run.key, run.token, fence=lease.fence if lease else None,
+                                                 waiter=run.waiter)
         except Exception as e:
             run.released = True
             self.metrics.redis_error("release")

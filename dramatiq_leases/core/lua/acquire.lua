@@ -13,7 +13,7 @@
 -- waiter's wake list for block_ms), 2 park, 3 ask again soon (a place to
 -- wait in but no thread for it), 4 this waiter already ran (a duplicate).
 -- The line is a sorted set of waiters by first attempt; a free key goes to
--- its head only. Entries are "state deadline holder": p parked, m promoted
+-- its head only. Entries are "state deadline holder actor": p parked, m promoted
 -- (asked to come back), r waiting in place; one past its deadline has
 -- vanished and loses its place.
 local MAX_MS = 1000000000000
@@ -30,7 +30,7 @@ local token, waiter = ARGV[1], ARGV[6]
 local ttl = whole(ARGV[2], 1, MAX_MS)
 local max_hold = whole(ARGV[3], 0, MAX_MS)
 local interval = whole(ARGV[4], 0, MAX_MS)
-local first = whole(ARGV[7], 0, MAX_MS)
+local first = whole(ARGV[7], 0, 10000000000000)
 local mode = whole(ARGV[8], 0, 2)
 local ready = whole(ARGV[9], 0, 1000)
 local park_ms = whole(ARGV[10], 1, MAX_MS)
@@ -54,11 +54,11 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local function entry(w)
   local e = redis.call('HGET', KEYS[4], w)
   if not e then return nil end
-  local state, deadline, holder = string.match(e, '^(%a) (%d+) ?(.*)$')
-  return {state = state, deadline = tonumber(deadline), holder = holder}
+  local state, deadline, holder, actor = string.match(e, '^(%a) (%d+) (%S*) ?(.*)$')
+  return {state = state, deadline = tonumber(deadline), holder = holder, actor = actor}
 end
-local function put(w, state, deadline, holder)
-  redis.call('HSET', KEYS[4], w, state .. ' ' .. deadline .. ' ' .. (holder or ''))
+local function put(w, state, deadline, holder, actor)
+  redis.call('HSET', KEYS[4], w, state .. ' ' .. deadline .. ' ' .. holder .. ' ' .. actor)
 end
 -- Drop vanished waiters from the head; bounded work per call.
 local function head()
@@ -79,7 +79,7 @@ local function promote()
   for _, w in ipairs(redis.call('ZRANGE', KEYS[3], 0, math.max(ready, 1) - 1)) do
     local e = entry(w)
     if e and e.state == 'p' then
-      put(w, 'm', now + PROMOTE_MS, e.holder)
+      put(w, 'm', now + PROMOTE_MS, e.holder, e.actor)
       if e.holder ~= '' then redis.call('PUBLISH', e.holder, w) end
     end
   end
@@ -150,6 +150,8 @@ redis.call('ZADD', KEYS[3], 'NX', first > 0 and first or now, waiter)
 local rank = redis.call('ZRANK', KEYS[3], waiter)
 local mine = entry(waiter)
 local holder = mine and mine.holder or ''
+local actor = ''
+for i = 12, #ARGV - 1, 2 do if ARGV[i] == 'actor' then actor = string.gsub(ARGV[i + 1], '%s', '_') end end
 local action, block = 2, 0
 if rank < ready and mode == 2 then
   -- Wait in place until woken: by a release, at the holder's TTL, or when
@@ -158,12 +160,12 @@ if rank < ready and mode == 2 then
   if not held and first_entry then until_ms = first_entry.deadline end
   block = math.min(BLOCK_MAX_MS, math.max(50, until_ms - now + 50))
   action = 1
-  put(waiter, 'r', now + block + READY_SLACK_MS, holder)
+  put(waiter, 'r', now + block + READY_SLACK_MS, holder, actor)
 elseif rank < ready then
   action = 3
-  put(waiter, 'm', now + PROMOTE_MS, holder)
+  put(waiter, 'm', now + PROMOTE_MS, holder, actor)
 else
-  put(waiter, 'p', now + park_ms + PROMOTE_MS, holder)
+  put(waiter, 'p', now + park_ms + PROMOTE_MS, holder, actor)
 end
 if not held and first_entry and first_waiter ~= waiter then
   -- A free key whose head is elsewhere: make sure the head knows.

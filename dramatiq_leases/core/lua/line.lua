@@ -32,8 +32,8 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local function entry(w)
   local e = redis.call('HGET', KEYS[3], w)
   if not e then return nil end
-  local state, deadline, h = string.match(e, '^(%a) (%d+) ?(.*)$')
-  return {state = state, deadline = tonumber(deadline), holder = h}
+  local state, deadline, h, actor = string.match(e, '^(%a) (%d+) (%S*) ?(.*)$')
+  return {state = state, deadline = tonumber(deadline), holder = h, actor = actor}
 end
 local out = {}
 for i = 6, #ARGV do
@@ -55,10 +55,10 @@ for i = 6, #ARGV do
     elseif e.state == 'r' then
       out[#out + 1] = 'r'
     elseif e.state == 'm' then
-      redis.call('HSET', KEYS[3], w, 'm ' .. e.deadline .. ' ' .. holder)
+      redis.call('HSET', KEYS[3], w, 'm ' .. e.deadline .. ' ' .. holder .. ' ' .. e.actor)
       out[#out + 1] = 'm'
     else
-      redis.call('HSET', KEYS[3], w, 'p ' .. (now + park_ms + PROMOTE_MS) .. ' ' .. holder)
+      redis.call('HSET', KEYS[3], w, 'p ' .. (now + park_ms + PROMOTE_MS) .. ' ' .. holder .. ' ' .. e.actor)
       out[#out + 1] = 'p'
     end
   end
@@ -80,7 +80,7 @@ if redis.call('EXISTS', KEYS[2]) == 1 then
         redis.call('LPUSH', list, 1)
         redis.call('PEXPIRE', list, WAKE_TTL_MS)
       elseif e and e.state == 'p' then
-        redis.call('HSET', KEYS[3], w, 'm ' .. (now + PROMOTE_MS) .. ' ' .. e.holder)
+        redis.call('HSET', KEYS[3], w, 'm ' .. (now + PROMOTE_MS) .. ' ' .. e.holder .. ' ' .. e.actor)
         if e.holder ~= '' then redis.call('PUBLISH', e.holder, w) end
         -- The caller may hold it: its reply says so below.
         for j = 6, #ARGV do if ARGV[j] == w and out[j - 5] == 'p' then out[j - 5] = 'm' end end

@@ -35,8 +35,8 @@ if redis.call('EXISTS', KEYS[3]) == 0 then return 1 end
 local function entry(w)
   local e = redis.call('HGET', KEYS[4], w)
   if not e then return nil end
-  local state, deadline, holder = string.match(e, '^(%a) (%d+) ?(.*)$')
-  return {state = state, deadline = tonumber(deadline), holder = holder}
+  local state, deadline, holder, actor = string.match(e, '^(%a) (%d+) (%S*) ?(.*)$')
+  return {state = state, deadline = tonumber(deadline), holder = holder, actor = actor}
 end
 -- Vanished waiters at the head lose their place (bounded work per call).
 for _ = 1, 16 do
@@ -54,7 +54,7 @@ for i, w in ipairs(redis.call('ZRANGE', KEYS[3], 0, math.max(ready, 1) - 1)) do
     redis.call('LPUSH', list, 1)
     redis.call('PEXPIRE', list, WAKE_TTL_MS)
   elseif e and e.state == 'p' then
-    redis.call('HSET', KEYS[4], w, 'm ' .. (now + PROMOTE_MS) .. ' ' .. e.holder)
+    redis.call('HSET', KEYS[4], w, 'm ' .. (now + PROMOTE_MS) .. ' ' .. e.holder .. ' ' .. e.actor)
     if e.holder ~= '' then redis.call('PUBLISH', e.holder, w) end
   end
 end

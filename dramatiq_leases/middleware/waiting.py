@@ -1,0 +1,245 @@
+"""How a message waits for its busy key: in place near the head of the line, parked further back.
+
+See :mod:`dramatiq_leases.core.line` for the line itself. A worker process
+keeps here what only it can know: which of its threads wait in place (at most
+half of them), and which parked copies its delay-queue consumers hold. A
+parked copy is an ordinary delayed message, so the broker stays its home: if
+the process dies, the broker hands the copy to another, which registers it.
+Asked back (a promotion on this process's channel, or found so by the check
+every :data:`TEND_INTERVAL`), the copy is taken out of Dramatiq's delay queue
+and sent to its queue at once, as Dramatiq itself does when an ``eta`` passes:
+enqueue the message, then acknowledge the delayed copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import logging
+import threading
+import time
+import uuid
+from collections import defaultdict
+from typing import Any
+
+import dramatiq
+from dramatiq.common import current_millis, q_name
+
+from ..core.lease import Busy
+from ..core.metrics import LeaseMetrics
+from ..core.store import Leases
+from .options import ATTEMPTS_OPTION, FIRST_ATTEMPT_OPTION
+
+logger = logging.getLogger(__name__)
+
+#: Message option of a parked copy: the lease key it waits for.
+LINE_OPTION = "lease_line"
+
+#: How many waiters of one key wait in place, each holding a worker thread, so
+#: that the next one starts the moment the key is released.
+READY_PER_KEY = 2
+
+#: How long a parked copy stays away at most (ms) if nobody asks it back.
+PARK_MS = 300_000
+
+#: How often a process checks the places of the copies it holds parked (s):
+#: a promotion missed on the channel is acted on within this time.
+TEND_INTERVAL = 5.0
+
+#: The longest one delivery waits in place (s) before it parks instead: well
+#: below Dramatiq's default time limit, which counts this wait.
+MAX_IN_PLACE = 60.0
+
+
+def waiter_id(message: Any) -> str:
+    """A message's id in the line: its id and retry count (a retry is a new waiter; a copy is not)."""
+    return f"{message.message_id}:{message.options.get('retries', 0)}"
+
+
+class _Parked:
+    __slots__ = ("consumer", "key", "proxy")
+
+    def __init__(self, consumer: Any, proxy: Any, key: str) -> None:
+        self.consumer = consumer
+        self.proxy = proxy
+        self.key = key
+
+
+class Waiting:
+    """The waits of one worker process.
+
+    Parameters:
+      leases: the lease store (its lines).
+      metrics: where waits are reported.
+    """
+
+    def __init__(self, leases: Leases, metrics: LeaseMetrics) -> None:
+        self.leases = leases
+        self.metrics = metrics
+        self.channel = ""
+        self.cap = 1
+        self._parked: dict[str, _Parked] = {}
+        self._in_place: dict[int, tuple[str, str]] = {}
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._broker: dramatiq.Broker | None = None
+
+    # Lifecycle ---------------------------------------------------------------
+
+    def boot(self, broker: dramatiq.Broker, worker_threads: int) -> None:
+        """Start listening for promotions; at most half the worker threads may wait in place."""
+        self._broker = broker
+        self.cap = max(1, worker_threads // 2)
+        self.channel = f"{self.leases.prefix}:promote:{uuid.uuid4().hex}"
+        self._stop.clear()
+        self._threads = [
+            threading.Thread(target=self._listen, name="dramatiq-leases-line-listener", daemon=True),
+            threading.Thread(target=self._tend_loop, name="dramatiq-leases-line-tender", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def shutdown(self) -> None:
+        """Wake the threads waiting in place (they park their messages) and stop listening."""
+        self._stop.set()
+        for key, waiter in list(self._in_place.values()):
+            try:
+                self.leases.wake(key, waiter)
+            except Exception as e:
+                logger.warning("Could not wake a waiter of %r at shutdown: %s", key, e)
+
+    @property
+    def stopping(self) -> bool:
+        """Whether this process is shutting down (nothing new waits in place)."""
+        return self._stop.is_set()
+
+    # Worker threads ------------------------------------------------------------
+
+    def may_wait_in_place(self) -> bool:
+        """Whether one more thread of this process may wait in place."""
+        return not self._stop.is_set() and len(self._in_place) < self.cap
+
+    def wait_in_place(self, key: str, waiter: str, block_ms: int) -> None:
+        """Block this worker thread until ``waiter`` is woken or ``block_ms`` passed."""
+        thread_id = threading.get_ident()
+        self._in_place[thread_id] = (key, waiter)  # one store: safe if interrupted
+        try:
+            self.leases.wait_turn(key, waiter, block_ms)
+        finally:
+            self._in_place.pop(thread_id, None)
+
+    def forget_thread(self) -> None:
+        """Drop this thread's in-place record, had an interruption left it behind."""
+        self._in_place.pop(threading.get_ident(), None)
+
+    def park(self, broker: dramatiq.Broker, message: Any, key: str, busy: Busy, first_ms: int,
+             max_wait: int | None) -> None:
+        """Send ``message`` to the delay queue as the parked copy of its waiter (raises if the broker fails)."""
+        delay = PARK_MS
+        if max_wait is not None:
+            # Back at the end of the wait budget at the latest, to give up in time.
+            delay = max(1, min(delay, first_ms + max_wait - busy.now_ms))
+        attempts = int(message.options.get(ATTEMPTS_OPTION, 0)) + 1
+        options = {ATTEMPTS_OPTION: attempts, FIRST_ATTEMPT_OPTION: first_ms, LINE_OPTION: key}
+        broker.enqueue(message.copy(options=options), delay=delay)
+
+    # Delay-queue consumers -----------------------------------------------------
+
+    def on_delay(self, message: Any) -> None:
+        """A parked copy reached this process's delay queue: register it, or send it back at once."""
+        key = message.options.get(LINE_OPTION)
+        if not isinstance(key, str) or not self.channel:
+            return
+        waiter = waiter_id(message)
+        try:
+            [state] = self.leases.hold(key, [waiter], self.channel, park_ms=PARK_MS, ready=READY_PER_KEY)
+        except Exception as e:
+            logger.warning("Could not register the parked copy of message %s: %s; it comes back by itself.",
+                           message.message_id, e)
+            return
+        if state in ("p", "r"):
+            self._parked[waiter] = _Parked(threading.current_thread(), message, key)
+        else:
+            message.options["eta"] = current_millis()  # read by Dramatiq right after this hook: back at once
+
+    def on_enqueue(self, message: Any) -> None:
+        """A parked copy leaves the delay queue by itself (its ``eta`` passed): it is no longer held here."""
+        if LINE_OPTION in message.options and "eta" not in message.options:
+            self._parked.pop(waiter_id(message), None)
+
+    def unpark(self, waiter: str) -> bool:
+        """Send the parked copy of ``waiter`` held here to its queue now; ``False`` if it is not here."""
+        parked = self._parked.pop(waiter, None)
+        if parked is None or self._broker is None:
+            return False
+        delay_queue = getattr(parked.consumer, "delay_queue", None)
+        if delay_queue is None:
+            return False
+        item = None
+        for _ in range(5):  # Dramatiq takes an item out for a moment to look at its eta
+            with delay_queue.mutex:
+                for i, candidate in enumerate(delay_queue.queue):
+                    if getattr(candidate, "message", None) is parked.proxy:
+                        item = delay_queue.queue.pop(i)
+                        heapq.heapify(delay_queue.queue)
+                        break
+            if item is not None:
+                break
+            time.sleep(0.002)
+        if item is None:
+            return False  # already on its way back
+        fresh = parked.proxy.copy(queue_name=q_name(parked.proxy.queue_name))
+        fresh.options.pop("eta", None)
+        try:
+            self._broker.enqueue(fresh)
+        except Exception as e:
+            logger.warning("Could not send the parked copy of message %s back: %s; it comes back by itself.",
+                           parked.proxy.message_id, e)
+            delay_queue.put(item)
+            delay_queue.task_done()
+            self._parked[waiter] = parked
+            return False
+        parked.consumer.post_process_message(parked.proxy)  # acknowledge the delayed copy, as Dramatiq does
+        delay_queue.task_done()
+        return True
+
+    # Heartbeat-like threads ---------------------------------------------------------
+
+    def _listen(self) -> None:
+        while not self._stop.is_set():
+            pubsub = None
+            try:
+                pubsub = self.leases.client.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
+                pubsub.subscribe(self.channel)
+                self.tend()  # whatever was missed while not subscribed
+                while not self._stop.is_set():
+                    event = pubsub.get_message(timeout=1.0)
+                    if event is not None and event.get("type") == "message":
+                        data = event["data"]
+                        self.unpark(data.decode() if isinstance(data, bytes) else str(data))
+            except Exception as e:
+                if not self._stop.is_set():
+                    logger.warning("Line listener lost its connection (%s); reconnecting.", e)
+                    self._stop.wait(0.5)
+            finally:
+                if pubsub is not None:
+                    with contextlib.suppress(Exception):
+                        pubsub.close()
+
+    def _tend_loop(self) -> None:
+        while not self._stop.wait(TEND_INTERVAL):
+            try:
+                self.tend()
+            except Exception as e:
+                logger.warning("Could not check the parked copies of this process: %s", e)
+
+    def tend(self) -> None:
+        """Check every parked copy held here; send back those whose turn came, that ran, or that lost their place."""
+        by_key: dict[str, list[str]] = defaultdict(list)
+        for waiter, parked in list(self._parked.items()):
+            by_key[parked.key].append(waiter)
+        for key, waiters in by_key.items():
+            states = self.leases.hold(key, waiters, self.channel, park_ms=PARK_MS, ready=READY_PER_KEY)
+            for waiter, state in zip(waiters, states):
+                if state in ("m", "x", "d"):
+                    self.unpark(waiter)
