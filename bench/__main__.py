@@ -15,7 +15,16 @@ import redis
 
 from dramatiq_leases.embedded import EmbeddedRedis
 
-from . import fig1_uncontended, fig2_heartbeat, fig3_throughput, fig4_handoff, fig5_crash, profiling, report
+from . import (
+    fig1_uncontended,
+    fig2_heartbeat,
+    fig3_throughput,
+    fig4_handoff,
+    fig5_crash,
+    fig6_line,
+    profiling,
+    report,
+)
 from .common import (
     Context,
     FigureResult,
@@ -35,6 +44,7 @@ FIGURES: dict[str, ModuleType] = {
     "3": fig3_throughput,
     "4": fig4_handoff,
     "5": fig5_crash,
+    "6": fig6_line,
     "profile": profiling,
 }
 
@@ -48,7 +58,7 @@ LAST_RUN = LOG_DIR / "last-run.pickle"
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="smoke run: fewer samples, < 60 s")
-    parser.add_argument("--only", default="", help="comma-separated figures to run: 1,2,3,4,5,profile")
+    parser.add_argument("--only", default="", help="comma-separated figures to run: 1,2,3,4,5,6,profile")
     parser.add_argument(
         "--docs",
         action=argparse.BooleanOptionalAction,

@@ -16,8 +16,13 @@ Configured through the environment, so one module serves every figure:
   the backoff pair also sets Retries' ``min_backoff``/``max_backoff`` in
   ``crl`` mode, so both wait the same way. Unset: LeaseMiddleware's defaults
   (:mod:`bench.defaults`; the ``raw`` and ``crl`` no-op locks use its TTL too).
+``BENCH_MAX_RETRIES``
+  Retries' ``max_retries`` (Dramatiq's 20 if unset): in ``crl`` mode every
+  busy attempt is a retry, so a long wait needs more.
+``BENCH_COUNT_ENQUEUES``
+  ``1``: count every enqueue per message id (:mod:`bench.enqueues`).
 
-Jobs log ``{"actor", "key", "start", "end", "pid", "attempts"}`` as JSON to
+Jobs log ``{"actor", "key", "start", "end", "pid", "attempts", "message_id"}`` as JSON to
 the Redis list ``bench:log`` (:data:`bench.names.LOG_KEY`); ``start`` and ``end`` are ``time.time()``,
 comparable across processes of one machine.
 """
@@ -40,6 +45,7 @@ from dramatiq.rate_limits.backends import RedisBackend
 from dramatiq_leases.metrics import NULL_METRICS
 
 from .defaults import TTL_MS as DEFAULT_TTL_MS
+from .enqueues import EnqueueCounter
 from .names import HOLD_QUEUE, LOG_KEY, PROBE_QUEUE, THROUGHPUT_QUEUE
 
 URL = os.environ.get("BENCH_REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -50,18 +56,22 @@ if MODE not in MODES:
 LEASES = MODE.startswith("leases")
 
 
-def _env_ms(name: str) -> int | None:
+def _env_int(name: str) -> int | None:
     value = os.environ.get(name)
     return int(value) if value else None
 
 
-TTL = _env_ms("BENCH_TTL")
-BACKOFF_MIN = _env_ms("BENCH_BACKOFF_MIN")
-BACKOFF_MAX = _env_ms("BENCH_BACKOFF_MAX")
+TTL = _env_int("BENCH_TTL")
+BACKOFF_MIN = _env_int("BENCH_BACKOFF_MIN")
+BACKOFF_MAX = _env_int("BENCH_BACKOFF_MAX")
+MAX_RETRIES = _env_int("BENCH_MAX_RETRIES")
 
 _middleware: list[Any] = [m() for m in default_middleware if m is not Retries]
 # In crl mode Retries is the only backoff there is; give it ours so the comparison is like for like.
-_middleware.append(Retries(min_backoff=BACKOFF_MIN, max_backoff=BACKOFF_MAX) if MODE == "crl" else Retries())
+_retry_options: dict[str, Any] = {"max_retries": MAX_RETRIES} if MAX_RETRIES is not None else {}
+if MODE == "crl":
+    _retry_options.update(min_backoff=BACKOFF_MIN, max_backoff=BACKOFF_MAX)
+_middleware.append(Retries(**_retry_options))
 _middleware.append(CurrentMessage())
 broker = RedisBroker(url=URL, middleware=_middleware)
 if LEASES:
@@ -78,6 +88,8 @@ if LEASES:
 dramatiq.set_broker(broker)
 
 _log = redis.Redis.from_url(URL)
+if os.environ.get("BENCH_COUNT_ENQUEUES") == "1":
+    broker.add_middleware(EnqueueCounter(_log))
 _mutex_backend = RedisBackend(client=_log)
 _raw_release = _log.register_script(
     "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
@@ -97,6 +109,11 @@ def _attempts() -> int:
     return int(message.options.get("lease_busy_attempts", 0) or message.options.get("retries", 0))
 
 
+def _message_id() -> str | None:
+    message = CurrentMessage.get_current_message()
+    return None if message is None else str(message.message_id)
+
+
 def _record(actor: str, key: str, start: float, end: float | None) -> None:
     _log.rpush(
         LOG_KEY,
@@ -108,6 +125,7 @@ def _record(actor: str, key: str, start: float, end: float | None) -> None:
                 "end": end,
                 "pid": os.getpid(),
                 "attempts": _attempts(),
+                "message_id": _message_id(),
             }
         ),
     )

@@ -17,16 +17,12 @@ timeout show how much of the gap is Dramatiq's.
 
 from __future__ import annotations
 
-import itertools
-import time
 from dataclasses import dataclass
 from typing import Any
 
 from .common import Context, FigureResult, Goal, median, percentile, table
 from .defaults import DEFAULT_BACKOFF, PREVIOUS_BACKOFF, fmt_ms
-from .names import HOLD_QUEUE
-from .peers import cleanup
-from .workers import WorkerGroup, producer, reset_broker, send, wait_log, wait_ready
+from .holds import run_holds
 
 GOAL_RATIO = 1.3
 
@@ -50,34 +46,20 @@ class Setting:
 
 
 def _once(ctx: Context, setting: Setting, k: int, job_ms: int, timeout: float) -> dict[str, Any]:
-    client = ctx.client()
-    reset_broker(client)
-    cleanup(client)
     env = {
         "BENCH_MODE": setting.mode,
         "BENCH_BACKOFF_MIN": str(setting.backoff[0]),
         "BENCH_BACKOFF_MAX": str(setting.backoff[1]),
         "dramatiq_worker_timeout": str(setting.worker_timeout),
     }
-    with WorkerGroup(ctx.url, env, processes=2, threads=8, name=f"fig4-{setting.mode}") as group:
-        wait_ready(client, 2, group=group)
-        broker = producer(ctx.url)
-        t0 = time.time()
-        for _ in range(k):
-            send(broker, HOLD_QUEUE, "hold", "handoff", job_ms)
-        records = wait_log(client, lambda rs: sum(1 for r in rs if r["end"]) >= k, timeout)
-        broker.close()
-    done = sorted((r for r in records if r["end"]), key=lambda r: r["start"])
-    cleanup(client)
-    client.close()
-    gaps = [b["start"] - a["end"] for a, b in itertools.pairwise(done)]
+    run = run_holds(ctx, env, k, job_ms, timeout, name=f"fig4-{setting.mode}")
     return {
-        "completed": len(done),
-        "makespan": (max(r["end"] for r in done) - t0) if done else float("nan"),
-        "first_start": (done[0]["start"] - t0) if done else float("nan"),
-        "gaps_ms": [g * 1000 for g in gaps],
-        "overlaps": sum(1 for g in gaps if g < 0),
-        "retries": [r["attempts"] for r in done],
+        "completed": len(run.done),
+        "makespan": run.makespan,
+        "first_start": run.first_start,
+        "gaps_ms": run.gaps_ms,
+        "overlaps": run.overlaps,
+        "retries": [r["attempts"] for r in run.done],
     }
 
 

@@ -7,3 +7,6 @@ LOG_KEY = "bench:log"
 THROUGHPUT_QUEUE = "bench-tp"
 HOLD_QUEUE = "bench-hold"
 PROBE_QUEUE = "bench-probe"
+
+#: Redis hash of enqueues per message id, when counted (:mod:`bench.enqueues`).
+ENQUEUES_KEY = "bench:enqueues"

@@ -20,7 +20,7 @@ HEADER = """# Benchmarks
 pip install -e . -r bench/requirements.txt  # the peer libraries, matplotlib, py-spy
 python -m bench             # full run, ~{minutes} min here: prints the tables, rewrites this file and the PNG
 python -m bench --quick     # smoke run, < 60 s: prints the tables, writes nothing (--docs to write)
-python -m bench --only 1,4  # some figures only (1-5, profile); --json FILE keeps the raw results
+python -m bench --only 1,4  # some figures only (1-6, profile); --json FILE keeps the raw results
 python -m bench --only 1 --merge  # re-run a figure that load disturbed, into the last full run's doc
 ```
 
@@ -159,7 +159,7 @@ def chart(results: Sequence[FigureResult], path: Path) -> bool:
     except ImportError:
         return False
     by_key = {r.key: r for r in results}
-    panels = [k for k in ("fig1", "fig2", "fig3", "fig4", "fig5") if k in by_key]
+    panels = [k for k in ("fig1", "fig2", "fig3", "fig4", "fig5", "fig6") if k in by_key]
     if not panels:
         return False
     cols = 2 if len(panels) > 1 else 1
@@ -296,4 +296,45 @@ def _fig5(ax: Any, data: dict[str, Any]) -> None:
     ax.legend(fontsize=8, loc="lower right")
 
 
-_PANELS = {"fig1": _fig1, "fig2": _fig2, "fig3": _fig3, "fig4": _fig4, "fig5": _fig5}
+def _fig6(ax: Any, data: dict[str, Any]) -> None:
+    short = [r for r in data["runs"] if r["job_ms"] < 1000]
+    job_ms = short[0]["job_ms"] if short else 0
+    for mode, name, color in (("leases", "ours", "#d62728"), ("crl", "CRL + Retries", "#7f7f7f")):
+        runs = sorted((r for r in short if r["mode"] == mode), key=lambda r: r["k"])
+        if not runs:
+            continue
+        ks = [r["k"] for r in runs]
+        ax.plot(
+            ks,
+            [r["ratio"] for r in runs],
+            marker="o",
+            color=color,
+            linewidth=3 if mode == "leases" else 1,
+            label=f"{name} ({job_ms} ms jobs)",
+        )
+        for r in runs:  # how often the broker carried each message, beside its point
+            ax.annotate(
+                f"{r['enqueues_mean']:.1f} enq/msg",
+                (r["k"], r["ratio"]),
+                fontsize=7,
+                textcoords="offset points",
+                xytext=(4, 4),
+            )
+    for r in data["runs"]:
+        if r["job_ms"] >= 1000:
+            ax.scatter(
+                [r["k"]],
+                [r["ratio"]],
+                marker="s",
+                color="#d62728" if r["mode"] == "leases" else "#7f7f7f",
+                label=f"{'ours' if r['mode'] == 'leases' else 'CRL + Retries'} ({r['job_ms'] / 1000:g} s jobs)",
+            )
+    ax.axhline(data["goal_ratio"], color="green", linestyle=":", linewidth=1, label=f"goal {data['goal_ratio']}x")
+    ax.set_xscale("log")
+    ax.set_xlabel("jobs on one key (K)")
+    ax.set_ylabel("makespan / (K x job)")
+    ax.set_title("6. Wait line: K jobs on one key, sent at once (2 x 8 workers)", fontsize=10)
+    ax.legend(fontsize=7)
+
+
+_PANELS = {"fig1": _fig1, "fig2": _fig2, "fig3": _fig3, "fig4": _fig4, "fig5": _fig5, "fig6": _fig6}

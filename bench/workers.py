@@ -21,7 +21,8 @@ from dramatiq.brokers.redis import RedisBroker
 
 from dramatiq_leases.embedded import free_port
 
-from .names import LOG_KEY
+from .enqueues import EnqueueCounter
+from .names import ENQUEUES_KEY, LOG_KEY
 
 #: The repository root: workers run there so ``bench.app`` imports.
 ROOT = Path(__file__).resolve().parent.parent
@@ -119,8 +120,8 @@ class WorkerGroup:
 
 
 def reset_broker(client: redis.Redis) -> None:
-    """Delete the broker's queues, acks, heartbeats and the job log, so a run starts clean."""
-    names = [*list(client.scan_iter(match=f"{NAMESPACE}:*", count=1000)), LOG_KEY]
+    """Delete the broker's queues, acks, heartbeats, the job log and enqueue counts, so a run starts clean."""
+    names = [*list(client.scan_iter(match=f"{NAMESPACE}:*", count=1000)), LOG_KEY, ENQUEUES_KEY]
     for i in range(0, len(names), 1000):
         client.delete(*names[i : i + 1000])
 
@@ -136,15 +137,18 @@ def wait_ready(client: redis.Redis, processes: int, timeout: float = 60.0, group
         time.sleep(0.02)
 
 
-def producer(url: str) -> RedisBroker:
-    """A broker for sending only: no middleware, so nothing but the message reaches Redis."""
-    return RedisBroker(url=url, middleware=[])
+def producer(url: str, *, count_enqueues: bool = False) -> RedisBroker:
+    """A broker for sending only: no middleware (but the enqueue counter if asked), so nothing else reaches Redis."""
+    middleware = [EnqueueCounter(redis.Redis.from_url(url))] if count_enqueues else []
+    return RedisBroker(url=url, middleware=middleware)
 
 
-def send(broker: RedisBroker, queue: str, actor: str, *args: Any) -> None:
-    """Enqueue a message for ``actor`` without importing its module (no actor object needed)."""
+def send(broker: RedisBroker, queue: str, actor: str, *args: Any) -> str:
+    """Enqueue a message for ``actor`` without importing its module (no actor object needed); its id."""
     broker.declare_queue(queue)
-    broker.enqueue(dramatiq.Message(queue_name=queue, actor_name=actor, args=args, kwargs={}, options={}))
+    message = dramatiq.Message(queue_name=queue, actor_name=actor, args=args, kwargs={}, options={})
+    broker.enqueue(message)
+    return message.message_id
 
 
 def read_log(client: redis.Redis) -> list[dict[str, Any]]:
@@ -160,3 +164,15 @@ def wait_log(client: redis.Redis, predicate: Any, timeout: float) -> list[dict[s
         if predicate(records) or time.monotonic() > deadline:
             return records
         time.sleep(0.01)
+
+
+def wait_log_length(client: redis.Redis, n: int, timeout: float) -> list[dict[str, Any]]:
+    """Wait until the job log holds ``n`` records; the records (maybe fewer, at the timeout).
+
+    Polls the list's length only, so a long run's log is not parsed over and over
+    on the machine the workers share.
+    """
+    deadline = time.monotonic() + timeout
+    while client.llen(LOG_KEY) < n and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return read_log(client)

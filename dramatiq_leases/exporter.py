@@ -68,6 +68,7 @@ class Snapshot:
     overdue: Tally[Labels] = field(default_factory=Tally)
     leaked: Tally[tuple[str, str, str]] = field(default_factory=Tally)
     oldest: dict[Labels, float] = field(default_factory=dict)
+    waiting: Tally[str] = field(default_factory=Tally)
     leases: list[LeaseInfo] = field(default_factory=list)
 
 
@@ -99,6 +100,7 @@ class LeaseObserver(Collector):
         self.expired: Tally[Labels] = Tally()
         self.scan_errors = 0
         self._labels_seen: set[Labels] = set()
+        self._actors_waiting: set[str] = set()
         self._previous: dict[str, LeaseInfo] = {}
         self._lock = threading.Lock()
 
@@ -108,6 +110,7 @@ class LeaseObserver(Collector):
         try:
             infos = list(self.leases.scan(self.match))
             ended = self._ended_grants(infos)
+            lines = list(self.leases.scan_lines())
         except LeaseUnavailableError:
             with self._lock:
                 self.scan_errors += 1
@@ -124,6 +127,9 @@ class LeaseObserver(Collector):
             acquired = info.acquired_ms / 1000
             if labels not in snap.oldest or acquired < snap.oldest[labels]:
                 snap.oldest[labels] = acquired
+        for line in lines:
+            for actor, count in line.actors.items():
+                snap.waiting[actor] += count
         snap.duration = time.monotonic() - started
         with self._lock:
             for info in ended:
@@ -131,6 +137,7 @@ class LeaseObserver(Collector):
                 self.expired[labels] += 1
                 logger.warning("Lease %r (fence %d) of %s ended by TTL, not released.", info.key, info.fence, labels[0])
             self._labels_seen.update(snap.present)
+            self._actors_waiting.update(snap.waiting)
             self.snapshot = snap
             self._previous = {info.redis_key: info for info in infos}
         return snap
@@ -149,6 +156,7 @@ class LeaseObserver(Collector):
         with self._lock:
             snap, expired, scan_errors = self.snapshot, Tally(self.expired), self.scan_errors
             labels_seen = set(self._labels_seen)
+            actors_waiting = sorted(self._actors_waiting)
         names = ["actor_name", "queue_name"]
         present = GaugeMetricFamily("dramatiq_lease_present", "Leases present in Redis now.", labels=names)
         overdue = GaugeMetricFamily(
@@ -176,7 +184,12 @@ class LeaseObserver(Collector):
             ended.add_metric(list(labels), expired.get(labels, 0))
             if labels in snap.oldest:
                 oldest.add_metric(list(labels), snap.oldest[labels])
-        yield from (present, overdue, leaked, oldest, ended)
+        waiting = GaugeMetricFamily(
+            "dramatiq_lease_waiting", "Messages waiting in the line of a busy key, by actor.", labels=["actor_name"],
+        )
+        for actor in actors_waiting:
+            waiting.add_metric([actor], snap.waiting.get(actor, 0))
+        yield from (present, overdue, leaked, oldest, ended, waiting)
         last = GaugeMetricFamily(
             "dramatiq_lease_exporter_last_scan_timestamp_seconds", "Unix time of the last successful scan."
         )

@@ -48,6 +48,7 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "dramatiq_lease_wait_duration_seconds": ("histogram", WORKER, ACTOR),
     "dramatiq_lease_busy_retries_total": ("counter", WORKER, ACTOR),
     "dramatiq_lease_gave_up_total": ("counter", WORKER, ACTOR),
+    "dramatiq_lease_handoff_duration_seconds": ("histogram", WORKER, ACTOR),
     "dramatiq_lease_held": ("gauge", WORKER, ACTOR),
     "dramatiq_lease_hold_duration_seconds": ("histogram", WORKER, ACTOR),
     "dramatiq_lease_renewals_total": ("counter", WORKER, (*ACTOR, "outcome")),
@@ -59,6 +60,7 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "dramatiq_lease_leaked": ("gauge", FLEET, (*ACTOR, "reason")),
     "dramatiq_lease_expired_total": ("counter", FLEET, ACTOR),
     "dramatiq_lease_oldest_acquired_timestamp_seconds": ("gauge", FLEET, ACTOR),
+    "dramatiq_lease_waiting": ("gauge", FLEET, ("actor_name",)),
     "dramatiq_lease_exporter_last_scan_timestamp_seconds": ("gauge", FLEET, ()),
     "dramatiq_lease_exporter_scan_duration_seconds": ("gauge", FLEET, ()),
 }

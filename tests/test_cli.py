@@ -190,6 +190,26 @@ def test_show_prints_every_field_and_the_fence_counter(
     assert data["holder_deadline"] == data["renewed_at"] + 27.0
 
 
+def test_show_shows_the_line_of_waiters(
+    capsys: pytest.CaptureFixture[str], redis_server: EmbeddedRedis, leases: Leases
+) -> None:
+    lease = acquire(leases, "invoice:2", meta=META)
+    code, out, _ = cli(capsys, redis_server, "show", "invoice:2")
+    assert dict(re.split(r" {2,}", line, maxsplit=1) for line in out.splitlines())["line"] == "empty"
+    server_ms = int(leases.client.time()[0]) * 1000
+    for n, first in ((1, server_ms - 5_000), (2, server_ms - 1_000)):
+        assert not leases.try_acquire("invoice:2", 10_000, meta=META, waiter=f"m{n}:0", first_ms=first)
+    code, out, _ = cli(capsys, redis_server, "show", "invoice:2")
+    line = dict(re.split(r" {2,}", row, maxsplit=1) for row in out.splitlines())["line"]
+    assert re.fullmatch(r"2 waiting \(2 promoted\); head m1:0; oldest waiting [56]\.\ds", line), line
+    code, out, _ = cli(capsys, redis_server, "show", "invoice:2", "--json")
+    assert json.loads(out)["line"]["length"] == 2 and json.loads(out)["line"]["actors"] == {"send_invoice": 2}
+    # Released: the key is free for a moment, its head on its way; show says so rather than "no lease".
+    assert leases.release(lease)
+    code, out, _ = cli(capsys, redis_server, "show", "invoice:2")
+    assert code == 0 and out.startswith("no lease on 'invoice:2' right now; line: 2 waiting"), out
+
+
 def test_show_missing_lease_exits_3(
     capsys: pytest.CaptureFixture[str], redis_server: EmbeddedRedis, leases: Leases
 ) -> None:

@@ -14,9 +14,11 @@ from ..core.errors import LeaseUnavailableError
 from ..core.keys import DEFAULT_PREFIX, validate_key
 from .render import (
     deadline_in,
+    describe_line,
     holder,
     is_lease,
     lease_dict,
+    line_dict,
     overdue_after,
     ttl_left,
     why_refused,
@@ -78,22 +80,31 @@ def cmd_show(leases: Leases, args: argparse.Namespace, out: TextIO) -> int:
     key = validate_key(args.key)
     info = leases.inspect(key)
     fences = leases.fence_state(key)
-    if info is None:
+    line = leases.inspect_line(key)
+    if info is None and not line.length:
         last = f" (the last grant had fence {fences['fence']})" if fences.get("fence") else ""
         raise NotFoundError(f"no lease on {key!r} under prefix {leases.prefix!r}{last}")
+    if info is None:
+        # Free for a moment: its line's head is on its way to take it.
+        if args.json:
+            json.dump({"key": key, "lease": None, "line": line_dict(line), "fence_state": fences}, out, indent=2)
+            out.write("\n")
+        else:
+            out.write(f"no lease on {key!r} right now; line: {describe_line(line)}\n")
+        return EXIT_OK
     problem = _problem(leases, info)
     token = info.token if args.show_token else None
     if args.json:
         data = lease_dict(info, problem)
         data.update(token=token, overdue_after=overdue_after(info), deadline_in=deadline_in(info),
-                    fence_state=fences)
+                    fence_state=fences, line=line_dict(line))
         json.dump(data, out, indent=2)
         out.write("\n")
         return EXIT_OK
     if problem is not None:
         out.write(f"{info.redis_key} is {problem} (TTL left: {ttl_left(info)}).\n")
         return EXIT_OK
-    write_show(info, token, fences, out)
+    write_show(info, token, fences, line, out)
     return EXIT_OK
 
 

@@ -6,6 +6,7 @@ from datetime import datetime, timezone
 from typing import Any, TextIO
 
 from ..core import DeadRelease, LeaseInfo, State, stale_after
+from ..core.reading import LineInfo
 
 
 def format_duration(seconds: float | None) -> str:
@@ -158,7 +159,21 @@ def state_note(info: LeaseInfo) -> str:
             f"it ends by its TTL {expires(info)}, or `release --if-dead` ends it now")
 
 
-def write_show(info: LeaseInfo, token: str | None, fences: dict[str, int], out: TextIO) -> None:
+def describe_line(line: LineInfo) -> str:
+    """``3 waiting (1 in_place, 2 parked); head 5f2c...:0; oldest waiting 12.3s``, or ``empty``."""
+    if not line.length:
+        return "empty"
+    states = ", ".join(f"{n} {state}" for state, n in sorted(line.states.items()))
+    return f"{line.length} waiting ({states}); head {line.head}; oldest waiting {format_duration(line.oldest_wait)}"
+
+
+def line_dict(line: LineInfo) -> dict[str, Any]:
+    """The line of a key for ``--json``."""
+    return {"length": line.length, "head": line.head or None, "oldest_wait": line.oldest_wait,
+            "states": line.states, "actors": line.actors}
+
+
+def write_show(info: LeaseInfo, token: str | None, fences: dict[str, int], line: LineInfo, out: TextIO) -> None:
     """The fields of ``show``, one per line, names aligned; ``token`` is ``None`` when hidden."""
     lines = [
         ("key", info.key),
@@ -181,6 +196,7 @@ def write_show(info: LeaseInfo, token: str | None, fences: dict[str, int], out: 
         *([("adopted", timestamp(info.adopted_ms))] if info.adopted_ms else []),
         ("fence counter", ", ".join(f"last {name} {value}" for name, value in sorted(fences.items()))
          or "none"),
+        ("line", describe_line(line)),
     ]
     width = max(len(name) for name, _ in lines)
     for name, value in lines:

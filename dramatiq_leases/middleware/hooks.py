@@ -222,9 +222,11 @@ class LeaseMiddleware(Middleware):
         max_hold = self.declarations.max_hold(opts, message, actor)
         waiter = waiter_id(message)
         first = int(message.options.get(FIRST_ATTEMPT_OPTION) or 0)
+        if first:
+            meta["first_attempt_ms"] = str(first)
         in_place = 0.0
         while True:
-            may_wait = in_place < MAX_IN_PLACE and self.waiting.may_wait_in_place()
+            may_wait = in_place < MAX_IN_PLACE and self.waiting.reserve(key, waiter)
             started = time.monotonic()
             try:
                 result = self._acquire(run, key, opts, max_hold, meta, message.options, waiter, first, may_wait)
@@ -234,12 +236,16 @@ class LeaseMiddleware(Middleware):
                 self.metrics.redis_error("acquire")
                 logger.warning("Could not acquire lease %r for message %s: %s. Retrying later.", key,
                                message.message_id, e)
+                self.waiting.forget_thread()
                 send_back(broker, message, opts, count_attempt=False)
                 raise SkipMessage(f"lease {key!r} unavailable: {e}") from None
             if isinstance(result, Lease):
+                self.waiting.forget_thread()
                 break
             self.metrics.acquire(meta, "busy", time.monotonic() - started)
-            first = first or result.now_ms
+            if not first:
+                first = result.now_ms
+                meta["first_attempt_ms"] = str(first)  # stored with the lease it gets: how long it waited
             if result.wait is Wait.IN_PLACE and not gives_up(opts, first, result.now_ms) and not self.waiting.stopping:
                 block_ms = result.block_ms
                 if opts.max_wait is not None:  # wake up in time to give up
@@ -248,6 +254,7 @@ class LeaseMiddleware(Middleware):
                 self.waiting.wait_in_place(key, waiter, block_ms)
                 in_place += time.monotonic() - started
                 continue
+            self.waiting.forget_thread()
             self.runs.not_granted()
             on_busy(broker, message, opts, result, meta, self.metrics, self.waiting, first)
             raise SkipMessage(f"lease {key!r} is busy")

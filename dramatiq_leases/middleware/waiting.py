@@ -115,21 +115,29 @@ class Waiting:
 
     # Worker threads ------------------------------------------------------------
 
-    def may_wait_in_place(self) -> bool:
-        """Whether one more thread of this process may wait in place."""
-        return not self._stop.is_set() and len(self._in_place) < self.cap
+    def reserve(self, key: str, waiter: str) -> bool:
+        """Take one of this process's places to wait in place for this thread; ``False`` if none is free.
+
+        Lock-free, for worker threads: the insert and the removal are single
+        operations, so an interruption leaves at worst this thread's own
+        entry, which :meth:`forget_thread` drops at its next message. Two
+        threads racing may both back off, never both exceed the cap.
+        """
+        if self._stop.is_set():
+            return False
+        thread_id = threading.get_ident()
+        self._in_place[thread_id] = (key, waiter)
+        if len(self._in_place) > self.cap:
+            self._in_place.pop(thread_id, None)
+            return False
+        return True
 
     def wait_in_place(self, key: str, waiter: str, block_ms: int) -> None:
-        """Block this worker thread until ``waiter`` is woken or ``block_ms`` passed."""
-        thread_id = threading.get_ident()
-        self._in_place[thread_id] = (key, waiter)  # one store: safe if interrupted
-        try:
-            self.leases.wait_turn(key, waiter, block_ms)
-        finally:
-            self._in_place.pop(thread_id, None)
+        """Block this worker thread (holding a place, see :meth:`reserve`) until woken or ``block_ms`` passed."""
+        self.leases.wait_turn(key, waiter, block_ms)
 
     def forget_thread(self) -> None:
-        """Drop this thread's in-place record, had an interruption left it behind."""
+        """Give back this thread's place to wait in place, if it holds one."""
         self._in_place.pop(threading.get_ident(), None)
 
     def park(self, broker: dramatiq.Broker, message: Any, key: str, busy: Busy, first_ms: int,
