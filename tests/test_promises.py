@@ -7,6 +7,8 @@
 5. Nothing after a completed actor fails it.
 6. Graceful shutdown keeps the lease of an actor still running past the stop timeout.
 7. The heartbeat survives a renewal hung on a socket.
+8. ``release --if-dead`` never frees a holder cut off but still running; an async actor keeps its lease.
+9. The wait line: a stray copy of a message that ran never runs; shutdown is not held up by waiters.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from dramatiq_leases import (
     Leases,
     current_lease,
 )
-from dramatiq_leases.core import State
+from dramatiq_leases.core import Lease, State
 from dramatiq_leases.embedded import EmbeddedRedis
 
 from .support.runs import Runs
@@ -539,3 +541,64 @@ def test_an_async_actor_that_outlives_its_cancellation_keeps_its_lease(make_stac
         assert time.monotonic() < deadline, "the coroutine never ended"
         time.sleep(0.05)  # a rival tries every 50 ms
     wait_for(lambda: stack.leases.inspect("async:1") is None, what="the lease to be released as it ended")
+
+
+# 9. The wait line ---------------------------------------------------------------------------------------------
+
+
+def test_a_stray_copy_of_a_message_that_waited_and_ran_never_runs(make_stack: Any) -> None:
+    """A worker killed between parking a message and acknowledging it leaves two copies: one runs."""
+    stack = make_stack()
+    runs = Runs()
+
+    @stack.actor(lock_key="invoice:{n}", max_retries=0)
+    def charge(n: int) -> None:
+        runs.add(n=n, fence=current_lease().fence)
+
+    stack.start()
+    holder = stack.leases.try_acquire("invoice:1", ttl=10_000)
+    assert isinstance(holder, Lease)
+    message = charge.send(1)
+    wait_for(lambda: stack.leases.inspect_line("invoice:1").length == 1, what="the message to wait in line")
+    assert stack.leases.release(holder)
+    assert stack.recorder.wait_settled(message.message_id) == "acked"
+    assert len(runs.items) == 1
+    # The copy a crash would have left in the broker (same id, same retry count): acknowledged, not run.
+    stack.broker.enqueue(message.copy())
+    assert stack.recorder.wait_settled(message.message_id) == "acked"
+    assert len(runs.items) == 1, "a stray copy of a message that ran ran again"
+    # A retry (Retries: a new retry count) is a new waiter, and runs.
+    stack.broker.enqueue(message.copy(options={"retries": 1}))
+    wait_for(lambda: len(runs.items) == 2, what="the retry to run")
+
+
+def test_shutdown_wakes_the_threads_waiting_in_place_and_loses_no_message(make_stack: Any) -> None:
+    first = make_stack()
+    runs = Runs()
+
+    def declare(stack: Stack) -> Any:
+        @stack.actor(actor_name="export", lock_key="export:{n}", max_retries=0)
+        def export(n: int, i: int) -> None:
+            runs.add(i=i)
+
+        return export
+
+    export = declare(first)
+    first.start()
+    holder = first.leases.try_acquire("export:1", ttl=30_000)
+    assert isinstance(holder, Lease)
+    messages = [export.send(1, i) for i in range(2)]
+    wait_for(lambda: first.leases.inspect_line("export:1").states.get("in_place") == 2,
+             what="two threads waiting in place")
+    started = time.monotonic()
+    first.stop()
+    assert time.monotonic() - started < 5, "the shutdown waited for the threads waiting in place"
+    assert all(first.recorder.delays(m.message_id) for m in messages), "each waiter was parked on the way out"
+
+    # Another worker on the same broker and lease store: they run once the key is free, once each.
+    second = make_stack(broker=None)
+    declare(second)
+    second.start()
+    assert second.leases.release(holder)
+    wait_for(lambda: sorted(r["i"] for r in runs.items) == [0, 1], timeout=20, what="both messages to run")
+    assert len(runs.items) == 2
