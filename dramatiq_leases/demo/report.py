@@ -20,7 +20,7 @@ def max_overlap(intervals: list[tuple[int, int]]) -> int:
 
 
 def status(console: Console, jobs: Jobs, leases_seen: dict[str, LeaseInfo], busy_retries: int) -> None:
-    """Say how many jobs are done, how many messages were sent back busy, and which leases are held."""
+    """Say how many jobs are done, how many messages were parked in a line, and which leases are held."""
     held = " ".join(f"{k}#{i.fence}" + ("" if i.state is State.ALIVE else f"({i.state.value})")
                     for k, i in sorted(leases_seen.items())) or "-"
     console.say(f"status: {len(jobs.done_ids() & jobs.messages.keys())}/{len(jobs.messages)} done, "
@@ -70,7 +70,7 @@ def summary(console: Console, jobs: Jobs, kill: Kill, stack: Stack, metrics_url:
     note = "each message exactly once" if not twice else f"{twice} redelivered and completed twice"
     console.line(f"  jobs completed          {once}/{total} ({note})")
     console.line(f"  busy retries            {stack.busy_retries()} "
-                 "(messages sent back because their invoice was busy)")
+                 "(messages parked in their invoice's line until their turn)")
     console.line(f"  max concurrent per key  {concurrency}")
     console.line(f"  killed                  pid {kill.pid} (SIGKILL) while it held "
                  + ", ".join(f"{o.key} fence {o.fence}" for o in kill.orphans))

@@ -159,7 +159,7 @@ class Stack:
         return int(seconds) * 1000 + int(micros) // 1000
 
     def busy_retries(self) -> int:
-        """Messages sent back so far because their lease was busy, from the workers' metrics."""
+        """Messages parked (or sent back) so far because their lease was busy, from the workers' metrics."""
         total = 0.0
         for family in self.registry.collect():
             for sample in family.samples:

@@ -1,13 +1,13 @@
-"""How long a message whose key is busy waits before it asks again."""
+"""How long a message sent back waits before it asks again (Redis unreachable, or near the head with no thread free)."""
 
 from __future__ import annotations
 
 import random
 
-#: Default ``lock_min_backoff`` (ms): the smallest delay before a busy message is retried.
+#: Default ``lock_min_backoff`` (ms): the smallest delay before a message sent back asks again.
 DEFAULT_MIN_BACKOFF = 50
 
-#: Default ``lock_max_backoff`` (ms): a waiting message asks at least this often.
+#: Default ``lock_max_backoff`` (ms): a message sent back asks again at least this often.
 DEFAULT_MAX_BACKOFF = 2_000
 
 

@@ -130,7 +130,7 @@ class LeaseMiddleware(Middleware):
         self.metrics = metrics if metrics is not None else PrometheusMetrics()
         self.heartbeat = Heartbeat(self.leases, metrics=self.metrics)
         self.runs = Runs(self.leases, self.heartbeat, self.metrics)
-        self.waiting = Waiting(self.leases, self.metrics)
+        self.waiting = Waiting(self.leases)
         self._exposition = WorkerExposition(metrics_endpoint)
         self._booted = False
         self._host = socket.gethostname()

@@ -26,7 +26,6 @@ import dramatiq
 from dramatiq.common import current_millis, q_name
 
 from ..core.lease import Busy
-from ..core.metrics import LeaseMetrics
 from ..core.store import Leases
 from .options import ATTEMPTS_OPTION, FIRST_ATTEMPT_OPTION
 
@@ -70,12 +69,10 @@ class Waiting:
 
     Parameters:
       leases: the lease store (its lines).
-      metrics: where waits are reported.
     """
 
-    def __init__(self, leases: Leases, metrics: LeaseMetrics) -> None:
+    def __init__(self, leases: Leases) -> None:
         self.leases = leases
-        self.metrics = metrics
         self.channel = ""
         self.cap = 1
         self._parked: dict[str, _Parked] = {}
