@@ -116,6 +116,16 @@ class PrometheusMetrics(LeaseMetrics):
     def __init__(self, registry: Any = None) -> None:
         self._registry = registry
         self._m: dict[str, Any] | None = None
+        # Labelled children by (metric, *labels): labels() takes a lock and builds a key on every call,
+        # and these are called per message. A lost race only looks one up twice (dict get/set are atomic).
+        self._children: dict[tuple[str, ...], Any] = {}
+
+    def _child(self, name: str, *labels: str) -> Any:
+        key = (name, *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self._metrics()[name].labels(*labels)
+        return child
 
     def _metrics(self) -> dict[str, Any]:
         if self._m is None:
@@ -131,37 +141,37 @@ class PrometheusMetrics(LeaseMetrics):
         return self._m
 
     def acquire(self, meta: Meta, outcome: str, seconds: float) -> None:
-        self._metrics()["acquire"].labels(*labels_of(meta), outcome).observe(seconds)
+        self._child("acquire", *labels_of(meta), outcome).observe(seconds)
 
     def wait(self, meta: Meta, seconds: float) -> None:
-        self._metrics()["wait"].labels(*labels_of(meta)).observe(seconds)
+        self._child("wait", *labels_of(meta)).observe(seconds)
 
     def busy_retry(self, meta: Meta) -> None:
-        self._metrics()["busy"].labels(*labels_of(meta)).inc()
+        self._child("busy", *labels_of(meta)).inc()
 
     def gave_up(self, meta: Meta) -> None:
-        self._metrics()["gave_up"].labels(*labels_of(meta)).inc()
+        self._child("gave_up", *labels_of(meta)).inc()
 
     def held(self, meta: Meta, delta: int) -> None:
-        self._metrics()["held"].labels(*labels_of(meta)).inc(delta)
+        self._child("held", *labels_of(meta)).inc(delta)
 
     def handoff(self, meta: Meta, seconds: float) -> None:
-        self._metrics()["handoff"].labels(*labels_of(meta)).observe(seconds)
+        self._child("handoff", *labels_of(meta)).observe(seconds)
 
     def hold(self, meta: Meta, seconds: float) -> None:
-        self._metrics()["hold"].labels(*labels_of(meta)).observe(seconds)
+        self._child("hold", *labels_of(meta)).observe(seconds)
 
     def renewal(self, meta: Meta, outcome: str) -> None:
-        self._metrics()["renewals"].labels(*labels_of(meta), outcome).inc()
+        self._child("renewals", *labels_of(meta), outcome).inc()
 
     def renew_round(self, seconds: float) -> None:
         self._metrics()["round"].observe(seconds)
 
     def lost(self, meta: Meta, reason: str) -> None:
-        self._metrics()["lost"].labels(*labels_of(meta), reason).inc()
+        self._child("lost", *labels_of(meta), reason).inc()
 
     def redis_error(self, operation: str) -> None:
-        self._metrics()["redis_errors"].labels(operation).inc()
+        self._child("redis_errors", operation).inc()
 
     def declare(self, meta: Meta) -> None:
         m, labels = self._metrics(), labels_of(meta)

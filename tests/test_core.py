@@ -270,9 +270,10 @@ def test_bad_numbers_are_refused_before_any_write(leases: Leases, redis_client: 
 
 
 @pytest.mark.parametrize("args", [
-    ["t", "1500.5", "0", "0", "0"], ["t", "1000", "-1", "0", "0"], ["t", "1000", "0", "0", "1000"],
-    ["", "1000", "0", "0", "0"], ["t", "1000", "0", "0", "0", "odd-metadata"], ["t", "1e300", "0", "0", "0"],
-])
+    [*head, "", "0 0 2 1000 1000"]
+    for head in (["t", "1500.5", "0", "0", "0"], ["t", "1000", "-1", "0", "0"], ["t", "1000", "0", "0", "1000"],
+                 ["", "1000", "0", "0", "0"], ["t", "1e300", "0", "0", "0"])
+] + [["t", "1000", "0", "0", "0", "", "0 0 2 1000 1000", "odd-metadata"]])
 def test_the_acquire_script_checks_every_argument_before_writing(leases: Leases, redis_client: redis.Redis,
                                                                  args: list[str]) -> None:
     """Lua is not a transaction: a script that failed halfway would keep its first writes."""
@@ -376,13 +377,13 @@ def test_an_interrupted_call_never_hands_its_reply_to_the_next(redis_server: Emb
     echo = client.register_script("return ARGV[1]")
     assert connections.call(echo, [], ["first"]) == b"first"  # opens this thread's connection
 
-    def interrupted(keys: list[str], args: list[Any], client: redis.Redis) -> None:
+    def interrupted(client: redis.Redis) -> None:
         # Sent, not read: as if Dramatiq's TimeLimit struck right after the request left.
         client.connection.send_command("EVAL", "return 'stale'", 0)  # type: ignore[union-attr]
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        connections.call(interrupted, [], [])
+        connections.run(interrupted)
     assert connections.call(echo, [], ["mine"]) == b"mine"  # its own reply, not the stale one
     leases = Leases(client, thread_connections=True)
     assert isinstance(leases.try_acquire("free", ttl=10_000), Lease)

@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from dramatiq_leases.core import Busy, Lease, Leases, scripts
-from dramatiq_leases.core.keys import done_name, fence_name, lease_name, line_name, waiters_name
+from dramatiq_leases.core.keys import fence_name, lease_name
 from dramatiq_leases.core.lease import Wait
 
 from .support.waiting import wait_for
@@ -165,16 +165,17 @@ def test_no_line_key_is_left_without_ttl(leases: Leases, redis_client: redis.Red
 
 
 @pytest.mark.parametrize("args", [
-    ["t", "1000", "0", "0", "0", "", "0", "1", "2", "1000", "1000"],  # joining without a waiter id
-    ["t", "1000", "0", "0", "0", "w", "-1", "1", "2", "1000", "1000"],
-    ["t", "1000", "0", "0", "0", "w", "0", "3", "2", "1000", "1000"],
-    ["t", "1000", "0", "0", "0", "w", "0", "1", "2", "0", "1000"],
-    ["t", "1000", "0", "0", "0", "w", "0", "1", "2", "1000", "0"],
-    ["t", "1000", "0", "0", "0", "w", "0", "1", "x", "1000", "1000"],
+    ["t", "1000", "0", "0", "0", "", "0 1 2 1000 1000"],  # joining without a waiter id
+    ["t", "1000", "0", "0", "0", "w", "-1 1 2 1000 1000"],
+    ["t", "1000", "0", "0", "0", "w", "0 3 2 1000 1000"],
+    ["t", "1000", "0", "0", "0", "w", "0 1 2 0 1000"],
+    ["t", "1000", "0", "0", "0", "w", "0 1 2 1000 0"],
+    ["t", "1000", "0", "0", "0", "w", "0 1 x 1000 1000"],
+    ["t", "1000", "0", "0", "0", "w", "0 1 2 1000"],
 ])
 def test_the_acquire_script_checks_its_line_arguments_before_writing(
         leases: Leases, redis_client: redis.Redis, args: list[str]) -> None:
-    names = [f(leases.prefix, "k") for f in (lease_name, fence_name, line_name, waiters_name, done_name)]
+    names = [lease_name(leases.prefix, "k"), fence_name(leases.prefix, "k")]
     with pytest.raises(redis.ResponseError, match="dramatiq-leases: invalid"):
-        redis_client.eval(scripts.ACQUIRE, 5, *names, *args)
+        redis_client.eval(scripts.ACQUIRE, 2, *names, *args)
     assert redis_client.keys("*") == []

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 from redis.cluster import RedisCluster
 
 from .errors import LeaseUnavailableError
+
+T = TypeVar("T")
 
 #: A client this package can work with.
 RedisClient = redis.Redis | RedisCluster
@@ -37,6 +39,18 @@ def client_from_url(url: str, *, socket_timeout: float = DEFAULT_SOCKET_TIMEOUT)
     return redis.Redis.from_url(url, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout)
 
 
+def evalsha(client: Any, script: Any, keys: list[str], args: list[Any]) -> Any:
+    """Run a registered ``script`` by its SHA, loading it only if Redis lost it (a restart).
+
+    redis-py's ``Script.__call__`` does the same through a few more layers; this is the hot path.
+    """
+    try:
+        return client.evalsha(script.sha, len(keys), *keys, *args)
+    except redis.exceptions.NoScriptError:
+        client.script_load(script.script)
+        return client.evalsha(script.sha, len(keys), *keys, *args)
+
+
 class ThreadConnections:
     """Runs scripts on a connection of the calling thread's own, reopened after any call that did not complete.
 
@@ -55,6 +69,10 @@ class ThreadConnections:
 
     def call(self, script: Any, keys: list[str], args: list[Any]) -> Any:
         """Run the registered ``script`` with ``keys`` and ``args`` on this thread's connection."""
+        return self.run(lambda client: evalsha(client, script, keys, args))
+
+    def run(self, fn: Callable[[redis.Redis], T]) -> T:
+        """Call ``fn`` with this thread's client; a call that did not complete makes the next reconnect."""
         local = self._local
         client = getattr(local, "client", None)
         if client is None:
@@ -64,7 +82,7 @@ class ThreadConnections:
             client.connection.disconnect()  # the last call did not complete: never read its reply as ours
         # Two single stores around the call: an interruption anywhere in between leaves dirty set.
         local.dirty = True
-        reply = script(keys=keys, args=args, client=client)
+        reply = fn(client)
         local.dirty = False
         return reply
 

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .client import MAX_BLOCK_S, RedisClient, ThreadConnections, unavailable
-from .keys import done_name, lease_name, line_name, validate_key, waiters_name, wake_name
+from .keys import lease_name, validate_key, wake_name
 
 #: How long a waiter asked to come back (promoted) has to show up, in ms (as in ``lua/*.lua``).
 PROMOTE_MS = 10_000
@@ -38,8 +38,7 @@ class LeaseLine:
     _line: Any
 
     def _line_keys(self, key: str) -> list[str]:
-        p = self.prefix
-        return [lease_name(p, key), line_name(p, key), waiters_name(p, key), done_name(p, key)]
+        return [lease_name(self.prefix, key)]  # the script derives the line's keys from it
 
     def hold(self, key: str, waiters: Sequence[str], holder: str, *, park_ms: int, ready: int,
              promote_ms: int = PROMOTE_MS) -> list[str]:

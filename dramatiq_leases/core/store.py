@@ -16,19 +16,10 @@ from redis.cluster import RedisCluster
 from redis.crc import key_slot
 
 from . import scripts, tracing
-from .client import DEFAULT_SOCKET_TIMEOUT, RedisClient, ThreadConnections, client_from_url, unavailable
+from .client import DEFAULT_SOCKET_TIMEOUT, RedisClient, ThreadConnections, client_from_url, evalsha, unavailable
 from .errors import LeaseConfigError
 from .info import meta_args
-from .keys import (
-    DEFAULT_PREFIX,
-    done_name,
-    fence_name,
-    lease_name,
-    line_name,
-    validate_key,
-    validate_prefix,
-    waiters_name,
-)
+from .keys import DEFAULT_PREFIX, fence_name, lease_name, validate_key, validate_prefix
 from .lease import Busy, Lease, Renewal, Wait, default_interval, new_token
 from .line import PROMOTE_MS, LeaseLine
 from .numbers import MAX_TIMESTAMP_MS, margin_ms, whole_ms
@@ -119,6 +110,7 @@ class Leases(LeaseReading, LeaseLine):
         self._adopt = client.register_script(scripts.ADOPT)
         self._inspect_many = client.register_script(scripts.INSPECT_MANY)
         self._line = client.register_script(scripts.LINE)
+        self._names: dict[str, list[str]] = {}
 
     @classmethod
     def from_url(cls, url: str, *, prefix: str = DEFAULT_PREFIX,
@@ -197,12 +189,14 @@ class Leases(LeaseReading, LeaseLine):
         """
         validate_key(key)
         ttl, stored_interval, max_hold_ms = _check_numbers(ttl, interval, max_hold)
-        first_ms = whole_ms(first_ms, "first_ms", minimum=0, maximum=MAX_TIMESTAMP_MS)
+        if first_ms:
+            first_ms = whole_ms(first_ms, "first_ms", minimum=0, maximum=MAX_TIMESTAMP_MS)
         token = token or new_token()
         meta = dict(meta or {})
         mode = 0 if not waiter else 2 if may_wait else 1
-        args: list[Any] = [token, ttl, max_hold_ms, stored_interval, margin_ms(ttl), waiter or "", first_ms, mode,
-                           ready, park_ms, promote_ms, *meta_args(key, meta)]
+        line = f"{first_ms} {mode} {ready} {park_ms} {promote_ms}"
+        args: list[Any] = [token, ttl, max_hold_ms, stored_interval, margin_ms(ttl), waiter or "", line,
+                           *meta_args(key, meta)]
         with tracing.span("lease.acquire", {tracing.KEY: key, tracing.TTL: ttl}) as span:
             sent_at = time.monotonic()
             with unavailable(f"acquire lease {key!r}", key):
@@ -230,9 +224,15 @@ class Leases(LeaseReading, LeaseLine):
         return lease
 
     def _keys(self, key: str) -> list[str]:
-        """The Redis keys of a lease's scripts: lease, fence, line, waiters, done."""
-        p = self.prefix
-        return [lease_name(p, key), fence_name(p, key), line_name(p, key), waiters_name(p, key), done_name(p, key)]
+        """The Redis keys of a lease's scripts: lease, fence (the last 1 024 keys cached; the scripts derive the
+        line's keys from the lease's name)."""
+        names = self._names.get(key)
+        if names is None:
+            names = [lease_name(self.prefix, key), fence_name(self.prefix, key)]
+            if len(self._names) >= 1024:
+                self._names.clear()  # per-invoice keys must not grow it without bound
+            self._names[key] = names
+        return names
 
     def adopt(
         self,
@@ -296,7 +296,7 @@ class Leases(LeaseReading, LeaseLine):
 
     def _call(self, script: Any, keys: list[str], args: list[Any]) -> Any:
         if self._threads is None:
-            return script(keys=keys, args=args)
+            return evalsha(self.client, script, keys, args)
         return self._threads.call(script, keys, args)
 
     def renew(self, lease: Lease) -> Renewal:

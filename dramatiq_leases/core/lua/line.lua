@@ -1,4 +1,4 @@
--- KEYS: lease, line, waiters, done (one hash tag). ARGV: op ('hold' or
+-- KEYS: lease (the line, waiters and done keys are derived from its name: one hash tag). ARGV: op ('hold' or
 -- 'leave'), holder (the channel of the process holding the waiters' parked
 -- copies; '' for leave), park_ms, ready (waiters per key that may wait in
 -- place), promote_ms (how long a waiter whose turn came has to show up),
@@ -27,10 +27,14 @@ end
 for i = 6, #ARGV do
   if ARGV[i] == '' or #ARGV[i] > 512 then return redis.error_reply('ERR dramatiq-leases: invalid waiter') end
 end
+-- The line's keys share the lease's hash tag (one slot, so Cluster runs this as is): derived here
+-- rather than passed, to keep the hot path's arguments few.
+local function sibling(kind) return (string.gsub(KEYS[1], ':lease:{', ':' .. kind .. ':{', 1)) end
+local LINE, WAITERS, DONE = sibling('line'), sibling('waiters'), sibling('done')
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local function entry(w)
-  local e = redis.call('HGET', KEYS[3], w)
+  local e = redis.call('HGET', WAITERS, w)
   if not e then return nil end
   local state, deadline, h, actor = string.match(e, '^(%a) (%d+) (%S*) ?(.*)$')
   return {state = state, deadline = tonumber(deadline), holder = h, actor = actor}
@@ -41,46 +45,46 @@ for i = 6, #ARGV do
   local e = entry(w)
   if op == 'leave' then
     if e then
-      redis.call('ZREM', KEYS[2], w)
-      redis.call('HDEL', KEYS[3], w)
-      redis.call('DEL', KEYS[2] .. ':w:' .. w)
+      redis.call('ZREM', LINE, w)
+      redis.call('HDEL', WAITERS, w)
+      redis.call('DEL', LINE .. ':w:' .. w)
       out[#out + 1] = w
     end
   else
-    local done = redis.call('ZSCORE', KEYS[4], w)
+    local done = redis.call('ZSCORE', DONE, w)
     if done and tonumber(done) > now then
       out[#out + 1] = 'd'
-    elseif not e or not redis.call('ZSCORE', KEYS[2], w) then
+    elseif not e or not redis.call('ZSCORE', LINE, w) then
       out[#out + 1] = 'x'
     elseif e.state == 'r' then
       out[#out + 1] = 'r'
     elseif e.state == 'm' then
-      redis.call('HSET', KEYS[3], w, 'm ' .. e.deadline .. ' ' .. holder .. ' ' .. e.actor)
+      redis.call('HSET', WAITERS, w, 'm ' .. e.deadline .. ' ' .. holder .. ' ' .. e.actor)
       out[#out + 1] = 'm'
     else
-      redis.call('HSET', KEYS[3], w, 'p ' .. (now + park_ms + PROMOTE_MS) .. ' ' .. holder .. ' ' .. e.actor)
+      redis.call('HSET', WAITERS, w, 'p ' .. (now + park_ms + PROMOTE_MS) .. ' ' .. holder .. ' ' .. e.actor)
       out[#out + 1] = 'p'
     end
   end
 end
-if redis.call('EXISTS', KEYS[2]) == 1 then
+if redis.call('EXISTS', LINE) == 1 then
   for _ = 1, 16 do
-    local h = redis.call('ZRANGE', KEYS[2], 0, 0)[1]
+    local h = redis.call('ZRANGE', LINE, 0, 0)[1]
     if not h then break end
     local e = entry(h)
     if e and e.deadline >= now then break end
-    redis.call('ZREM', KEYS[2], h)
-    redis.call('HDEL', KEYS[3], h)
+    redis.call('ZREM', LINE, h)
+    redis.call('HDEL', WAITERS, h)
   end
   if redis.call('EXISTS', KEYS[1]) == 0 then
-    for i, w in ipairs(redis.call('ZRANGE', KEYS[2], 0, math.max(ready, 1) - 1)) do
+    for i, w in ipairs(redis.call('ZRANGE', LINE, 0, math.max(ready, 1) - 1)) do
       local e = entry(w)
       if e and i == 1 and e.state == 'r' then
-        local list = KEYS[2] .. ':w:' .. w
+        local list = LINE .. ':w:' .. w
         redis.call('LPUSH', list, 1)
         redis.call('PEXPIRE', list, WAKE_TTL_MS)
       elseif e and e.state == 'p' then
-        redis.call('HSET', KEYS[3], w, 'm ' .. (now + PROMOTE_MS) .. ' ' .. e.holder .. ' ' .. e.actor)
+        redis.call('HSET', WAITERS, w, 'm ' .. (now + PROMOTE_MS) .. ' ' .. e.holder .. ' ' .. e.actor)
         if e.holder ~= '' then redis.call('PUBLISH', e.holder, w) end
         -- The caller may hold it: its reply says so below.
         for j = 6, #ARGV do if ARGV[j] == w and out[j - 5] == 'p' then out[j - 5] = 'm' end end

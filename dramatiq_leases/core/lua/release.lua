@@ -1,4 +1,4 @@
--- KEYS: lease, fence, line, waiters, done (one hash tag). ARGV: token, waiter
+-- KEYS: lease, fence (one hash tag; the line, waiters and done keys are derived from the lease's name). ARGV: token, waiter
 -- (the holder's waiter id if it waited in the line, else ''), ready (waiters
 -- per key that may wait in place), promote_ms (how long a waiter whose turn
 -- came has to show up). Returns 1 if released, 0 if the token did
@@ -17,44 +17,54 @@ end
 if ARGV[2] == nil or #ARGV[2] > 512 then
   return redis.error_reply('ERR dramatiq-leases: invalid waiter ' .. tostring(ARGV[2]))
 end
+-- The line's keys share the lease's hash tag (one slot, so Cluster runs this as is): derived here
+-- rather than passed, to keep the hot path's arguments few.
+local function sibling(kind) return (string.gsub(KEYS[1], ':lease:{', ':' .. kind .. ':{', 1)) end
+local LINE, WAITERS, DONE = sibling('line'), sibling('waiters'), sibling('done')
 local cur = redis.pcall('HMGET', KEYS[1], 'token', 'fence')
 if cur.err or not cur[1] or cur[1] ~= ARGV[1] then return 0 end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 redis.call('DEL', KEYS[1])
 local fence = tonumber(cur[2]) or 0
+local lined = redis.call('EXISTS', LINE) == 1
+if ARGV[2] == '' and not lined then
+  -- The uncontended path: no line to wake, no waiter to remember.
+  if fence > 0 then redis.call('HSET', KEYS[2], 'released', fence) end
+  return 1
+end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 if fence > 0 then redis.call('HSET', KEYS[2], 'released', fence, 'released_ms', now) end
 if ARGV[2] ~= '' then
-  redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', now)
-  redis.call('ZADD', KEYS[5], now + DONE_MS, ARGV[2])
-  redis.call('PEXPIRE', KEYS[5], DONE_MS)
-  redis.call('ZREM', KEYS[3], ARGV[2])
-  redis.call('HDEL', KEYS[4], ARGV[2])
+  redis.call('ZREMRANGEBYSCORE', DONE, '-inf', now)
+  redis.call('ZADD', DONE, now + DONE_MS, ARGV[2])
+  redis.call('PEXPIRE', DONE, DONE_MS)
+  redis.call('ZREM', LINE, ARGV[2])
+  redis.call('HDEL', WAITERS, ARGV[2])
 end
-if redis.call('EXISTS', KEYS[3]) == 0 then return 1 end
+if not lined then return 1 end
 local function entry(w)
-  local e = redis.call('HGET', KEYS[4], w)
+  local e = redis.call('HGET', WAITERS, w)
   if not e then return nil end
   local state, deadline, holder, actor = string.match(e, '^(%a) (%d+) (%S*) ?(.*)$')
   return {state = state, deadline = tonumber(deadline), holder = holder, actor = actor}
 end
 -- Vanished waiters at the head lose their place (bounded work per call).
 for _ = 1, 16 do
-  local h = redis.call('ZRANGE', KEYS[3], 0, 0)[1]
+  local h = redis.call('ZRANGE', LINE, 0, 0)[1]
   if not h then break end
   local e = entry(h)
   if e and e.deadline >= now then break end
-  redis.call('ZREM', KEYS[3], h)
-  redis.call('HDEL', KEYS[4], h)
+  redis.call('ZREM', LINE, h)
+  redis.call('HDEL', WAITERS, h)
 end
-for i, w in ipairs(redis.call('ZRANGE', KEYS[3], 0, math.max(ready, 1) - 1)) do
+for i, w in ipairs(redis.call('ZRANGE', LINE, 0, math.max(ready, 1) - 1)) do
   local e = entry(w)
   if e and i == 1 and e.state == 'r' then
-    local list = KEYS[3] .. ':w:' .. w
+    local list = LINE .. ':w:' .. w
     redis.call('LPUSH', list, 1)
     redis.call('PEXPIRE', list, WAKE_TTL_MS)
   elseif e and e.state == 'p' then
-    redis.call('HSET', KEYS[4], w, 'm ' .. (now + PROMOTE_MS) .. ' ' .. e.holder .. ' ' .. e.actor)
+    redis.call('HSET', WAITERS, w, 'm ' .. (now + PROMOTE_MS) .. ' ' .. e.holder .. ' ' .. e.actor)
     if e.holder ~= '' then redis.call('PUBLISH', e.holder, w) end
   end
 end
