@@ -288,7 +288,7 @@ def test_no_script_leaves_a_lease_without_ttl(leases: Leases, redis_client: redi
     assert isinstance(lease, Lease)
     name = leases.lease_name("a")
     attempts: list[Any] = [
-        lambda: redis_client.eval(scripts.RENEW_MANY, 1, name, lease.token, "12.5"),
+        lambda: redis_client.eval(scripts.RENEW_MANY, 1, name, "12.5", lease.token),
         lambda: redis_client.eval(scripts.RENEW_MANY, 1, name, lease.token),
         lambda: redis_client.eval(scripts.ADOPT, 1, name, lease.token, "new", "-5", "0", "0", "0"),
         lambda: redis_client.eval(scripts.ADOPT, 1, name, lease.token, "new", "1000", "0", "0", "x"),

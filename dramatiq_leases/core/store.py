@@ -18,7 +18,7 @@ from redis.crc import key_slot
 from . import scripts, tracing
 from .client import DEFAULT_SOCKET_TIMEOUT, RedisClient, ThreadConnections, client_from_url, evalsha, unavailable
 from .errors import LeaseConfigError
-from .info import meta_args
+from .info import meta_args, text
 from .keys import DEFAULT_PREFIX, fence_name, lease_name, validate_key, validate_prefix
 from .lease import Busy, Lease, Renewal, Wait, default_interval, new_token
 from .line import PROMOTE_MS, LeaseLine
@@ -65,7 +65,7 @@ DEFAULT_PARK_MS = 300_000
 
 _WAITS = [Wait.NONE, Wait.IN_PLACE, Wait.PARK, Wait.SOON, Wait.DUPLICATE]
 
-_RENEW_CODES = {1: Renewal.OK, 0: Renewal.GONE, -1: Renewal.STOLEN, -2: Renewal.MAX_HOLD}
+_RENEW_CODES = {"1": Renewal.OK, "0": Renewal.GONE, "s": Renewal.STOLEN, "m": Renewal.MAX_HOLD}
 
 
 class Leases(LeaseReading, LeaseLine):
@@ -314,10 +314,11 @@ class Leases(LeaseReading, LeaseLine):
         """
         if not leases:
             return []
-        groups: dict[int, list[int]] = defaultdict(list)
+        # One script call per slot and TTL: the TTL then travels once, not once per lease.
+        groups: dict[tuple[int, int], list[int]] = defaultdict(list)
         for i, lease in enumerate(leases):
-            slot = key_slot(self.lease_name(lease.key).encode()) if self._cluster else 0
-            groups[slot].append(i)
+            slot = key_slot(self._keys(lease.key)[0].encode()) if self._cluster else 0
+            groups[(slot, lease.ttl)].append(i)
         batches = [idx[n : n + RENEW_BATCH] for idx in groups.values() for n in range(0, len(idx), RENEW_BATCH)]
         with tracing.span("lease.renew", {tracing.COUNT: len(leases)}) as span:
             sent_at = time.monotonic()
@@ -325,8 +326,8 @@ class Leases(LeaseReading, LeaseLine):
                 replies = self._run_batches(leases, batches)
             out = [Renewal.ERROR] * len(leases)
             for batch, codes in zip(batches, replies):
-                for i, code in zip(batch, codes):
-                    out[i] = _RENEW_CODES.get(int(code), Renewal.STOLEN)
+                for i, code in zip(batch, text(codes)):
+                    out[i] = _RENEW_CODES.get(code, Renewal.STOLEN)
                     if out[i] is Renewal.OK:
                         leases[i].confirm(sent_at)
             lost = len(leases) - out.count(Renewal.OK)
@@ -335,14 +336,12 @@ class Leases(LeaseReading, LeaseLine):
 
     def _run_batches(self, leases: Sequence[Lease], batches: list[list[int]]) -> list[list[Any]]:
         def keys_args(batch: list[int]) -> tuple[list[str], list[Any]]:
-            args: list[Any] = []
-            for i in batch:
-                args += [leases[i].token, leases[i].ttl]
-            return [self.lease_name(leases[i].key) for i in batch], args
+            return ([self._keys(leases[i].key)[0] for i in batch],
+                    [leases[batch[0]].ttl, *(leases[i].token for i in batch)])
 
         if self._cluster or len(batches) == 1:
             # A cluster routes each call to its slot's node: one round trip per slot.
-            return [self._renew_many(*keys_args(batch)) for batch in batches]
+            return [evalsha(self.client, self._renew_many, *keys_args(batch)) for batch in batches]
         # redis-py would check SCRIPT EXISTS before a pipeline (an extra round trip);
         # send bare EVALSHAs and load the script only if Redis lost it (a restart).
         for attempt in (1, 2):
