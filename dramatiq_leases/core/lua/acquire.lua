@@ -55,11 +55,11 @@ if (#ARGV - 7) % 2 ~= 0 then return bad('metadata count', #ARGV - 7) end
 -- The line's keys share the lease's hash tag (one slot, so Cluster runs this as is): derived here
 -- rather than passed, to keep the hot path's arguments few.
 local function sibling(kind) return (string.gsub(KEYS[1], ':lease:{', ':' .. kind .. ':{', 1)) end
-local LINE, WAITERS, DONE = sibling('line'), sibling('waiters'), sibling('done')
+local LINE = sibling('line')
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 if waiter ~= '' then
-  local done = redis.call('ZSCORE', DONE, waiter)
+  local done = redis.call('ZSCORE', sibling('done'), waiter)
   if done and tonumber(done) > now then return {0, 0, 0, now, 4, -1, 0, 0} end
 end
 -- One call for the common case: neither a lease nor a line.
@@ -94,6 +94,7 @@ if not held and not lined then
   return {1, fence, now, expired, 0}
 end
 
+local WAITERS = sibling('waiters')
 local pttl, holder_fence = 0, 0
 if held then
   if redis.call('TYPE', KEYS[1]).ok == 'hash' then

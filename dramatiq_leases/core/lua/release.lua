@@ -20,7 +20,7 @@ end
 -- The line's keys share the lease's hash tag (one slot, so Cluster runs this as is): derived here
 -- rather than passed, to keep the hot path's arguments few.
 local function sibling(kind) return (string.gsub(KEYS[1], ':lease:{', ':' .. kind .. ':{', 1)) end
-local LINE, WAITERS, DONE = sibling('line'), sibling('waiters'), sibling('done')
+local LINE = sibling('line')
 local cur = redis.pcall('HMGET', KEYS[1], 'token', 'fence')
 if cur.err or not cur[1] or cur[1] ~= ARGV[1] then return 0 end
 redis.call('DEL', KEYS[1])
@@ -31,6 +31,7 @@ if ARGV[2] == '' and not lined then
   if fence > 0 then redis.call('HSET', KEYS[2], 'released', fence) end
   return 1
 end
+local WAITERS, DONE = sibling('waiters'), sibling('done')
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 if fence > 0 then redis.call('HSET', KEYS[2], 'released', fence, 'released_ms', now) end
