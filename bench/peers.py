@@ -43,6 +43,14 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[
 return 0
 """
 
+#: The least a renewal of many leases can be: one script over all keys, a token check and a PEXPIRE each.
+RAW_RENEW_ALL = """
+for i, key in ipairs(KEYS) do
+  if redis.call('GET', key) == ARGV[i + 1] then redis.call('PEXPIRE', key, ARGV[1]) end
+end
+return 1
+"""
+
 Cycle = Callable[[], None]
 
 # pottery logs every acquire at INFO and warns about single-master use; neither is news here.
@@ -222,6 +230,17 @@ def _raw_pipelined(client: redis.Redis, n: int) -> Cycle:
     return round_
 
 
+def _raw_one_script(client: redis.Redis, n: int) -> Cycle:
+    renew = client.register_script(RAW_RENEW_ALL)
+    pairs = _raw_tokens(client, "bench:hb:rawall", n)
+    keys, tokens = [k for k, _ in pairs], [t for _, t in pairs]
+
+    def round_() -> None:
+        check(renew(keys=keys, args=[HB_TTL_MS, *tokens]) == 1, "raw renew of all")
+
+    return round_
+
+
 def _redis_py_extend(client: redis.Redis, n: int) -> Cycle:
     locks = [client.lock(f"bench:hb:rpy:{i}", timeout=HB_TTL_MS / 1000, blocking=False) for i in range(n)]
     for lock in locks:
@@ -285,6 +304,7 @@ RENEW_OURS = RenewPeer("dramatiq-leases renew_many", _ours_renew, "one script ca
 
 RENEW_PEERS: tuple[RenewPeer, ...] = (
     RENEW_OURS,
+    RenewPeer("raw Lua renew, one script", _raw_one_script, "hand-written: one EVALSHA checking and extending all N"),
     RenewPeer("raw Lua renew, pipelined", _raw_pipelined, "hand-written: N EVALSHA in one pipeline"),
     RenewPeer("raw Lua renew, loop", _raw_loop, "one EVALSHA round trip per lease"),
     RenewPeer("redis-py Lock.extend loop", _redis_py_extend, "one round trip per lock"),
