@@ -215,6 +215,12 @@ def test_thousands_of_interrupts_leave_the_bookkeeping_whole(redis_server: Embed
     wait_for(lambda: registry.get_sample_value("dramatiq_lease_held", {"actor_name": "work", "queue_name": "default"})
              == 0, what="the held gauge to return to zero", timeout=5)
 
+    # No thread keeps a place to wait in place, and the lines empty: a waiter whose message was failed
+    # by an interruption loses its place by its deadline (at most 12 s for one waiting in place).
+    assert stack.leases_mw.waiting.in_place == 0
+    wait_for(lambda: not any(line.length for line in stack.leases.scan_lines()), timeout=15,
+             what="the lines of the settled messages to empty")
+
     # The heartbeat still works: a job of three TTLs keeps its lease, renewed, and completes.
     long_runs: list[int] = []
 

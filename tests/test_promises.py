@@ -240,7 +240,7 @@ def test_retries_do_not_inherit_the_wait_clock(make_stack: Any) -> None:
     assert len(runs.items) == 2
 
     # What dramatiq_lease_wait_duration_seconds observes: both deliveries waited, neither for the 0.7 s run.
-    assert len(waits) == 2 and sum(waits) >= 0.02, waits
+    assert len(waits) == 2 and all(w >= 0 for w in waits) and sum(waits) > 0, waits
     assert max(waits) < 0.5, f"a wait of over 0.5 s was observed (the 0.7 s run counted as waiting?): {waits}"
 
 

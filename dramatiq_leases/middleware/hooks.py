@@ -296,10 +296,12 @@ class LeaseMiddleware(Middleware):
         self, broker: dramatiq.Broker, message: Any, *, result: Any = None, exception: BaseException | None = None
     ) -> None:
         """Release the lease if the actor did not (a middleware failed before it ran)."""
+        self.waiting.forget_thread()  # an interruption while waiting in place may have left its place taken
         self.runs.forget()
 
     def after_skip_message(self, broker: dramatiq.Broker, message: Any) -> None:
         """Release the lease of a message skipped after it was acquired."""
+        self.waiting.forget_thread()
         self.runs.forget()
 
     def after_worker_shutdown(self, broker: dramatiq.Broker, worker: dramatiq.Worker) -> None:

@@ -106,6 +106,11 @@ class Waiting:
                 logger.warning("Could not wake a waiter of %r at shutdown: %s", key, e)
 
     @property
+    def in_place(self) -> int:
+        """How many threads of this process hold a place to wait in place now."""
+        return len(self._in_place)
+
+    @property
     def stopping(self) -> bool:
         """Whether this process is shutting down (nothing new waits in place)."""
         return self._stop.is_set()
