@@ -71,12 +71,15 @@ local lined = present > 0 and (not held or present == 2) and redis.call('EXISTS'
 -- foreign value, nothing else was written), then the lease and its TTL.
 local function grant()
   local fence = redis.call('HINCRBY', KEYS[2], 'fence', 1)
-  local prev = redis.call('HMGET', KEYS[2], 'released', 'released_ms')
-  local expired = 0
-  if fence > 1 and (tonumber(prev[1]) or 0) < fence - 1 then
-    -- The previous grant was never released: it ended by TTL.
-    expired = fence - 1
-    redis.call('HSET', KEYS[2], 'expired', expired)
+  local expired, released_ms = 0, 0
+  if fence > 1 then  -- a key seen before (a first grant has nothing to look back on)
+    local prev = redis.call('HMGET', KEYS[2], 'released', 'released_ms')
+    released_ms = tonumber(prev[2]) or 0
+    if (tonumber(prev[1]) or 0) < fence - 1 then
+      -- The previous grant was never released: it ended by TTL.
+      expired = fence - 1
+      redis.call('HSET', KEYS[2], 'expired', expired)
+    end
   end
   local px, until_ms = ttl, 0
   if max_hold > 0 then
@@ -86,7 +89,7 @@ local function grant()
   redis.call('HSET', KEYS[1], 'token', token, 'fence', fence, 'ttl', ttl, 'interval', interval, 'margin_ms', margin,
     'acquired_ms', now, 'renewed_ms', now, 'max_hold_until_ms', until_ms, unpack(ARGV, 8))
   redis.call('PEXPIRE', KEYS[1], px)
-  return fence, expired, tonumber(prev[2]) or 0
+  return fence, expired, released_ms
 end
 
 if not held and not lined then
