@@ -107,6 +107,27 @@ def test_a_parked_waiter_is_promoted_on_its_holders_channel_when_its_turn_nears(
     pubsub.close()
 
 
+def test_a_grant_says_whether_it_came_from_the_line(leases: Leases) -> None:
+    """A copy that finds its waiter at the head (say a redelivery of a message that parked) must be told."""
+    direct = leases.try_acquire("k", TTL, waiter="a", may_wait=True)
+    assert isinstance(direct, Lease) and not direct.from_line
+    busy(join(leases, "k", "b", 1))
+    leases.release_token("k", direct.token)
+    lead = join(leases, "k", "b", 0)  # no first attempt of its own, as a redelivered original carries none
+    assert isinstance(lead, Lease) and lead.from_line
+
+
+def test_a_waiter_in_place_past_its_deadline_is_not_waiting_any_more(leases: Leases) -> None:
+    """Its parked copy (a shutdown parked it) must not be kept as a spare for five minutes."""
+    assert leases.try_acquire("k", 60_000)  # held throughout
+    answer = busy(join(leases, "k", "w", 1, may_wait=True))
+    assert answer.wait is Wait.IN_PLACE
+    assert leases.hold("k", ["w"], "chan:x", park_ms=60_000, ready=2) == ["r"]
+    wait_for(lambda: leases.hold("k", ["w"], "chan:x", park_ms=60_000, ready=2) != ["r"],
+             timeout=answer.block_ms / 1000 + 5, what="the waiter in place to pass its deadline")
+    assert leases.hold("k", ["w"], "chan:x", park_ms=60_000, ready=2) == ["p"]
+
+
 def test_a_waiter_that_ran_never_runs_again(leases: Leases) -> None:
     holder = leases.try_acquire("k", TTL)
     assert isinstance(holder, Lease)

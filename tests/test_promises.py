@@ -602,3 +602,27 @@ def test_shutdown_wakes_the_threads_waiting_in_place_and_loses_no_message(make_s
     assert second.leases.release(holder)
     wait_for(lambda: sorted(r["i"] for r in runs.items) == [0, 1], timeout=20, what="both messages to run")
     assert len(runs.items) == 2
+
+
+def test_waiting_in_place_stays_within_a_quarter_of_the_time_limit(make_stack: Any) -> None:
+    """TimeLimit counts the wait in the hook: past a quarter of the limit the message parks, never times out."""
+    stack = make_stack()
+    runs = Runs()
+
+    @stack.actor(lock_key="report:{n}", time_limit=2_000, max_retries=0)
+    def report(n: int) -> None:
+        runs.add(n=n)
+
+    stack.start()
+    holder = stack.leases.try_acquire("report:1", ttl=30_000)
+    assert isinstance(holder, Lease)
+    message = report.send(1)
+    wait_for(lambda: stack.leases.inspect_line("report:1").states.get("in_place") == 1, what="it waits in place")
+    started = time.monotonic()
+    wait_for(lambda: stack.recorder.delays(message.message_id), timeout=5, what="it to park")
+    assert time.monotonic() - started < 1.5  # a quarter of 2 s, plus a round trip
+    time.sleep(2.5)  # longer than its time limit: it must not be failed meanwhile
+    assert message.message_id not in stack.recorder.nacked
+    assert stack.leases.release(holder)
+    assert stack.recorder.wait_settled(message.message_id) == "acked"
+    assert runs.items == [{"n": 1}]

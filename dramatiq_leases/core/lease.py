@@ -51,10 +51,11 @@ class Lease:
       meta: holder metadata stored with the lease (actor, message id, host...).
       handoff: seconds from the previous holder's release to this grant, when
         it went to a waiter of the key's line; ``None`` otherwise.
+      from_line: whether it was granted as the head of the key's line.
     """
 
-    __slots__ = ("_hold_until", "_valid_until", "acquired_at", "fence", "handoff", "interval", "key", "margin",
-                 "max_hold", "meta", "token", "ttl")
+    __slots__ = ("_hold_until", "_valid_until", "acquired_at", "fence", "from_line", "handoff", "interval", "key",
+                 "margin", "max_hold", "meta", "token", "ttl")
 
     def __init__(
         self,
@@ -79,6 +80,7 @@ class Lease:
         self.acquired_at = acquired_at
         self.meta = dict(meta)
         self.handoff: float | None = None
+        self.from_line = False
         self._hold_until = math.inf if max_hold is None else sent_at + max_hold / 1000
         self._valid_until = min(sent_at + (ttl - self.margin) / 1000, self._hold_until)
 

@@ -221,6 +221,7 @@ class Leases(LeaseReading, LeaseLine):
         released_ms = int(reply[4])
         if released_ms:
             lease.handoff = max(0, int(reply[2]) - released_ms) / 1000
+        lease.from_line = int(reply[5]) == 1
         return lease
 
     def _keys(self, key: str) -> list[str]:

@@ -53,12 +53,17 @@ class Declarations:
             return self._actor_options[message.actor_name]
         return self.options(message.actor_name, message.options, actor.options)
 
+    def time_limit(self, message: Any, actor: Any) -> float | None:
+        """The message's time limit in ms (message option, actor option, TimeLimit's default), if any."""
+        limit = message.options.get("time_limit") or actor.options.get("time_limit") or self._time_limit
+        return None if limit is None or limit == math.inf else float(limit)
+
     def max_hold(self, opts: Options, message: Any, actor: Any) -> int | None:
         """``lock_max_hold``, else the time limit plus TimeLimit's check interval and a grace, so it fires first."""
         if opts.max_hold is not None:
             return opts.max_hold
-        limit = message.options.get("time_limit") or actor.options.get("time_limit") or self._time_limit
-        if limit is None or limit == math.inf:
+        limit = self.time_limit(message, actor)
+        if limit is None:
             return None
         # Capped: a time limit near the largest accepted number must not make the lease refuse to be granted.
         return min(MAX_MS, math.ceil(limit) + self._time_limit_interval + TIME_LIMIT_GRACE)

@@ -53,9 +53,11 @@ class LeaseMiddleware(Middleware):
 
     The lease is acquired before the actor runs, renewed by a heartbeat
     while it runs, and released (owner-checked) when it returns or raises.
-    A message whose key is busy goes back to the queue with exponential
-    backoff and full jitter: no worker thread waits and Retries' budget is
-    untouched. A lease lost mid-run interrupts the actor with
+    A message whose key is busy takes a place in the key's line (see
+    :mod:`.waiting`): near the head it waits in place, woken by the release
+    (at most half the worker threads, a quarter of its time limit at most);
+    further back it is parked in the broker until its turn nears. Retries'
+    budget is untouched. A lease lost mid-run interrupts the actor with
     :class:`LeaseLost`. If Redis cannot be reached, the actor does not run.
 
     Parameters:
@@ -224,9 +226,12 @@ class LeaseMiddleware(Middleware):
         first = int(message.options.get(FIRST_ATTEMPT_OPTION) or 0)
         if first:
             meta["first_attempt_ms"] = str(first)
+        # TimeLimit counts this hook: wait in place for a quarter of the time limit at most, then park.
+        limit = self.declarations.time_limit(message, actor)
+        budget = MAX_IN_PLACE if limit is None else min(MAX_IN_PLACE, limit / 4000)
         in_place = 0.0
         while True:
-            may_wait = in_place < MAX_IN_PLACE and self.waiting.reserve(key, waiter)
+            may_wait = in_place < budget and self.waiting.reserve(key, waiter)
             started = time.monotonic()
             try:
                 result = self._acquire(run, key, opts, max_hold, meta, message.options, waiter, first, may_wait)
@@ -247,7 +252,7 @@ class LeaseMiddleware(Middleware):
                 first = result.now_ms
                 meta["first_attempt_ms"] = str(first)  # stored with the lease it gets: how long it waited
             if result.wait is Wait.IN_PLACE and not gives_up(opts, first, result.now_ms) and not self.waiting.stopping:
-                block_ms = result.block_ms
+                block_ms = min(result.block_ms, max(1, int((budget - in_place) * 1000)))
                 if opts.max_wait is not None:  # wake up in time to give up
                     block_ms = max(1, min(block_ms, first + opts.max_wait - result.now_ms))
                 started = time.monotonic()
@@ -259,8 +264,10 @@ class LeaseMiddleware(Middleware):
             on_busy(broker, message, opts, result, meta, self.metrics, self.waiting, first)
             raise SkipMessage(f"lease {key!r} is busy")
 
-        if first:
-            run.waiter = waiter  # it waited in the line: remembered as having run when released
+        if first or result.from_line:
+            # It waited in the line (this delivery or another copy of it): remembered as having run when
+            # released, so a copy of it parked somewhere never runs again.
+            run.waiter = waiter
         self.runs.granted(run, result)
         self.metrics.acquire(meta, "acquired", time.monotonic() - started)
         if result.handoff is not None:

@@ -45,8 +45,9 @@ PARK_MS = 300_000
 #: a promotion missed on the channel is acted on within this time.
 TEND_INTERVAL = 5.0
 
-#: The longest one delivery waits in place (s) before it parks instead: well
-#: below Dramatiq's default time limit, which counts this wait.
+#: The longest one delivery waits in place (s) before it parks instead; a
+#: quarter of the message's time limit if that is shorter (TimeLimit counts
+#: this wait).
 MAX_IN_PLACE = 60.0
 
 

@@ -8,9 +8,10 @@
 -- promote_ms: how long a waiter whose turn came has to show up), then
 -- field/value pairs of the lease hash ('key', and 'meta': the holder
 -- metadata as JSON).
--- Returns {1, fence, now, previous_fence_expired, released_ms} when granted
--- (released_ms: when the previous grant was released, if this waiter waited
--- in the line; else 0), or {0, pttl, holder_fence, now, action, rank,
+-- Returns {1, fence, now, previous_fence_expired, released_ms, from_line} when
+-- granted (released_ms: when the previous grant was released, if this waiter
+-- waited in the line, else 0; from_line: 1 if granted as the head of the
+-- line, so its release must remember it), or {0, pttl, holder_fence, now, action, rank,
 -- length, block_ms}: action 0 not in the line, 1 wait in place (BLPOP the
 -- waiter's wake list for block_ms), 2 park, 3 ask again soon (a place to
 -- wait in but no thread for it), 4 this waiter already ran (a duplicate).
@@ -94,7 +95,7 @@ end
 
 if not held and not lined then
   local fence, expired = grant()
-  return {1, fence, now, expired, 0}
+  return {1, fence, now, expired, 0, 0}
 end
 
 local WAITERS = sibling('waiters')
@@ -105,7 +106,7 @@ if held then
     holder_fence = tonumber(cur[1]) or 0
     if cur[2] == token then
       -- Our own grant, asked again (a client retry after a lost reply): the same answer.
-      return {1, holder_fence, tonumber(cur[3]) or now, 0, 0}
+      return {1, holder_fence, tonumber(cur[3]) or now, 0, 0, 0}
     end
   end
   pttl = redis.call('PTTL', KEYS[1])
@@ -164,7 +165,7 @@ if not held and (first_waiter == nil or first_waiter == waiter) then
     if expired == 0 then handoff = released_ms end
     promote()
   end
-  return {1, fence, now, expired, handoff}
+  return {1, fence, now, expired, handoff, first_waiter ~= nil and 1 or 0}
 end
 
 if mode == 0 then

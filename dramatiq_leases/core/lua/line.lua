@@ -5,7 +5,8 @@
 -- then waiter ids.
 -- hold: the process holds these waiters' parked copies; returns one state per
 -- waiter: 'p' parked (keep it), 'm' promoted (send it back now), 'r' waiting
--- in place elsewhere (this copy is a spare: keep it parked), 'd' already ran
+-- in place elsewhere (this copy is a spare: keep it parked; a waiter in place
+-- past its deadline is not waiting any more, and its copy is parked), 'd' already ran
 -- (drop it), 'x' not in the line (send it back now, to take its place again).
 -- leave: the waiters give up their places; returns how many had one.
 -- Either way vanished waiters at the head lose their place, and a free key's
@@ -56,7 +57,7 @@ for i = 6, #ARGV do
       out[#out + 1] = 'd'
     elseif not e or not redis.call('ZSCORE', LINE, w) then
       out[#out + 1] = 'x'
-    elseif e.state == 'r' then
+    elseif e.state == 'r' and e.deadline >= now then
       out[#out + 1] = 'r'
     elseif e.state == 'm' then
       redis.call('HSET', WAITERS, w, 'm ' .. e.deadline .. ' ' .. holder .. ' ' .. e.actor)
