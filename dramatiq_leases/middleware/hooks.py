@@ -305,6 +305,11 @@ class LeaseMiddleware(Middleware):
         """Release the lease if the actor did not (a middleware failed before it ran)."""
         self.waiting.forget_thread()  # an interruption while waiting in place may have left its place taken
         self.runs.forget()
+        if exception is not None:
+            # A failure while waiting (TimeLimit in the hook): Retries, which runs after us, must
+            # send a new attempt, not this one's place and wait clock.
+            for name in (FIRST_ATTEMPT_OPTION, ATTEMPTS_OPTION, LINE_OPTION):
+                message.options.pop(name, None)
 
     def after_skip_message(self, broker: dramatiq.Broker, message: Any) -> None:
         """Release the lease of a message skipped after it was acquired."""

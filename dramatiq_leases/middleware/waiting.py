@@ -88,7 +88,8 @@ class Waiting:
         """Start listening for promotions; at most half the worker threads may wait in place."""
         self._broker = broker
         self.cap = max(1, worker_threads // 2)
-        self.channel = f"{self.leases.prefix}:promote:{uuid.uuid4().hex}"
+        # No whitespace: waiter entries are space-separated (a prefix may contain spaces).
+        self.channel = "".join(f"{self.leases.prefix}:promote:{uuid.uuid4().hex}".split())
         self._stop.clear()
         self._threads = [
             threading.Thread(target=self._listen, name="dramatiq-leases-line-listener", daemon=True),

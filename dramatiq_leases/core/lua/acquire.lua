@@ -189,6 +189,7 @@ if rank < ready and mode == 2 then
   -- the head in transit would lose its place.
   local until_ms = now + pttl
   if not held and first_entry then until_ms = first_entry.deadline end
+  if held and pttl < 0 then until_ms = now + BLOCK_MAX_MS end  -- a key without TTL: no expiry to wait for
   block = math.min(BLOCK_MAX_MS, math.max(50, until_ms - now + 50))
   action = 1
   put(waiter, 'r', now + block + READY_SLACK_MS, holder, actor)
