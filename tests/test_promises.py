@@ -626,3 +626,29 @@ def test_waiting_in_place_stays_within_a_quarter_of_the_time_limit(make_stack: A
     assert stack.leases.release(holder)
     assert stack.recorder.wait_settled(message.message_id) == "acked"
     assert runs.items == [{"n": 1}]
+
+
+def test_a_spare_parked_copy_of_a_message_that_ran_is_dropped_without_being_sent_on(make_stack: Any) -> None:
+    stack = make_stack()
+    runs = Runs()
+
+    @stack.actor(lock_key="invoice:{n}", max_retries=0)
+    def charge(n: int) -> None:
+        runs.add(n=n)
+
+    stack.start()
+    holder = stack.leases.try_acquire("invoice:7", ttl=10_000)
+    assert isinstance(holder, Lease)
+    message = charge.send(7)
+    wait_for(lambda: stack.leases.inspect_line("invoice:7").states.get("in_place") == 1, what="it to wait in place")
+    # A spare copy, parked (as a worker killed between parking and acknowledging would leave it).
+    stack.broker.enqueue(message.copy(options={"lease_line": "invoice:7"}), delay=300_000)
+    waiting = stack.leases_mw.waiting
+    wait_for(lambda: waiting.parked == 1, what="the spare copy to be registered by this process")
+    assert stack.leases.release(holder)
+    wait_for(lambda: len(runs.items) == 1, what="the message to run")
+    sent = len(stack.recorder.enqueues)
+    waiting.tend()  # what the periodic check does: the spare's waiter ran, so it is dropped here
+    assert stack.recorder.wait_settled(message.message_id) == "acked"
+    assert len(stack.recorder.enqueues) == sent, "the spare was sent on instead of dropped"
+    assert len(runs.items) == 1

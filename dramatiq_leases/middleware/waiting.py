@@ -113,6 +113,11 @@ class Waiting:
         return len(self._in_place)
 
     @property
+    def parked(self) -> int:
+        """How many parked copies this process's delay queues hold (registered with their lines)."""
+        return len(self._parked)
+
+    @property
     def stopping(self) -> bool:
         """Whether this process is shutting down (nothing new waits in place)."""
         return self._stop.is_set()
@@ -179,8 +184,12 @@ class Waiting:
         if LINE_OPTION in message.options and "eta" not in message.options:
             self._parked.pop(waiter_id(message), None)
 
-    def unpark(self, waiter: str) -> bool:
-        """Send the parked copy of ``waiter`` held here to its queue now; ``False`` if it is not here."""
+    def unpark(self, waiter: str, *, drop: bool = False) -> bool:
+        """Send the parked copy of ``waiter`` held here to its queue now; ``False`` if it is not here.
+
+        With ``drop`` (the waiter already ran) the copy is only acknowledged: sent on, it would be
+        dropped as a duplicate anyway, at the cost of an enqueue and a delivery.
+        """
         parked = self._parked.pop(waiter, None)
         if parked is None or self._broker is None:
             return False
@@ -200,6 +209,10 @@ class Waiting:
             time.sleep(0.002)
         if item is None:
             return False  # already on its way back
+        if drop:
+            parked.consumer.post_process_message(parked.proxy)
+            delay_queue.task_done()
+            return True
         fresh = parked.proxy.copy(queue_name=q_name(parked.proxy.queue_name))
         fresh.options.pop("eta", None)
         try:
@@ -254,4 +267,4 @@ class Waiting:
             states = self.leases.hold(key, waiters, self.channel, park_ms=PARK_MS, ready=READY_PER_KEY)
             for waiter, state in zip(waiters, states):
                 if state in ("m", "x", "d"):
-                    self.unpark(waiter)
+                    self.unpark(waiter, drop=state == "d")
