@@ -56,8 +56,12 @@ def run(ctx: Context) -> FigureResult:
                 "server_us": counts.server_us,
             }
         # Interleaved, order rotating, so load from other work lands on every peer alike.
-        wanted = {p.name: _rounds(n, p is not RENEW_OURS and "pipelined" not in p.name and "one script" not in p.name,
-                                  ctx.quick) for p in peers}
+        wanted = {
+            p.name: _rounds(
+                n, p is not RENEW_OURS and "pipelined" not in p.name and "one script" not in p.name, ctx.quick
+            )
+            for p in peers
+        }
         times: dict[str, list[float]] = {p.name: [] for p in peers}
         names = [p.name for p in peers]
         for r in range(max(wanted.values())):

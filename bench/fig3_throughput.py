@@ -28,7 +28,8 @@ MODES = {
     "leases-nometrics": "LeaseMiddleware (null metrics)",
     "crl": "ConcurrentRateLimiter(limit=1) in the actor",
 }
-GOAL_OVERHEAD = 0.15
+#: Issue 11's goal: with Prometheus metrics on, at least this share of a bare two-round-trip lock's rate.
+GOAL_OF_RAW = 0.90
 
 
 def _drain(ctx: Context, mode: str, messages: int) -> dict[str, Any]:
@@ -77,8 +78,8 @@ def _drain(ctx: Context, mode: str, messages: int) -> dict[str, Any]:
 
 def run(ctx: Context) -> FigureResult:
     """Drain the queue ``repeats`` times per mode, alternating modes; report medians and overhead."""
-    messages, repeats = (1_000, 1) if ctx.quick else (5_000, 3)
-    modes = ["bare", "leases"] if ctx.quick else list(MODES)
+    messages, repeats = (1_000, 1) if ctx.quick else (5_000, 5)
+    modes = ["bare", "raw", "leases"] if ctx.quick else list(MODES)
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     for r in range(repeats):
         for mode in modes[r % len(modes) :] + modes[: r % len(modes)]:
@@ -115,13 +116,16 @@ def run(ctx: Context) -> FigureResult:
         ["mode", "commands per message (commandstats, incl. inside Lua)"],
         [[m, ", ".join(f"{k} {v:.2f}" for k, v in runs[m][0]["breakdown"].items())] for m in modes],
     )
-    overhead = 1 - median([x["rate"] for x in runs["leases"]]) / bare
+    # Rounds run the modes back to back, so a per-round ratio cancels most of the drift in the machine's
+    # speed between rounds (other work on the VM's two cores); its median is the figure.
+    of_raw = [lease["rate"] / raw["rate"] for lease, raw in zip(runs["leases"], runs["raw"], strict=True)]
+    share = median(of_raw)
     goals = [
         Goal(
             "3",
-            f"middleware costs under {GOAL_OVERHEAD:.0%} of bare throughput",
-            f"{overhead:.1%} ({median([x['rate'] for x in runs['leases']]):.0f} vs {bare:.0f} msg/s)",
-            overhead < GOAL_OVERHEAD,
+            f"at least {GOAL_OF_RAW:.0%} of a bare two-round-trip lock's rate (SET NX + Lua CAD), metrics on",
+            f"{share:.0%} (median of {len(of_raw)} rounds: " + ", ".join(f"{x:.0%}" for x in of_raw) + ")",
+            share >= GOAL_OF_RAW,
         )
     ]
     notes = [

@@ -59,9 +59,23 @@ def run(broker: str, k: int, seconds: float) -> dict[str, Any]:
     }
     with open(tmp / f"{queue}.log", "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "dramatiq", "tests.apps.line_app", "--processes", "2", "--threads", "8",
-             "--queues", queue],
-            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            [
+                sys.executable,
+                "-m",
+                "dramatiq",
+                "tests.apps.line_app",
+                "--processes",
+                "2",
+                "--threads",
+                "8",
+                "--queues",
+                queue,
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
     record = redis.Redis.from_url(server.url(2))
     try:
@@ -77,7 +91,10 @@ def run(broker: str, k: int, seconds: float) -> dict[str, Any]:
         enqueues = [int(v) for v in record.hgetall("enqueues").values()]
         firsts = [r["first"] for r in runs]
         return {
-            "broker": broker, "k": k, "job_s": seconds, "done": len(runs),
+            "broker": broker,
+            "k": k,
+            "job_s": seconds,
+            "done": len(runs),
             "makespan_ratio": round((runs[-1]["end"] - runs[0]["start"]) / (k * seconds), 3),
             "handoff_p50_ms": round(statistics.median(gaps), 2),
             "handoff_p99_ms": round(gaps[min(len(gaps) - 1, int(len(gaps) * 0.99))], 2),
