@@ -24,10 +24,11 @@ from .core import (
 )
 from .core import tracing as _core_tracing
 from .metrics import LeaseMetrics, OTelMetrics, PrometheusMetrics
+from .tracing import current_context as _otel_context
 from .tracing import span as _otel_span
 
 # The core opens its spans through an interface; OpenTelemetry's plugs in here.
-_core_tracing.set_tracer(_otel_span)
+_core_tracing.set_tracer(_otel_span, _otel_context)
 
 if TYPE_CHECKING:
     from .middleware import (

@@ -1,7 +1,10 @@
 """Metrics: the core's :class:`LeaseMetrics` interface, implemented for Prometheus and OpenTelemetry.
 
-The interface lives in :mod:`dramatiq_leases.core.metrics` (re-exported here);
-:class:`PrometheusMetrics` implements it with ``prometheus_client``. Labels
+The interface lives in :mod:`dramatiq_leases.core.metrics` (re-exported here,
+with the histogram buckets both implementations share);
+:class:`PrometheusMetrics` implements it with ``prometheus_client``, and
+:class:`OTelMetrics` (:mod:`dramatiq_leases.otel_metrics`, re-exported here)
+with an OpenTelemetry meter, under the same names. Labels
 are ``actor_name`` and ``queue_name`` (taken from a lease's ``actor`` and
 ``queue`` metadata), never the lease key: keys are unbounded and often carry
 user ids.
@@ -19,15 +22,30 @@ import threading
 import weakref
 from typing import Any
 
-from .core.metrics import LOST_REASONS, NULL_METRICS, LeaseMetrics, Meta, labels_of
+from .core.metrics import (
+    DURATION_BUCKETS,
+    ERROR_OPERATIONS,
+    LATENCY_BUCKETS,
+    LOST_REASONS,
+    NULL_METRICS,
+    RENEWAL_OUTCOMES,
+    LeaseMetrics,
+    Meta,
+    labels_of,
+)
+from .otel_metrics import OTelMetrics
 
-#: Buckets (seconds) for acquire, release and renewal round trips.
-LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
-
-#: Buckets (seconds) for waits and holds, which last as long as jobs do.
-DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0)
-
-__all__ = ["LOST_REASONS", "NULL_METRICS", "LeaseMetrics", "Meta", "OTelMetrics", "PrometheusMetrics", "labels_of"]
+__all__ = [
+    "DURATION_BUCKETS",
+    "LATENCY_BUCKETS",
+    "LOST_REASONS",
+    "NULL_METRICS",
+    "LeaseMetrics",
+    "Meta",
+    "OTelMetrics",
+    "PrometheusMetrics",
+    "labels_of",
+]
 
 
 def _enable_multiprocess_values() -> None:
@@ -177,87 +195,9 @@ class PrometheusMetrics(LeaseMetrics):
         m, labels = self._metrics(), labels_of(meta)
         for name in ("busy", "gave_up", "held"):
             m[name].labels(*labels)
-        for outcome in ("ok", "lost", "error"):
+        for outcome in RENEWAL_OUTCOMES:
             m["renewals"].labels(*labels, outcome)
         for reason in LOST_REASONS:
             m["lost"].labels(*labels, reason)
-        for operation in ("acquire", "renew", "release"):
+        for operation in ERROR_OPERATIONS:
             m["redis_errors"].labels(operation)
-
-
-class OTelMetrics(LeaseMetrics):
-    """:class:`LeaseMetrics` on an OpenTelemetry meter, instead of ``prometheus_client``.
-
-    Pass ``LeaseMiddleware(metrics=OTelMetrics())`` and configure a
-    ``MeterProvider`` in your application. Instruments are named
-    ``dramatiq.lease.*`` with unit ``s`` for durations; OpenTelemetry's
-    Prometheus exporter turns them into the same names as
-    :class:`PrometheusMetrics` (``dramatiq.lease.acquire.duration`` becomes
-    ``dramatiq_lease_acquire_duration_seconds``). Use one or the other, never
-    both: two sources under one name would double every figure.
-
-    Parameters:
-      meter_provider: the provider to use; the global one by default.
-    """
-
-    def __init__(self, meter_provider: Any = None) -> None:
-        from opentelemetry import metrics
-
-        meter = metrics.get_meter("dramatiq_leases", meter_provider=meter_provider)
-        self._acquire = meter.create_histogram("dramatiq.lease.acquire.duration", unit="s",
-                                               description="Time to ask Redis for a lease, by outcome.")
-        self._wait = meter.create_histogram("dramatiq.lease.wait.duration", unit="s",
-                                            description="Time from a message's first acquire attempt to acquisition.")
-        self._busy = meter.create_counter("dramatiq.lease.busy_retries",
-                                          description="Messages sent back to the queue because their lease was busy.")
-        self._handoff = meter.create_histogram(
-            "dramatiq.lease.handoff.duration", unit="s",
-            description="Time from a release to the grant of the same key to the next waiter of its line.")
-        self._gave_up = meter.create_counter("dramatiq.lease.gave_up",
-                                             description="Messages that exhausted their wait budget.")
-        self._held = meter.create_up_down_counter("dramatiq.lease.held", description="Leases held now.")
-        self._hold = meter.create_histogram("dramatiq.lease.hold.duration", unit="s",
-                                            description="How long leases were held.")
-        self._renewals = meter.create_counter("dramatiq.lease.renewals", description="Lease renewals by outcome.")
-        self._round = meter.create_histogram("dramatiq.lease.renew.duration", unit="s",
-                                             description="Duration of one heartbeat round.")
-        self._lost = meter.create_counter("dramatiq.lease.lost", description="Held leases lost, by reason.")
-        self._errors = meter.create_counter("dramatiq.lease.redis_errors", description="Redis errors by operation.")
-
-    @staticmethod
-    def _attrs(meta: Meta, **extra: str) -> dict[str, str]:
-        actor, queue = labels_of(meta)
-        return {"actor_name": actor, "queue_name": queue, **extra}
-
-    def acquire(self, meta: Meta, outcome: str, seconds: float) -> None:
-        self._acquire.record(seconds, self._attrs(meta, outcome=outcome))
-
-    def wait(self, meta: Meta, seconds: float) -> None:
-        self._wait.record(seconds, self._attrs(meta))
-
-    def busy_retry(self, meta: Meta) -> None:
-        self._busy.add(1, self._attrs(meta))
-
-    def gave_up(self, meta: Meta) -> None:
-        self._gave_up.add(1, self._attrs(meta))
-
-    def held(self, meta: Meta, delta: int) -> None:
-        self._held.add(delta, self._attrs(meta))
-
-    def handoff(self, meta: Meta, seconds: float) -> None:
-        self._handoff.record(seconds, self._attrs(meta))
-
-    def hold(self, meta: Meta, seconds: float) -> None:
-        self._hold.record(seconds, self._attrs(meta))
-
-    def renewal(self, meta: Meta, outcome: str) -> None:
-        self._renewals.add(1, self._attrs(meta, outcome=outcome))
-
-    def renew_round(self, seconds: float) -> None:
-        self._round.record(seconds)
-
-    def lost(self, meta: Meta, reason: str) -> None:
-        self._lost.add(1, self._attrs(meta, reason=reason))
-
-    def redis_error(self, operation: str) -> None:
-        self._errors.add(1, {"operation": operation})

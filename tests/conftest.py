@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
@@ -26,3 +27,23 @@ def redis_client(redis_server: EmbeddedRedis) -> Iterator[redis.Redis]:
     client = redis.Redis.from_url(redis_server.url(0), socket_timeout=2)
     yield client
     client.close()
+
+
+@pytest.fixture(autouse=True)
+def _in_process_metric_values() -> Iterator[None]:
+    """Each test starts with prometheus_client's in-process values, whatever an earlier one booted.
+
+    A LeaseMiddleware that serves its own endpoint sets ``PROMETHEUS_MULTIPROC_DIR`` and switches
+    prometheus_client to file-backed values for the rest of the process, as a worker must; in the test
+    process every later metric of the same name would then share those files, and count the earlier
+    tests' events as its own.
+    """
+    from prometheus_client import values
+
+    before = os.environ.get("PROMETHEUS_MULTIPROC_DIR"), values.ValueClass
+    yield
+    directory, values.ValueClass = before
+    if directory is None:
+        os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    else:
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = directory

@@ -21,6 +21,7 @@ import yaml
 
 from dramatiq_leases.core import State
 from dramatiq_leases.exporter import LEAK_REASONS
+from dramatiq_leases.mixin import MixinConfig
 
 from .support.promtool import check_promql, grafana_to_promql, run
 
@@ -32,6 +33,9 @@ DASHBOARD = ROOT / "dashboards" / "dramatiq-leases.json"
 ALERTMANAGER = ROOT / "deploy" / "alertmanager" / "alertmanager.yml"
 PROMETHEUS = ROOT / "deploy" / "prometheus" / "prometheus.yml"
 GRAFANA_DATASOURCES = ROOT / "deploy" / "grafana" / "provisioning" / "datasources" / "prometheus.yml"
+GRAFANA_ALERTMANAGER = GRAFANA_DATASOURCES.with_name("alertmanager.yml")
+GRAFANA_EXPORTER = GRAFANA_DATASOURCES.with_name("exporter.yml")
+BUSY_DATASOURCE = "yesoreyeram-infinity-datasource"
 GRAFANA_DASHBOARDS = ROOT / "deploy" / "grafana" / "provisioning" / "dashboards" / "dramatiq-leases.yml"
 COMPOSE = ROOT / "docker-compose.yml"
 COMPOSE_SCHEMA = ROOT / "tests" / "data" / "compose-spec.json"
@@ -65,7 +69,8 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "dramatiq_lease_exporter_scan_duration_seconds": ("gauge", FLEET, ()),
 }
 HISTOGRAM_SERIES = ("_bucket", "_count", "_sum")
-TARGET_LABELS = ("job", "instance")
+# Labels Prometheus attaches: the scrape job and target, and the cluster label (target or external labels).
+TARGET_LABELS = ("job", "instance", "cluster")
 ALL_LABELS = {label for _, _, labels in METRICS.values() for label in labels} | {*TARGET_LABELS, "le"}
 
 
@@ -80,9 +85,17 @@ def dashboard() -> Any:
     return json.loads(DASHBOARD.read_text())
 
 
+def all_rules() -> list[dict[str, Any]]:
+    """Every rule of the rule file: its recording group's, then its alerting group's."""
+    return [rule for group in load_yaml(ALERT_RULES)["groups"] for rule in group["rules"]]
+
+
 def alert_rules() -> list[dict[str, Any]]:
-    groups = load_yaml(ALERT_RULES)["groups"]
-    return [rule for group in groups for rule in group["rules"] if "alert" in rule]
+    return [rule for rule in all_rules() if "alert" in rule]
+
+
+def recording_rules() -> list[dict[str, Any]]:
+    return [rule for rule in all_rules() if "record" in rule]
 
 
 def alert_names() -> list[str]:
@@ -146,6 +159,78 @@ def parse_duration(text: str) -> float:
 
 # --- alert rules ------------------------------------------------------------------------------------
 
+#: The configuration the checked-in rules are rendered from (tests/test_mixin.py checks that they are).
+MIXIN = MixinConfig()
+CLUSTER = MIXIN.cluster_label
+#: Recording rule names: level:metric:operations.
+RECORDED = re.compile(r"\b[a-z_]+:[a-z_]+:[a-z0-9_]+\b")
+RECORDING_LEVELS = {"job_actor": {CLUSTER, "job", *ACTOR}, "actor": {CLUSTER, *ACTOR}}
+_AGGREGATION = re.compile(r"\b(sum|min|max|avg|count|stddev|stdvar|topk|bottomk|quantile|count_values|group)\s*(by|without)?\s*\(")
+_BY = re.compile(r"\b(?:sum|min|max|avg|count|group)\s+by\s*\(([^)]*)\)")
+_ON = re.compile(r"\bon\s*\(([^)]*)\)")
+
+
+def labels_of(grouping: str) -> set[str]:
+    return {label.strip() for label in grouping.split(",") if label.strip()}
+
+
+def split_top(expr: str, keyword: str) -> list[str]:
+    """``expr`` split at each ``keyword`` (a binary operator such as ``or``) outside parentheses and strings."""
+    parts, depth, start = [], 0, 0
+    for token in re.finditer(rf'"(?:[^"\\]|\\.)*"|[()]|\b{keyword}\b', expr):
+        if token.group() == "(":
+            depth += 1
+        elif token.group() == ")":
+            depth -= 1
+        elif token.group() == keyword and depth == 0:
+            parts.append(expr[start:token.start()].strip())
+            start = token.end()
+    return [*parts, expr[start:].strip()]
+
+
+def unwrap(expr: str) -> str:
+    """``expr`` without parentheses around all of it."""
+    expr = expr.strip()
+    while expr.startswith("(") and expr.endswith(")") and _balanced(expr[1:-1]):
+        expr = expr[1:-1].strip()
+    return expr
+
+
+def _balanced(expr: str) -> bool:
+    depth = 0
+    for char in re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr):
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if depth < 0:
+            return False
+    return depth == 0
+
+
+def leaked_reasons(expr: str) -> set[str]:
+    """The reasons that the ``dramatiq_lease_leaked`` selectors of ``expr`` read (each must say)."""
+    reasons: set[str] = set()
+    for series, matchers in selectors(expr):
+        if series != "dramatiq_lease_leaked":
+            continue
+        operator, value = matchers["reason"]
+        assert operator in {"=", "=~"}, f"select leaked reasons by name, not {operator}{value}"
+        reasons |= set(value.split("|")) if operator == "=~" else {value}
+    return reasons
+
+
+def rule_id(rule: dict[str, Any]) -> str:
+    if "record" in rule:
+        return rule["record"]
+    window = f"-{rule['labels']['long']}-{rule['labels']['short']}" if "long" in rule["labels"] else ""
+    return f"{rule['alert']}-{rule['labels']['severity']}{window}"
+
+
+def leak_rules() -> dict[str, dict[str, Any]]:
+    """The DramatiqLeaseLeaked rules, by severity."""
+    rules = [rule for rule in alert_rules() if rule["alert"] == "DramatiqLeaseLeaked"]
+    by_severity = {rule["labels"]["severity"]: rule for rule in rules}
+    assert len(by_severity) == len(rules), "one DramatiqLeaseLeaked rule per severity"
+    return by_severity
+
 
 @pytest.mark.system
 def test_alert_rules_pass_promtool_check() -> None:
@@ -157,14 +242,37 @@ def test_alert_rules_pass_their_unit_tests() -> None:
     run("promtool", "test", "rules", ALERT_TESTS.name, cwd=ALERT_TESTS.parent)
 
 
-def test_alert_rules_are_one_group_of_alerts() -> None:
-    groups = load_yaml(ALERT_RULES)["groups"]
-    assert len(groups) == 1
-    assert all("alert" in rule for rule in groups[0]["rules"]), "recording rules would need their own tests"
+def test_rules_are_a_recording_group_and_an_alerting_group() -> None:
+    recording, alerting = load_yaml(ALERT_RULES)["groups"]
+    assert recording["name"] == "dramatiq-leases.rules"
+    assert alerting["name"] == "dramatiq-leases"
+    assert recording["rules"] and all(rule.keys() == {"record", "expr"} for rule in recording["rules"])
+    assert alerting["rules"] and all("alert" in rule for rule in alerting["rules"])
 
 
-def rule_id(rule: dict[str, Any]) -> str:
-    return f"{rule['alert']}-{rule['labels']['severity']}"
+@pytest.mark.parametrize("rule", recording_rules(), ids=rule_id)
+def test_recording_rule_follows_conventions(rule: dict[str, Any]) -> None:
+    name = rule["record"]
+    assert re.fullmatch(r"[a-z_]+:[a-z_]+:[a-z0-9_]+", name), "level:metric:operations"
+    level, metric, operations = name.split(":")
+    assert level in RECORDING_LEVELS, f"{name}: a level says which labels the series keeps"
+    assert metric.startswith("dramatiq_lease_")
+    assert operations.startswith(("rate", "ratio_rate")) and re.search(r"\d+[smhd]$", operations)
+    window = re.search(r"(\d+[smhd])$", operations).group(1)
+    assert re.findall(r"\[([^\]]+)\]", rule["expr"]) and set(re.findall(r"\[([^\]]+)\]", rule["expr"])) == {window}
+    # The level is the labels that every aggregation keeps (histogram buckets also keep le).
+    for grouping in _BY.findall(rule["expr"]):
+        assert labels_of(grouping) - {"le"} == RECORDING_LEVELS[level], f"{name}: by ({grouping})"
+    assert promql_problems(rule["expr"]) == []
+
+
+def test_recording_rules_are_read_and_exist() -> None:
+    recorded = [rule["record"] for rule in recording_rules()]
+    assert len(recorded) == len(set(recorded))
+    read = {name for rule in alert_rules() for name in RECORDED.findall(rule["expr"])}
+    read |= {name for query in dashboard_queries().values() for name in RECORDED.findall(query)}
+    assert read - set(recorded) == set(), "queries read series that no rule records"
+    assert set(recorded) - read == set(), "recorded series that nothing reads"
 
 
 @pytest.mark.parametrize("rule", alert_rules(), ids=rule_id)
@@ -172,13 +280,46 @@ def test_alert_follows_conventions(rule: dict[str, Any]) -> None:
     name = rule["alert"]
     assert re.fullmatch(r"DramatiqLease[A-Z][A-Za-z]+", name)
     parse_duration(rule["for"])
-    assert rule["labels"]["severity"] in {"critical", "warning", "info"}
+    labels = rule["labels"]
+    assert labels["severity"] in {"critical", "warning", "info"}
+    # Burn-rate alerts say which pair of windows burns; nothing else adds labels.
+    assert set(labels) in ({"severity"}, {"severity", "long", "short"})
+    if "long" in labels:
+        assert parse_duration(labels["long"]) > parse_duration(labels["short"])
+        assert f"ratio_rate{labels['long']}" in rule["expr"] and f"ratio_rate{labels['short']}" in rule["expr"]
     annotations = rule["annotations"]
-    assert set(annotations) == {"summary", "description", "runbook_url"}
+    assert set(annotations) == {"summary", "description", "runbook_url", "dashboard_url"}
     assert annotations["summary"].strip()
     assert re.search(r"\$labels\.\w+|\$value", annotations["description"]), "say which actor, or how bad"
     assert annotations["runbook_url"] == f"{RUNBOOK_URL}#{name.lower()}"
-    assert promql_problems(rule["expr"]) == []
+    link = annotations["dashboard_url"]
+    assert link.startswith(MIXIN.dashboard_url)
+    if "$labels.actor_name" in annotations["description"]:
+        # Open the dashboard on the alert's actor, in its cluster.
+        assert link == f"{MIXIN.dashboard_url}?var-actor={{{{ $labels.actor_name }}}}" \
+                       f"&var-cluster={{{{ $labels.{CLUSTER} }}}}"
+    else:
+        assert link == MIXIN.dashboard_url
+    assert promql_problems(RECORDED.sub("recorded", rule["expr"])) == []
+
+
+@pytest.mark.parametrize("rule", all_rules(), ids=rule_id)
+def test_aggregations_keep_the_cluster_and_the_job(rule: dict[str, Any]) -> None:
+    # Staging and production in one Prometheus never merge; nor do two jobs' series. Only actor:
+    # level recordings (worker and exporter series combined) and the right-hand side of a filter
+    # (`and on (labels) (sum by (labels) ...)`, whose labels no result keeps) drop the job.
+    expr = rule["expr"]
+    actor_level = rule.get("record", "").startswith("actor:")
+    for match in _AGGREGATION.finditer(expr):
+        assert match.group(2) == "by", f"{rule_id(rule)}: {match.group(0)} drops the cluster label"
+    for match in _BY.finditer(expr):
+        labels = labels_of(match.group(1))
+        assert CLUSTER in labels, f"{rule_id(rule)}: by ({match.group(1)})"
+        filter_on = re.search(r"\b(?:and|unless)\s+on\s*\(([^)]*)\)\s*\(?\s*$", expr[:match.start()])
+        is_filter = filter_on is not None and labels_of(filter_on.group(1)) == labels
+        assert "job" in labels or actor_level or is_filter, f"{rule_id(rule)}: by ({match.group(1)}) drops the job"
+    for grouping in _ON.findall(expr):
+        assert CLUSTER in labels_of(grouping), f"{rule_id(rule)}: on ({grouping}) joins across clusters"
 
 
 def github_anchor(heading: str) -> str:
@@ -204,30 +345,49 @@ def test_runbook_mentions_the_cli() -> None:
 def test_every_alert_has_unit_tests_that_fire_and_stay_silent() -> None:
     unit_tests = load_yaml(ALERT_TESTS)
     assert [(ALERT_TESTS.parent / path).resolve() for path in unit_tests["rule_files"]] == [ALERT_RULES]
-    severities: dict[str, set[str]] = {}
+    # The alerts read recorded series: the tests evaluate the recording group first, deterministically.
+    assert unit_tests["group_eval_order"] == [group["name"] for group in load_yaml(ALERT_RULES)["groups"]]
+    rules: dict[str, list[dict[str, str]]] = {}
     for rule in alert_rules():
-        severities.setdefault(rule["alert"], set()).add(rule["labels"]["severity"])
-    fires: set[str] = set()
+        rules.setdefault(rule["alert"], []).append(rule["labels"])
+    fires: dict[str, set[str]] = {}
     silent: set[str] = set()
     for case in (case for test in unit_tests["tests"] for case in test.get("alert_rule_test", [])):
         name = case["alertname"]
-        assert name in severities, f"unit test for unknown alert {name}"
+        assert name in rules, f"unit test for unknown alert {name}"
         if not case.get("exp_alerts"):
             silent.add(name)
             continue
-        fires.add(name)
         for expected in case["exp_alerts"]:
-            assert expected["exp_labels"]["severity"] in severities[name]
-            assert set(expected["exp_annotations"]) == {"summary", "description", "runbook_url"}
-    assert set(alert_names()) - fires == set(), "alerts never seen firing in a unit test"
+            labels = expected["exp_labels"]
+            # Exactly the labels of one of the alert's rules (the series' own labels besides).
+            assert any(all(labels.get(k) == v for k, v in rule.items()) for rule in rules[name]), labels
+            assert set(expected["exp_annotations"]) == {"summary", "description", "runbook_url", "dashboard_url"}
+            fires.setdefault(name, set()).add(labels["severity"])
+    for name, labels in rules.items():
+        severities = {rule["severity"] for rule in labels}
+        assert fires.get(name, set()) == severities, f"{name}: unit tests see it fire only as {fires.get(name)}"
     assert set(alert_names()) - silent == set(), "alerts never seen silent in a unit test"
 
 
-def test_leak_alert_pages_within_a_minute() -> None:
-    (rule,) = (rule for rule in alert_rules() if rule["alert"] == "DramatiqLeaseLeaked")
-    assert rule["labels"]["severity"] == "critical"
-    assert parse_duration(rule["for"]) <= 30
-    assert "dramatiq_lease_leaked" in rule["expr"]
+def test_leak_alert_pages_within_30s_only_on_no_ttl_or_waiting_messages() -> None:
+    rules = leak_rules()
+    assert set(rules) == {"critical", "warning"}
+    assert all(parse_duration(rule["for"]) <= 30 for rule in rules.values())
+    # The page: a lease without a TTL (it never ends by itself), or any leak that messages of its
+    # actor wait on (busy retries of its actor and queue, or messages in its actor's line).
+    for branch in split_top(rules["critical"]["expr"], "or"):
+        leak, *condition = split_top(unwrap(branch), "and")
+        assert leaked_reasons(leak), f"not a leak: {leak}"
+        if not condition:
+            assert leaked_reasons(leak) == {State.NO_TTL.value}, f"pages on any {leaked_reasons(leak)} leak"
+            continue
+        (waiting,) = condition
+        assert re.search(r"\bdramatiq_lease_(busy_retries_total|waiting)\b", waiting), waiting
+        assert re.search(r"\)\s*>\s*0\s*\)?$", waiting), f"messages wait: {waiting}"
+    # The warning: the leaks that end at their TTL by themselves.
+    ends_by_ttl = {state.value for state in State if state.leaked} - {State.NO_TTL.value}
+    assert leaked_reasons(rules["warning"]["expr"]) == ends_by_ttl
 
 
 def test_leak_alert_pages_only_on_leaked_states() -> None:
@@ -236,10 +396,10 @@ def test_leak_alert_pages_only_on_leaked_states() -> None:
     leaked = {state.value for state in State if state.leaked}
     assert {state.value for state in LEAK_REASONS} == leaked
     assert State.HEARTBEAT_OVERDUE.value not in leaked
-    (rule,) = (rule for rule in alert_rules() if rule["alert"] == "DramatiqLeaseLeaked")
-    (matchers,) = (matchers for series, matchers in selectors(rule["expr"]) if series == "dramatiq_lease_leaked")
-    operator, reasons = matchers["reason"]
-    assert operator == "=~" and set(reasons.split("|")) == leaked
+    rules = leak_rules()
+    assert set().union(*(leaked_reasons(rule["expr"]) for rule in rules.values())) == leaked
+    for rule in alert_rules():
+        assert State.HEARTBEAT_OVERDUE.value not in leaked_reasons(rule["expr"]), rule_id(rule)
 
 
 def test_overdue_heartbeats_warn_without_paging() -> None:
@@ -252,9 +412,9 @@ def test_overdue_heartbeats_warn_without_paging() -> None:
 
 def test_alert_jobs_are_scraped() -> None:
     jobs = {job["job_name"] for job in load_yaml(PROMETHEUS)["scrape_configs"]}
-    for rule in alert_rules():
+    for rule in all_rules():
         for value in re.findall(r'\bjob\s*=\s*"([^"]*)"', rule["expr"]):
-            assert value in jobs, f"{rule['alert']} selects job {value}, which prometheus.yml does not scrape"
+            assert value in jobs, f"{rule_id(rule)} selects job {value}, which prometheus.yml does not scrape"
 
 
 # --- Alertmanager -----------------------------------------------------------------------------------
@@ -280,15 +440,19 @@ def test_alertmanager_routes_by_severity(severity: str | None, receiver: str) ->
 
 def test_alertmanager_groups_and_inhibits_per_actor() -> None:
     config = load_yaml(ALERTMANAGER)
-    assert config["route"]["group_by"] == ["alertname", "actor_name"]
+    # Staging and production in one Prometheus: never one notification, never one inhibiting the other.
+    assert config["route"]["group_by"] == ["alertname", "cluster", "actor_name"]
     (inhibit,) = config["inhibit_rules"]
     assert inhibit["source_matchers"] == ['severity = "critical"']
     assert inhibit["target_matchers"] == ['severity = "warning"']
-    assert set(inhibit["equal"]) == {"alertname", "actor_name"}
+    assert set(inhibit["equal"]) == {"alertname", "cluster", "actor_name", "queue_name"}
     receivers = {receiver["name"]: receiver for receiver in config["receivers"]}
     for name in ("pager", "ticket"):
         (webhook,) = receivers[name]["webhook_configs"]
-        assert urlsplit(webhook["url"]).scheme in {"http", "https"}
+        url = urlsplit(webhook["url"])
+        assert url.scheme in {"http", "https"}
+        # The compose stack delivers them somewhere: a service that logs them.
+        assert url.hostname in compose_services(), f"{name}: {url.hostname} is not a compose service"
     assert receivers["null"].keys() == {"name"}
 
 
@@ -360,7 +524,13 @@ def all_panels() -> list[dict[str, Any]]:
 
 
 def data_panels() -> list[dict[str, Any]]:
-    return [panel for panel in all_panels() if panel["type"] != "row"]
+    """The panels that query Prometheus."""
+    return [panel for panel in all_panels() if panel["type"] != "row" and panel["datasource"]["type"] == "prometheus"]
+
+
+def busy_panels() -> list[dict[str, Any]]:
+    """The panels that read the exporter's /leases JSON."""
+    return [panel for panel in all_panels() if panel.get("datasource", {}).get("type") == BUSY_DATASOURCE]
 
 
 def dashboard_queries() -> dict[str, str]:
@@ -392,7 +562,9 @@ def test_dashboard_variables() -> None:
     variables = {variable["name"]: variable for variable in dashboard()["templating"]["list"]}
     assert variables["datasource"]["type"] == "datasource"
     assert variables["datasource"]["query"] == "prometheus"
-    for name in ("job", "instance", "actor", "exporter_job"):
+    assert variables["busy_source"]["type"] == "datasource"
+    assert variables["busy_source"]["query"] == BUSY_DATASOURCE
+    for name in ("cluster", "job", "instance", "actor", "exporter_job"):
         variable = variables[name]
         assert variable["type"] == "query"
         assert variable["query"].startswith("label_values(")
@@ -464,10 +636,14 @@ def test_dashboard_queries_filter_by_the_variables() -> None:
                 _, source, labels = METRICS[base_metric(series)]
                 # Exporter metrics come from their own job: the worker job and
                 # instance variables would hide them.
-                if source == FLEET:
+                # Except Redis errors, which the exporter has too (scan): they are shown from both.
+                if source == FLEET or (series.startswith("dramatiq_lease_redis_errors")
+                                       and matchers.get("job") == ("=~", "$exporter_job")):
                     expected = {"job": "$exporter_job"}
                 else:
                     expected = {"job": "$job", "instance": "$instance"}
+                # Staging and production in one Prometheus stay apart.
+                expected["cluster"] = "$cluster"
                 if "actor_name" in labels:
                     expected["actor_name"] = "$actor"
                 for label, variable in expected.items():
@@ -525,6 +701,47 @@ def test_dashboard_has_the_key_panels() -> None:
         assert with_query("timeseries", pattern), f"no time series panel for {pattern}"
 
 
+def test_busy_view_reads_the_exporters_json() -> None:
+    from dramatiq_leases.exporter.busy_page import HotKeyRow, LeaseRow
+    from dramatiq_leases.exporter.server import LEASES_PATH
+
+    tables = {}
+    for panel in busy_panels():
+        assert panel["type"] == "table" and panel["description"].strip()
+        (target,) = panel["targets"]
+        assert target["datasource"]["uid"] == "${busy_source}"
+        assert (target["type"], target["source"], target["url"]) == ("json", "url", LEASES_PATH)
+        tables[target["root_selector"]] = [column["selector"] for column in target["columns"]]
+    assert tables.keys() == {"leases", "hot_keys"}
+    # Every column is a field the exporter serves (an API), and each row says how to look closer.
+    for root, fields in (("leases", LeaseRow.__annotations__), ("hot_keys", HotKeyRow.__annotations__)):
+        assert set(tables[root]) <= set(fields), root
+        assert {"key", "state", "line_length", "inspect_command"} <= set(tables[root])
+    assert {"actor", "host", "pid", "age_seconds", "ttl_left_seconds"} <= set(tables["leases"])
+    state_colors = {value for panel in busy_panels() for override in panel["fieldConfig"]["overrides"]
+                    for prop in override["properties"] if prop["id"] == "mappings"
+                    for value in prop["value"][0]["options"]}
+    assert {state.value for state in State} <= state_colors
+
+
+def test_wait_heatmap_leaves_out_first_attempts() -> None:
+    (heatmap,) = [panel for panel in data_panels() if panel["type"] == "heatmap"]
+    expr = heatmap["targets"][0]["expr"]
+    # Cumulative buckets less the lowest one: messages granted at once would otherwise drown the rest.
+    assert re.search(r'- on \(\) group_left sum\(rate\(dramatiq_lease_wait_duration_seconds_bucket\{[^}]*le="0\.01"', expr)
+
+
+def test_oldest_lease_stat_has_thresholds() -> None:
+    (stat,) = [panel for panel in data_panels() if panel["type"] == "stat" and "oldest_acquired" in str(panel["targets"])]
+    steps = stat["fieldConfig"]["defaults"]["thresholds"]["steps"]
+    assert [step["color"] for step in steps] == ["green", "orange", "red"]
+
+
+def test_alert_annotations_keep_alerts_without_an_actor() -> None:
+    (annotation,) = [a for a in dashboard()["annotations"]["list"] if "expr" in a]
+    assert 'actor_name=~"$actor|"' in annotation["expr"]
+
+
 # --- Grafana provisioning ---------------------------------------------------------------------------
 
 
@@ -536,6 +753,19 @@ def test_grafana_datasource_is_the_compose_prometheus() -> None:
     assert url.port == 9090
     # $__rate_interval is only right if Grafana knows the scrape interval.
     assert datasource["jsonData"]["timeInterval"] == load_yaml(PROMETHEUS)["global"]["scrape_interval"]
+
+
+@pytest.mark.parametrize(("path", "kind", "port"), [(GRAFANA_ALERTMANAGER, "alertmanager", 9093),
+                                                   (GRAFANA_EXPORTER, BUSY_DATASOURCE, 9808)])
+def test_grafana_has_the_alertmanager_and_the_exporter(path: Path, kind: str, port: int) -> None:
+    (datasource,) = load_yaml(path)["datasources"]
+    assert datasource["type"] == kind
+    url = urlsplit(datasource["url"])
+    assert url.hostname in compose_services() and url.port == port
+
+
+def test_grafana_installs_the_busy_view_plugin() -> None:
+    assert BUSY_DATASOURCE in compose_services()["grafana"]["environment"]["GF_INSTALL_PLUGINS"]
 
 
 def test_grafana_loads_the_dashboards_directory() -> None:
@@ -559,7 +789,7 @@ def test_compose_file_matches_the_compose_spec() -> None:
 
 def test_compose_has_the_stack() -> None:
     services = compose_services()
-    app = {"worker", "exporter", "producer"}
+    app = {"worker", "exporter", "producer", "webhook"}
     assert set(services) == {"redis", *app, "prometheus", "alertmanager", "grafana"}
     for name in app:
         assert services[name]["build"]["dockerfile"] == "deploy/Dockerfile"

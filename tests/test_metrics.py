@@ -1,10 +1,10 @@
-"""Lease metrics where users scrape them, clean for promtool, free of lease keys; and the OpenTelemetry spans.
+"""Lease metrics where users scrape them, clean for promtool, free of lease keys.
 
 Metrics come from real ``dramatiq`` worker processes (``--processes 2 --threads 2``, app
 ``tests.apps.obs_app``) on a private Redis, scraped over HTTP: on Dramatiq's own Prometheus endpoint
 whichever of the two middleware was added first, or on the lease middleware's own endpoint when
 Dramatiq's is absent. The exporter's exposition comes from a real ``dramatiq-leases exporter``.
-Spans come from an in-process worker (tests/stack.py) under the OpenTelemetry SDK.
+OpenTelemetry's side is in tests/test_otel_metrics.py (metrics) and tests/test_tracing.py (spans).
 
 The process, HTTP and exposition helpers here are shared with tests/test_observability_e2e.py.
 """
@@ -15,32 +15,22 @@ import os
 import signal
 import subprocess
 import sys
-import threading
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import dramatiq
 import pytest
 import redis
 import yaml
 from dramatiq.brokers.redis import RedisBroker
-from dramatiq.middleware import CurrentMessage, Middleware
-from opentelemetry import context, trace
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.trace import Span, SpanKind
 from prometheus_client import CollectorRegistry, multiprocess
 from prometheus_client.parser import text_string_to_metric_families
 
-from dramatiq_leases import LeaseMetrics, Leases, current_lease
+from dramatiq_leases import Leases
 from dramatiq_leases.embedded import EmbeddedRedis, free_port
 from dramatiq_leases.exposition import forget_dead_processes
 from dramatiq_leases.metrics import LOST_REASONS
@@ -66,7 +56,6 @@ from .support.processes import (
     wait_until,
     worker_processes,
 )
-from .support.stack import Stack
 
 # --- worker endpoints -------------------------------------------------------------------------------
 
@@ -322,121 +311,6 @@ def test_exporter_exposition_passes_promtool(exporter_exposition: str) -> None:
 
 def test_exporter_metrics_never_carry_lease_keys(exporter_exposition: str) -> None:
     assert_no_lease_keys(exporter_exposition, [ALIVE_KEY, OVERDUE_KEY, LEAKED_KEY, EXPIRING_KEY])
-
-
-# --- OpenTelemetry ----------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="session")
-def finished_spans() -> InMemorySpanExporter:
-    """Spans recorded by the OpenTelemetry SDK for the rest of the session.
-
-    A tracer provider can be set globally only once per process: set one unless an SDK provider is
-    already set (by another test), and add this exporter to whichever it is.
-    """
-    provider = trace.get_tracer_provider()
-    if not isinstance(provider, TracerProvider):
-        trace.set_tracer_provider(TracerProvider())
-        provider = trace.get_tracer_provider()
-    assert isinstance(provider, TracerProvider), f"a non-SDK tracer provider is set globally: {provider!r}"
-    exporter = InMemorySpanExporter()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    return exporter
-
-
-class MessageSpans(Middleware):
-    """A span around each delivery, current in the worker thread from the first hook to the last.
-
-    This is what a Dramatiq instrumentation does; the lease spans must nest under it.
-    """
-
-    NAME = "dramatiq.process"
-
-    def __init__(self) -> None:
-        self.tracer = trace.get_tracer("tests.message-spans")
-        self.active: dict[int, tuple[Span, object]] = {}
-
-    def before_process_message(self, broker: dramatiq.Broker, message: Any) -> None:
-        span = self.tracer.start_span(self.NAME, attributes={"messaging.message.id": message.message_id})
-        self.active[threading.get_ident()] = (span, context.attach(trace.set_span_in_context(span)))
-
-    def after_process_message(self, broker: dramatiq.Broker, message: Any, *, result: Any = None,
-                              exception: BaseException | None = None) -> None:
-        span, token = self.active.pop(threading.get_ident())
-        context.detach(token)  # type: ignore[arg-type]
-        span.end()
-
-    def after_skip_message(self, broker: dramatiq.Broker, message: Any) -> None:
-        self.after_process_message(broker, message)
-
-
-def test_lease_spans_nest_under_the_message_span(redis_server: EmbeddedRedis,
-                                                 finished_spans: InMemorySpanExporter) -> None:
-    finished_spans.clear()
-    broker = RedisBroker(url=redis_server.url(0))  # type: ignore[no-untyped-call]
-    broker.add_middleware(MessageSpans())  # before LeaseMiddleware, as an instrumentation would be
-    broker.add_middleware(CurrentMessage())
-    stack = Stack(redis_server.url(0), redis_server.url(1), threads=2, broker=broker, metrics=LeaseMetrics(),
-                  metrics_endpoint=False, lock_min_backoff=20, lock_max_backoff=100)
-    suffix = uuid.uuid4().hex[:8]
-    key = f"otel:{suffix}"
-    fences: dict[str, int] = {}
-
-    @stack.actor(actor_name=f"otel_job_{suffix}", lock_key="otel:{suffix}", lock_ttl=600, max_retries=0)
-    def job(suffix: str, seconds: float) -> None:
-        message = CurrentMessage.get_current_message()
-        fences[message.message_id if message else ""] = current_lease().fence
-        time.sleep(seconds)
-
-    stack.start()
-    try:
-        holder = job.send(suffix, 0.8).message_id
-        wait_until(lambda: stack.leases.inspect(key), timeout=10, what="the first message to hold the lease")
-        waiter = job.send(suffix, 0.0).message_id  # finds the lease busy at least once
-        assert stack.recorder.wait_settled(holder) == "acked"
-        assert stack.recorder.wait_settled(waiter) == "acked"
-    finally:
-        stack.stop()
-
-    spans = finished_spans.get_finished_spans()
-    messages = {span.context.span_id: span for span in spans if span.name == MessageSpans.NAME}
-
-    def attrs(span: ReadableSpan) -> dict[str, Any]:
-        return dict(span.attributes or {})
-
-    def message_of(span: ReadableSpan) -> str:
-        """The id of the message in whose span ``span`` ran."""
-        assert span.parent is not None, f"{span.name} has no parent span"
-        parent = messages.get(span.parent.span_id)
-        assert parent is not None, f"{span.name}'s parent is not a message span"
-        assert parent.context.trace_id == span.context.trace_id
-        return str(attrs(parent)["messaging.message.id"])
-
-    def of(name: str, **match: Any) -> list[ReadableSpan]:
-        return [span for span in spans if span.name == name and attrs(span).get("lease.key") == key
-                and match.items() <= attrs(span).items()]
-
-    acquired, busy, released = of("lease.acquire", **{"lease.outcome": "acquired"}), \
-        of("lease.acquire", **{"lease.outcome": "busy"}), of("lease.release")
-    assert all(span.kind is SpanKind.CLIENT for span in acquired + busy + released)
-    # Each message acquired once, in its own message span, with the fence the actor saw...
-    assert {message_of(s): attrs(s)["lease.fence"] for s in acquired} == fences
-    assert len(acquired) == 2 and fences[waiter] > fences[holder]
-    assert all(attrs(s)["lease.ttl_ms"] == 600 for s in acquired)
-    # ... after the waiter bounced off the holder's grant: its busy spans name the holder's fence...
-    assert busy and {message_of(s) for s in busy} == {waiter}
-    assert {attrs(s)["lease.fence"] for s in busy} == {fences[holder]}
-    # ... and each released its own grant, in its own message span.
-    assert sorted((message_of(s), attrs(s)["lease.fence"], attrs(s)["lease.outcome"]) for s in released) == sorted(
-        (mid, fence, "released") for mid, fence in fences.items())
-
-    # The heartbeat renewed the holder's lease (600 ms TTL, every 200 ms) while it ran.
-    (hold_start,) = [s.end_time for s in acquired if attrs(s)["lease.fence"] == fences[holder]]
-    (hold_end,) = [s.start_time for s in released if attrs(s)["lease.fence"] == fences[holder]]
-    assert hold_start is not None and hold_end is not None
-    renewals = [s for s in spans if s.name == "lease.renew" and hold_start <= (s.start_time or 0) <= hold_end]
-    assert len(renewals) >= 2
-    assert all(attrs(s)["lease.outcome"] == "ok" and attrs(s)["lease.count"] >= 1 for s in renewals)
 
 
 def test_a_killed_workers_held_leases_are_not_summed_in_forever(tmp_path: Path) -> None:

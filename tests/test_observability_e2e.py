@@ -4,7 +4,8 @@ Debian's ``prometheus`` scrapes two `dramatiq` worker instances (Dramatiq's Prom
 and ``dramatiq-leases exporter`` every second, evaluating the project's own alert rules;
 ``prometheus-alertmanager`` routes the alerts to a webhook receiver in this process. Their
 configurations are derived from the shipped ones (deploy/, alerts/): only addresses are pointed
-at this run, and ``for:`` durations and Alertmanager's timers divided by :data:`SHORTEN`.
+at this run, every target carries the cluster label (``cluster="e2e"``), and ``for:`` durations and
+Alertmanager's timers divided by :data:`SHORTEN`.
 
 The workload: contended messages (busy retries, waits, renewals), a message that gives up waiting,
 a lease deleted under its holder (lost), a long-TTL lease whose holder is SIGKILLed, and a lease whose
@@ -12,8 +13,10 @@ TTL is extended by hand past its holder's deadline. Asserted: the killed holder'
 ``heartbeat_overdue`` (it may still be running, for all anyone outside can tell), not leaked, and
 ``release --if-dead`` refuses it; the overdue gauge rises, and falls back once the TTL has run out,
 and the expired counter moves; the extended lease is leaked, pages, and ``release --if-dead`` frees
-it; the warnings reach the ticket webhook; every query of every dashboard returns data at some point
-of the run.
+it, with the cluster label kept; the exporter's Busy view lists it first while it lasts; the killed
+worker's target warns that its lease metrics are missing; the recording rules the alerts share have
+data; the warnings reach the ticket webhook; every Prometheus query of every dashboard returns data at
+some point of the run.
 """
 
 from __future__ import annotations
@@ -70,6 +73,8 @@ DASHBOARDS = sorted((ROOT / "dashboards").glob("*.json"))
 
 #: Dramatiq's Prometheus middleware's default port: the shipped worker targets use it.
 DRAMATIQ_PROM_PORT = 9191
+#: The cluster label's value on every target of this run.
+CLUSTER = "e2e"
 #: Every ``for:`` of the rules and every Alertmanager timer is divided by this, to at least 1 s.
 SHORTEN = 30
 #: Values of Grafana's built-in variables: 1 s scrapes, and a range covering the whole run.
@@ -148,7 +153,8 @@ def prometheus_config(workers: list[str], exporter: str, alertmanager: str, rule
         assert len(ports) == 1 and ports <= {DRAMATIQ_PROM_PORT, EXPORTER_PORT}, f"{job['job_name']}: {ports}"
         (port,) = ports
         jobs[port] = job["job_name"]
-        job["static_configs"] = [{"targets": workers if port == DRAMATIQ_PROM_PORT else [exporter]}]
+        job["static_configs"] = [{"targets": workers if port == DRAMATIQ_PROM_PORT else [exporter],
+                                  "labels": {"cluster": CLUSTER}}]
     return config, jobs[DRAMATIQ_PROM_PORT], jobs[EXPORTER_PORT]
 
 
@@ -177,6 +183,8 @@ def dashboard_queries(variables: dict[str, str]) -> dict[str, tuple[str, str | N
         panels = [p for panel in board["panels"] for p in (panel, *panel.get("panels", []))]
         for panel in panels:
             for target in panel.get("targets", []):
+                if "expr" not in target:
+                    continue  # the Busy view reads the exporter's JSON, not Prometheus
                 queries[f"{path.stem}: panel {panel['title']!r} {target['refId']}"] = (
                     to_promql(target["expr"], variables), None)
         for annotation in board.get("annotations", {}).get("list", []):
@@ -363,10 +371,11 @@ def test_bundle_end_to_end(redis_server: EmbeddedRedis, lease_server: EmbeddedRe
         f"127.0.0.1:{am_port}", rules)
     prom_config = tmp_path / "prometheus.yml"
     prom_config.write_text(yaml.safe_dump(config, sort_keys=False))
-    queries = dashboard_queries({"job": worker_job, "exporter_job": exporter_job, "instance": ".*", "actor": ".*"})
+    queries = dashboard_queries({"job": worker_job, "exporter_job": exporter_job, "instance": ".*", "actor": ".*",
+                                 "cluster": CLUSTER})
     # What the variables must list: the workers that stay up (the victim's series go with it).
     options = {"job": {worker_job}, "exporter_job": {exporter_job}, "actor": {WORK_ACTOR},
-               "instance": {f"127.0.0.1:{main_port}"}}
+               "instance": {f"127.0.0.1:{main_port}"}, "cluster": {CLUSTER}}
     receivers = {receiver["name"]: receiver for receiver in yaml.safe_load(ALERTMANAGER_CONFIG.read_text())["receivers"]}
     pager_path, ticket_path = (urllib.parse.urlsplit(receivers[name]["webhook_configs"][0]["url"]).path
                                for name in ("pager", "ticket"))
@@ -476,9 +485,17 @@ def test_bundle_end_to_end(redis_server: EmbeddedRedis, lease_server: EmbeddedRe
                         and alert["labels"].get("actor_name") == WORK_ACTOR]
 
             (alert, *_) = until(paged, 20, "the DramatiqLeaseLeaked alert at the pager webhook")
-            labels = {"severity": "critical", "actor_name": WORK_ACTOR, "queue_name": WORK_QUEUE, "reason": "holder_dead"}
+            # It pages because messages of its actor are waiting (the feeder's contention), in its cluster.
+            labels = {"severity": "critical", "actor_name": WORK_ACTOR, "queue_name": WORK_QUEUE, "reason": "holder_dead",
+                      "cluster": CLUSTER, "job": exporter_job}
             assert {name: alert["labels"].get(name) for name in labels} == labels
             assert alert["annotations"]["runbook_url"].endswith("#dramatiqleaseleaked")
+            assert f"var-actor={WORK_ACTOR}&var-cluster={CLUSTER}" in alert["annotations"]["dashboard_url"]
+            # The Busy view shows it first, with the command that inspects it.
+            busy = json.loads(http_get(f"http://127.0.0.1:{exporter_port}/leases") or "{}")
+            top = busy["leases"][0]
+            assert (top["key"], top["state"], top["leaked"]) == (LEAKED_KEY, "holder_dead", True), busy["leases"][:3]
+            assert "show" in top["inspect_command"] and LEAKED_KEY in top["inspect_command"]
             assert cli_main(["--redis-url", lease_server.url(0), "release", LEAKED_KEY, "--if-dead"]) == 0
             assert leases.inspect(LEAKED_KEY) is None
             until(lambda: scalar(leaked) == 0, 15, "the leak gauge back to 0 once released")
@@ -503,7 +520,17 @@ def test_bundle_end_to_end(redis_server: EmbeddedRedis, lease_server: EmbeddedRe
                          'sum(dramatiq_lease_renewals_total{outcome="error"})',
                          'sum(dramatiq_lease_redis_errors_total)'):
                 until(lambda expr=expr: (scalar(expr) or 0) > 0, 10, f"{expr} > 0")
-            # ... and warnings are routed to the ticket receiver.
+            # The recording rules the alerts and the SLOs share have data, per cluster and actor.
+            for expr in (f'job_actor:dramatiq_lease_acquire_attempts:rate5m{{actor_name="{WORK_ACTOR}", cluster="{CLUSTER}"}}',
+                         f'actor:dramatiq_lease_unsafe_ends_per_grant:ratio_rate5m{{actor_name="{WORK_ACTOR}"}}',
+                         f'actor:dramatiq_lease_gave_up_per_message:ratio_rate5m{{actor_name="{WORK_ACTOR}"}}'):
+                until(lambda expr=expr: (scalar(expr) or 0) > 0, 10, f"{expr} > 0")
+            # ... and warnings are routed to the ticket receiver: among them, the SIGKILLed worker's target,
+            # down since, whose lease metrics can no longer alert.
+            until(lambda: any(alert["labels"]["alertname"] == "DramatiqLeaseWorkerMetricsMissing"
+                              and alert["labels"].get("instance") == f"127.0.0.1:{victim_port}"
+                              for alert in webhook.alerts(ticket_path)),
+                  20, "DramatiqLeaseWorkerMetricsMissing for the killed worker at the ticket webhook")
             for name in ("DramatiqLeaseGaveUp", "DramatiqLeaseLost", "DramatiqLeaseHeartbeatOverdue"):
                 until(lambda name=name: any(alert["labels"]["alertname"] == name for alert in webhook.alerts(ticket_path)),
                       20, f"{name} at the ticket webhook")

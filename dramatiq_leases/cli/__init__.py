@@ -5,7 +5,7 @@ Commands::
   dramatiq-leases list [--match GLOB] [--json]        (alias: ls)
   dramatiq-leases show KEY [--json] [--show-token]
   dramatiq-leases release KEY (--owner TOKEN | --if-dead)
-  dramatiq-leases exporter [--host HOST] [--port PORT] [--interval SECONDS]
+  dramatiq-leases exporter [--host HOST] [--port PORT] [--interval SECONDS] [--top N]
   dramatiq-leases demo [--invoices N] [--per-invoice N] [--job-seconds S]
 
 Global flags, accepted before or after the command: ``--redis-url`` (default:
@@ -101,6 +101,13 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or a positive integer, got {text}")
+    return value
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value <= 0:
@@ -160,11 +167,18 @@ def build_parser() -> argparse.ArgumentParser:
                           "holder deadline ahead")
 
     p = sub.add_parser("exporter", parents=[common], help="serve lease metrics for Prometheus",
+                       description="Scan the leases in Redis; serve their metrics on /metrics (Prometheus)\n"
+                                   "and, on /leases, the leases held now, worst first, and the keys with the\n"
+                                   "longest lines (JSON, for Grafana's Infinity data source).",
                        epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--host", default="0.0.0.0", help="address to listen on (default: 0.0.0.0)")
     p.add_argument("--port", type=int, default=9808, help="port to listen on (default: 9808)")
     p.add_argument("--interval", type=_positive_float, default=5.0, metavar="SECONDS",
                    help="seconds between scans of the leases (default: 5)")
+    # The exporter's modules (prometheus_client) are imported only to run it: its defaults are repeated here.
+    p.add_argument("--top", type=_non_negative_int, default=50, metavar="N",
+                   help="rows of each table of /leases, which shows lease keys (default: 50; "
+                        "?limit= asks for fewer; 0 turns /leases off)")
 
     p = sub.add_parser(
         "demo", parents=[common], help="watch workers contend, one die, and its lease expire",
@@ -212,6 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             _fail(err, f"invalid --redis-url {redact_url(url)!r}: {e}")
             return EXIT_USAGE
         try:
+            args.url = url  # for the exporter's `show` commands
             command = {"list": cmd_list, "ls": cmd_list, "show": cmd_show, "release": cmd_release,
                        "exporter": cmd_exporter}[args.command]
             return command(leases, args, out)

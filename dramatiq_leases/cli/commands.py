@@ -12,6 +12,7 @@ import redis
 from ..core import LeaseInfo, Leases
 from ..core.errors import LeaseUnavailableError
 from ..core.keys import DEFAULT_PREFIX, validate_key
+from ..urls import redact_url
 from .render import (
     deadline_in,
     describe_line,
@@ -142,8 +143,24 @@ def cmd_exporter(leases: Leases, args: argparse.Namespace, out: TextIO) -> int:
         raise LeaseUnavailableError(f"{type(e).__name__}: {e}") from e
     from ..exporter import serve  # type: ignore[import-not-found, unused-ignore]
 
-    serve(leases, host=args.host, port=args.port, interval=args.interval)
+    serve(leases, host=args.host, port=args.port, interval=args.interval, top=args.top,
+          cli_options=exporter_cli_options(getattr(args, "url", None), leases.prefix))
     return EXIT_OK
+
+
+def exporter_cli_options(url: str | None, prefix: str) -> list[str]:
+    """The global arguments the Busy page's ``show`` commands need: the non-default ``--redis-url``, ``--prefix``.
+
+    The URL's password is shown as ``***``: the page is served without authentication.
+    """
+    from . import DEFAULT_REDIS_URL  # the package imports this module
+
+    options = []
+    if url is not None and url != DEFAULT_REDIS_URL:
+        options += ["--redis-url", redact_url(url)]
+    if prefix != DEFAULT_PREFIX:
+        options += ["--prefix", prefix]
+    return options
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -11,6 +11,7 @@ import redis
 from redis.cluster import RedisCluster
 
 from .errors import LeaseUnavailableError
+from .tracing import DB_NAMESPACE, SERVER_ADDRESS, SERVER_PORT
 
 T = TypeVar("T")
 
@@ -37,6 +38,27 @@ def unavailable(what: str, key: str | None = None) -> Iterator[None]:
 def client_from_url(url: str, *, socket_timeout: float = DEFAULT_SOCKET_TIMEOUT) -> redis.Redis:
     """A client for ``url`` whose calls and connects time out (a hung renewal cannot confirm a lease)."""
     return redis.Redis.from_url(url, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout)
+
+
+def server_attributes(client: Any) -> dict[str, str | int]:
+    """The server a client was configured with, as span attributes (``server.address``, ``server.port``,
+    ``db.namespace``); empty when its pool does not say (a Redis Cluster, or Sentinel, which finds its
+    server at connection time). Never the password or the rest of the URL."""
+    kwargs = getattr(getattr(client, "connection_pool", None), "connection_kwargs", None)
+    if not isinstance(kwargs, dict):
+        return {}
+    out: dict[str, str | int] = {}
+    if isinstance(kwargs.get("path"), str):  # a Unix socket: its path is the address, and there is no port
+        out[SERVER_ADDRESS] = kwargs["path"]
+    elif isinstance(kwargs.get("host"), str):
+        out[SERVER_ADDRESS] = kwargs["host"]
+        if isinstance(kwargs.get("port"), int):
+            out[SERVER_PORT] = kwargs["port"]
+    else:
+        return {}
+    if isinstance(kwargs.get("db"), int):
+        out[DB_NAMESPACE] = str(kwargs["db"])
+    return out
 
 
 def evalsha(client: Any, script: Any, keys: list[str], args: list[Any]) -> Any:

@@ -27,7 +27,9 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from itertools import islice
 
+from . import tracing
 from .errors import LeaseUnavailableError
 from .lease import Lease, LostReason, Renewal
 from .metrics import NULL_METRICS, LeaseMetrics
@@ -56,11 +58,13 @@ MIN_HUNG_AFTER = 0.25
 class _Entry:
     """One tracked lease. Worker threads write only ``ended_at``; heartbeat threads the rest."""
 
-    __slots__ = ("counted", "ended_at", "lease", "next_due", "on_lost", "started")
+    __slots__ = ("context", "counted", "ended_at", "lease", "next_due", "on_lost", "started")
 
     def __init__(self, lease: Lease, on_lost: LostCallback) -> None:
         self.lease = lease
         self.on_lost = on_lost
+        # The span current where the lease was tracked (its run): renewal spans link to it.
+        self.context = tracing.current_context()
         self.started = time.monotonic()
         self.next_due = self.started + lease.interval / 1000
         self.ended_at: float | None = None
@@ -129,6 +133,9 @@ class Heartbeat:
 
     def track(self, lease: Lease, on_lost: LostCallback) -> None:
         """Renew ``lease`` every ``lease.interval`` ms until :meth:`untrack`; call ``on_lost`` if it is lost.
+
+        The span current here (the run holding the lease) is remembered: the
+        spans of the rounds renewing the lease link to it.
 
         Safe on a thread that can be interrupted: calling it again for the
         same lease after an interruption changes nothing.
@@ -268,7 +275,8 @@ class Heartbeat:
         if started + self._round_hung_after < self._watchdog_wakes_at:
             self._watchdog_wake.put(None)  # so it can tell if this round hangs
         try:
-            results = self.leases.renew_many([e.lease for e in batch])
+            links = list(islice((e.context for e in batch if e.context is not None), tracing.MAX_LINKS))
+            results = self.leases.renew_many([e.lease for e in batch], links=links)
         except LeaseUnavailableError as e:
             self.metrics.redis_error("renew")
             logger.warning("Could not renew %d lease(s): %s", len(batch), e)

@@ -16,6 +16,21 @@ Meta = Mapping[str, str]
 #: Why a held lease can be lost (the ``reason`` label of ``dramatiq_lease_lost_total``).
 LOST_REASONS = tuple(reason.value for reason in LostReason)
 
+#: Outcomes of one renewal (the ``outcome`` label of ``dramatiq_lease_renewals_total``).
+RENEWAL_OUTCOMES = ("ok", "lost", "error")
+
+#: Operations whose Redis errors a worker counts (the ``operation`` label of ``dramatiq_lease_redis_errors_total``).
+ERROR_OPERATIONS = ("acquire", "renew", "release")
+
+# Histogram buckets are part of the interface: every implementation uses the same ones, so that
+# the alert thresholds and dashboard heatmaps, which sit on these boundaries, mean the same thing.
+
+#: Buckets (seconds) for acquire, release and renewal round trips.
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+#: Buckets (seconds) for waits and holds, which last as long as jobs do.
+DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0)
+
 
 def labels_of(meta: Meta) -> tuple[str, str]:
     """The ``(actor_name, queue_name)`` labels of a lease's metadata."""

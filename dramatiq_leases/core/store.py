@@ -16,7 +16,15 @@ from redis.cluster import RedisCluster
 from redis.crc import key_slot
 
 from . import scripts, tracing
-from .client import DEFAULT_SOCKET_TIMEOUT, RedisClient, ThreadConnections, client_from_url, evalsha, unavailable
+from .client import (
+    DEFAULT_SOCKET_TIMEOUT,
+    RedisClient,
+    ThreadConnections,
+    client_from_url,
+    evalsha,
+    server_attributes,
+    unavailable,
+)
 from .errors import LeaseConfigError
 from .info import meta_args, text
 from .keys import DEFAULT_PREFIX, fence_name, lease_name, validate_key, validate_prefix
@@ -67,6 +75,11 @@ _WAITS = [Wait.NONE, Wait.IN_PLACE, Wait.PARK, Wait.SOON, Wait.DUPLICATE]
 
 _RENEW_CODES = {"1": Renewal.OK, "0": Renewal.GONE, "s": Renewal.STOLEN, "m": Renewal.MAX_HOLD}
 
+# Span names and script names (db.stored_procedure.name) of the traced operations: see .tracing.
+_ACQUIRE, _RENEW, _RELEASE = "lease.acquire", "lease.renew", "lease.release"
+_ACQUIRE_SPAN, _RENEW_SPAN, _RELEASE_SPAN = f"EVALSHA {_ACQUIRE}", f"EVALSHA {_RENEW}", f"EVALSHA {_RELEASE}"
+_RENEW_PIPELINE_SPAN = f"PIPELINE EVALSHA {_RENEW}"
+
 
 class Leases(LeaseReading, LeaseLine):
     """Leases on keys, stored in one Redis deployment (standalone, Sentinel or Cluster).
@@ -111,6 +124,15 @@ class Leases(LeaseReading, LeaseLine):
         self._inspect_many = client.register_script(scripts.INSPECT_MANY)
         self._line = client.register_script(scripts.LINE)
         self._names: dict[str, list[str]] = {}
+        # The span attributes every call of an operation shares, built once: spans are per message.
+        server: dict[str, str | int] = {tracing.DB_SYSTEM: "redis", **server_attributes(client)}
+        self._span_attrs: dict[str, dict[str, str | int]] = {
+            name: {**server, tracing.DB_OPERATION: "EVALSHA", tracing.DB_PROCEDURE: name}
+            for name in (_ACQUIRE, _RENEW, _RELEASE)
+        }
+        self._pipeline_attrs: dict[str, str | int] = {
+            **server, tracing.DB_OPERATION: "PIPELINE EVALSHA", tracing.DB_PROCEDURE: _RENEW,
+        }
 
     @classmethod
     def from_url(cls, url: str, *, prefix: str = DEFAULT_PREFIX,
@@ -197,7 +219,10 @@ class Leases(LeaseReading, LeaseLine):
         line = f"{first_ms} {mode} {ready} {park_ms} {promote_ms}"
         args: list[Any] = [token, ttl, max_hold_ms, stored_interval, margin_ms(ttl), waiter or "", line,
                            *meta_args(key, meta)]
-        with tracing.span("lease.acquire", {tracing.KEY: key, tracing.TTL: ttl}) as span:
+        attributes: dict[str, str | int] = {**self._span_attrs[_ACQUIRE], tracing.TTL: ttl}
+        if tracing.keys_recorded():
+            attributes[tracing.KEY] = key
+        with tracing.span(_ACQUIRE_SPAN, attributes) as span:
             sent_at = time.monotonic()
             with unavailable(f"acquire lease {key!r}", key):
                 reply = self._call(self._acquire, self._keys(key), args)
@@ -304,11 +329,12 @@ class Leases(LeaseReading, LeaseLine):
         """Restore ``lease``'s TTL if this token still holds it. Raises :class:`LeaseUnavailableError`."""
         return self.renew_many([lease])[0]
 
-    def renew_many(self, leases: Sequence[Lease]) -> list[Renewal]:
+    def renew_many(self, leases: Sequence[Lease], *, links: Sequence[object] = ()) -> list[Renewal]:
         """Renew many leases in one round trip per hash slot (one in all on a standalone Redis).
 
         Confirmed leases have their local validity extended. Returns one
-        :class:`Renewal` per lease, in order.
+        :class:`Renewal` per lease, in order. ``links``: span contexts from
+        :func:`.tracing.current_context` for the round's span to link to.
 
         Raises:
           LeaseUnavailableError: Redis could not be asked.
@@ -321,7 +347,14 @@ class Leases(LeaseReading, LeaseLine):
             slot = key_slot(self._keys(lease.key)[0].encode()) if self._cluster else 0
             groups[(slot, lease.ttl)].append(i)
         batches = [idx[n : n + RENEW_BATCH] for idx in groups.values() for n in range(0, len(idx), RENEW_BATCH)]
-        with tracing.span("lease.renew", {tracing.COUNT: len(leases)}) as span:
+        # Several script calls on one connection are a pipeline: a batch in the conventions' terms.
+        attributes: dict[str, str | int]
+        if not self._cluster and len(batches) > 1:
+            name = _RENEW_PIPELINE_SPAN
+            attributes = {**self._pipeline_attrs, tracing.DB_BATCH_SIZE: len(batches), tracing.COUNT: len(leases)}
+        else:
+            name, attributes = _RENEW_SPAN, {**self._span_attrs[_RENEW], tracing.COUNT: len(leases)}
+        with tracing.span(name, attributes, links) as span:
             sent_at = time.monotonic()
             with unavailable(f"renew {len(leases)} lease(s)"):
                 replies = self._run_batches(leases, batches)
@@ -332,7 +365,7 @@ class Leases(LeaseReading, LeaseLine):
                     if out[i] is Renewal.OK:
                         leases[i].confirm(sent_at)
             lost = len(leases) - out.count(Renewal.OK)
-            span.set_attributes({tracing.OUTCOME: "ok" if not lost else "lost", "lease.lost_count": lost})
+            span.set_attributes({tracing.OUTCOME: "ok" if not lost else "lost", tracing.LOST_COUNT: lost})
         return out
 
     def _run_batches(self, leases: Sequence[Lease], batches: list[list[int]]) -> list[list[Any]]:
@@ -340,7 +373,7 @@ class Leases(LeaseReading, LeaseLine):
             return ([self._keys(leases[i].key)[0] for i in batch],
                     [leases[batch[0]].ttl, *(leases[i].token for i in batch)])
 
-        if self._cluster or len(batches) == 1:
+        if self._cluster or len(batches) == 1:  # renew_many named its span after this same test
             # A cluster routes each call to its slot's node: one round trip per slot.
             return [evalsha(self.client, self._renew_many, *keys_args(batch)) for batch in batches]
         # redis-py would check SCRIPT EXISTS before a pipeline (an extra round trip);
@@ -374,10 +407,12 @@ class Leases(LeaseReading, LeaseLine):
         remembered as having run, so a stray copy of it never runs again.
         The head of the line is woken either way.
         """
-        attributes: dict[str, str | int] = {tracing.KEY: key}
+        attributes: dict[str, str | int] = dict(self._span_attrs[_RELEASE])
+        if tracing.keys_recorded():
+            attributes[tracing.KEY] = key
         if fence is not None:
             attributes[tracing.FENCE] = fence
-        with tracing.span("lease.release", attributes) as span:
+        with tracing.span(_RELEASE_SPAN, attributes) as span:
             with unavailable(f"release lease {key!r}", key):
                 reply = self._call(self._release, self._keys(key), [token, waiter or "", ready, promote_ms])
                 released = int(reply) == 1

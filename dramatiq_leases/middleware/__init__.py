@@ -5,8 +5,9 @@ checks), :mod:`.backoff` (how a busy message waits), :mod:`.guard` (the run
 of an actor under its lease, safe from asynchronous exceptions),
 :mod:`.busy` (a busy key: back to the queue), :mod:`.declarations` (what
 actors declare and messages carry), :mod:`.runs` (which thread holds which
-lease, and how a run ends), :mod:`.errors`, and :mod:`.hooks`
-(:class:`LeaseMiddleware` itself).
+lease, and how a run ends), :mod:`.dramatiq_metrics` (Dramatiq's own
+Prometheus middleware, kept from counting busy rounds), :mod:`.errors`, and
+:mod:`.hooks` (:class:`LeaseMiddleware` itself).
 """
 
 from .backoff import DEFAULT_MAX_BACKOFF, DEFAULT_MIN_BACKOFF

@@ -17,12 +17,15 @@ from .waiting import READY_PER_KEY, Waiting, waiter_id
 
 logger = logging.getLogger(__name__)
 
-#: Set on a skipped delivery so Dramatiq's "was skipped" warning can be muted: a busy lease is routine.
+#: Set on every delivery this middleware skips: Dramatiq's "was skipped" warning is muted (it logs its
+#: own), and Dramatiq's Prometheus middleware is told whose skip it is (see :mod:`.dramatiq_metrics`).
 SKIP_MARK = "lease_skipped"
+#: Set too when the skipped message comes back (sent back or parked): it is not done yet.
+REQUEUED_MARK = "lease_requeued"
 
 
 class RoutineSkipFilter(logging.Filter):
-    """Drops Dramatiq's WARNING for deliveries this middleware sent back on purpose (it logs its own)."""
+    """Drops Dramatiq's WARNING for deliveries this middleware skipped on purpose (it logs its own)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         args = record.args
@@ -32,10 +35,15 @@ class RoutineSkipFilter(logging.Filter):
         return True
 
 
-def mark_skipped(message: Any) -> None:
-    """This delivery is skipped, not finished: Results must not store ``None`` for it."""
+def mark_skipped(message: Any, *, requeued: bool = False) -> None:
+    """This delivery is skipped, not finished: Results must not store ``None`` for it.
+
+    ``requeued``: a copy of the message was sent back or parked; it is counted when it runs.
+    """
     message.options["store_results"] = False
     message.options[SKIP_MARK] = True
+    if requeued:
+        message.options[REQUEUED_MARK] = True
 
 
 def gives_up(opts: Options, first_ms: int, now_ms: int) -> bool:
@@ -93,7 +101,7 @@ def on_busy(broker: dramatiq.Broker, message: Any, opts: Options, busy: Busy, me
         logger.exception("Could not park message %s; failing it instead.", message.message_id)
         message.fail()
         return
-    mark_skipped(message)
+    mark_skipped(message, requeued=True)
 
 
 def send_back(
@@ -121,4 +129,4 @@ def send_back(
         logger.exception("Could not send message %s back to the queue; failing it instead.", message.message_id)
         message.fail()
         return
-    mark_skipped(message)
+    mark_skipped(message, requeued=True)

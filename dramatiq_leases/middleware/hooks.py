@@ -23,9 +23,11 @@ from ..core.lease import Busy, Lease, Wait, new_token
 from ..core.store import Leases
 from ..exposition import WorkerExposition
 from ..metrics import LeaseMetrics, PrometheusMetrics
+from ..tracing import record_keys
 from .backoff import DEFAULT_MAX_BACKOFF, DEFAULT_MIN_BACKOFF
-from .busy import RoutineSkipFilter, gives_up, on_busy, send_back
+from .busy import SKIP_MARK, RoutineSkipFilter, gives_up, on_busy, send_back
 from .declarations import Declarations
+from .dramatiq_metrics import DramatiqPrometheus
 from .errors import LeaseOptionError
 from .guard import Run
 from .options import (
@@ -82,7 +84,12 @@ class LeaseMiddleware(Middleware):
       metrics_endpoint: when Dramatiq's own ``Prometheus`` middleware is
         absent, serve the lease metrics of all worker processes on
         ``$DRAMATIQ_LEASES_METRICS_PORT`` (default 9192). With it, they
-        appear on its endpoint (9191) whatever the order of the two.
+        appear on its endpoint (9191) whatever the order of the two, and
+        its own metrics do not count a busy message's rounds (see
+        :mod:`.dramatiq_metrics`): it is counted once, when it runs.
+      trace_keys: record lease keys in span attributes (``lease.key``).
+        Off by default, since keys often carry user ids; ``None`` leaves
+        the process-wide setting (``DRAMATIQ_LEASES_TRACE_KEYS``) as it is.
 
     Each parameter ``lock_*`` is the default of the actor and message option
     of the same name (a message option beats the actor option, which beats
@@ -111,6 +118,7 @@ class LeaseMiddleware(Middleware):
         lock_give_up: str = DEFAULT_GIVE_UP,
         metrics: LeaseMetrics | None = None,
         metrics_endpoint: bool = True,
+        trace_keys: bool | None = None,
     ) -> None:
         if (redis_url is None) == (client is None):
             raise LeaseConfigError("LeaseMiddleware needs exactly one of redis_url or client")
@@ -127,12 +135,16 @@ class LeaseMiddleware(Middleware):
             "lock_max_wait": lock_max_wait,
             "lock_give_up": lock_give_up,
         })
+        if trace_keys is not None:
+            record_keys(trace_keys)
         # Worker threads can be interrupted mid-command: each gets a connection of its own.
         self.leases = Leases(client, prefix=prefix, thread_connections=True)
         self.metrics = metrics if metrics is not None else PrometheusMetrics()
         self.heartbeat = Heartbeat(self.leases, metrics=self.metrics)
         self.runs = Runs(self.leases, self.heartbeat, self.metrics)
-        self.waiting = Waiting(self.leases)
+        # Dramatiq's own Prometheus middleware, if the broker has it: not to count busy rounds.
+        self.dramatiq_prometheus = DramatiqPrometheus(self)
+        self.waiting = Waiting(self.leases, on_drop=self.dramatiq_prometheus.left_delay_queue)
         self._exposition = WorkerExposition(metrics_endpoint)
         self._booted = False
         self._host = socket.gethostname()
@@ -171,6 +183,10 @@ class LeaseMiddleware(Middleware):
             actor = broker.get_actor(actor_name)
             self.metrics.declare({"actor": actor_name, "queue": actor.queue_name})
 
+    def before_worker_boot(self, broker: dramatiq.Broker, worker: dramatiq.Worker) -> None:
+        """Keep Dramatiq's Prometheus from counting busy rounds: its metrics exist once every process boot ran."""
+        self.dramatiq_prometheus.adjust(broker)
+
     def after_worker_boot(self, broker: dramatiq.Broker, worker: dramatiq.Worker) -> None:
         """Start the heartbeat and the line's listener here, on threads no asynchronous exception can reach."""
         self.heartbeat.start()
@@ -187,12 +203,22 @@ class LeaseMiddleware(Middleware):
     def before_enqueue(self, broker: dramatiq.Broker, message: dramatiq.Message[Any], delay: int | None) -> None:
         """Refuse, at send time, a message whose options are invalid or whose key cannot be rendered."""
         self.waiting.on_enqueue(message)
+        if delay is None and "eta" not in message.options:
+            # Maybe one of our delayed copies leaving this process's delay queue, before anyone can run it.
+            self.dramatiq_prometheus.left_delay_queue(message)
         self.declarations.check_message(broker, message)
 
     # Processing -------------------------------------------------------------
 
     def before_process_message(self, broker: dramatiq.Broker, message: Any) -> None:
         """Acquire (or adopt) the message's lease, or send the message back and skip it."""
+        try:
+            self._acquire_or_skip(broker, message)
+        except SkipMessage:
+            message.options[SKIP_MARK] = True  # whose skip it is, for Dramatiq's Prometheus middleware and logs
+            raise
+
+    def _acquire_or_skip(self, broker: dramatiq.Broker, message: Any) -> None:
         # Until a lease is registered below, the guarded actor refuses to run in this thread.
         self.runs.pending()
         self.waiting.forget_thread()

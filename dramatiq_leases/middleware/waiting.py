@@ -20,6 +20,7 @@ import threading
 import time
 import uuid
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import dramatiq
@@ -70,10 +71,12 @@ class Waiting:
 
     Parameters:
       leases: the lease store (its lines).
+      on_drop: called with a parked copy taken out of a delay queue and acknowledged without being sent on.
     """
 
-    def __init__(self, leases: Leases) -> None:
+    def __init__(self, leases: Leases, on_drop: Callable[[Any], None] | None = None) -> None:
         self.leases = leases
+        self.on_drop = on_drop
         self.channel = ""
         self.cap = 1
         self._parked: dict[str, _Parked] = {}
@@ -210,6 +213,8 @@ class Waiting:
         if item is None:
             return False  # already on its way back
         if drop:
+            if self.on_drop is not None:
+                self.on_drop(parked.proxy)
             parked.consumer.post_process_message(parked.proxy)
             delay_queue.task_done()
             return True

@@ -1,4 +1,5 @@
-"""Running promtool and amtool from tests, and checking PromQL with promtool.
+"""Running promtool and amtool from tests, checking PromQL with promtool, and unit-testing alert rules
+on series taken from real expositions.
 
 The bundle tests use the real binaries, from the Debian packages
 ``prometheus`` (promtool) and ``prometheus-alertmanager`` (amtool). Outside CI
@@ -9,15 +10,18 @@ cannot quietly stop running.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 #: The Debian package that ships each binary, for the skip or failure message.
 PACKAGES = {"promtool": "prometheus", "amtool": "prometheus-alertmanager"}
@@ -88,3 +92,33 @@ def check_promql(exprs: Mapping[str, str], workdir: Path) -> None:
     path = workdir / "exprs.rules.yml"
     path.write_text(yaml.safe_dump({"groups": [{"name": "exprs", "rules": rules}]}, sort_keys=False))
     run("promtool", "check", "rules", path)
+
+
+def scrape_series(expositions: Sequence[str], target: Mapping[str, str]) -> list[dict[str, str]]:
+    """``input_series`` for ``promtool test rules``: one target scraped once per ``interval``.
+
+    ``expositions`` are the target's successive scrapes (text format). Every
+    sample becomes a point of its series, with the ``target`` labels (``job``,
+    ``instance``) added as Prometheus adds them; a series missing from a
+    scrape has no point there (``_``), as after a restart.
+    """
+    points: dict[str, list[str]] = {}
+    for i, text in enumerate(expositions):
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                labels = ",".join(f"{name}={json.dumps(value)}" for name, value in
+                                  sorted({**sample.labels, **target}.items()))
+                points.setdefault(f"{sample.name}{{{labels}}}", ["_"] * i).append(repr(float(sample.value)))
+        for values in points.values():
+            values.extend(["_"] * (i + 1 - len(values)))
+    return [{"series": series, "values": " ".join(values)} for series, values in points.items()]
+
+
+def run_rule_tests(rule_files: Sequence[Path], tests: list[dict[str, Any]], workdir: Path,
+                   evaluation_interval: str = "1m") -> str:
+    """Run ``promtool test rules`` on ``tests`` (its ``tests:`` list) against ``rule_files``; fails the test
+    with promtool's report unless every case passes."""
+    path = workdir / "rules.test.yml"
+    path.write_text(yaml.safe_dump({"rule_files": [str(f) for f in rule_files],
+                                    "evaluation_interval": evaluation_interval, "tests": tests}, sort_keys=False))
+    return run("promtool", "test", "rules", path.name, cwd=workdir)

@@ -1,56 +1,24 @@
-"""The fleet-wide view: an observer that reads leases from Redis and serves metrics.
-
-A dead worker cannot report its own leaked lease, so these figures come from
-Redis itself. Run one exporter per fleet (``dramatiq-leases exporter``). A
-scan costs ``O(leases)``: ``SCAN`` over lease keys (never ``KEYS``) and one
-script call per batch of keys, per hash slot on a cluster.
-
-Metrics (labels ``actor_name``, ``queue_name`` unless noted):
-
-* ``dramatiq_lease_present``: leases in Redis now.
-* ``dramatiq_lease_heartbeat_overdue``: leases whose heartbeat is late (no
-  renewal for ``2 x interval + 0.5 s``) but whose holder may still be running
-  under them until its own deadline (the last renewal plus the TTL, less the
-  holder's safety margin). A warning, not a leak: such a lease must not be
-  released by hand, and ends by its TTL soon after that deadline.
-* ``dramatiq_lease_leaked`` (+ ``reason`` = holder_dead | past_max_hold |
-  no_ttl): leases that no holder can still believe it holds (its deadline has
-  passed, or the key has no TTL and no deadline ahead), yet still in Redis:
-  exactly the states :attr:`State.leaked` names, which ``dramatiq-leases
-  release --if-dead`` may end. A heartbeat-renewed key outlives its holder's
-  deadline by only the safety margin (a tenth of the TTL), so ``holder_dead``
-  and ``past_max_hold`` are brief unless someone extended the key's TTL;
-  ``no_ttl`` lasts until someone acts.
-* ``dramatiq_lease_expired_total``: grants that ended by TTL instead of release.
-* ``dramatiq_lease_oldest_acquired_timestamp_seconds``: when the oldest
-  present lease was granted.
-* ``dramatiq_lease_exporter_last_scan_timestamp_seconds``,
-  ``dramatiq_lease_exporter_scan_duration_seconds`` (no labels).
-* ``dramatiq_lease_redis_errors_total{operation="scan"}``.
-"""
+"""The exporter's observer: scans the leases and lines of one store, keeps the last scan, exposes its figures."""
 
 from __future__ import annotations
 
 import logging
-import signal
 import threading
 import time
 from collections import Counter as Tally
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from .core import LeaseInfo, Leases, State
-from .core.errors import LeaseUnavailableError
+from ..core import LeaseInfo, Leases, State
+from ..core.errors import LeaseUnavailableError
+from . import busy_page
+from .busy_page import DEFAULT_TOP, BusyPage
 
 logger = logging.getLogger(__name__)
-
-#: Default port of the exporter's endpoint.
-DEFAULT_PORT = 9808
 
 #: The ``reason`` values of ``dramatiq_lease_leaked``: the states :attr:`State.leaked` calls leaked.
 LEAK_REASONS = tuple(state for state in State if state.leaked)
@@ -70,6 +38,7 @@ class Snapshot:
     oldest: dict[Labels, float] = field(default_factory=dict)
     waiting: Tally[str] = field(default_factory=Tally)
     leases: list[LeaseInfo] = field(default_factory=list)
+    page: BusyPage = field(default_factory=BusyPage)
 
 
 def ended_by_ttl(fence: int, state: dict[str, int]) -> bool:
@@ -91,11 +60,19 @@ class LeaseObserver(Collector):
     Parameters:
       leases: the store to observe.
       match: a glob limiting which lease keys are observed.
+      top: how many rows each table of the Busy page keeps (:mod:`.busy_page`).
+      cli_options: global ``dramatiq-leases`` arguments for the Busy page's
+        ``show`` commands (the exporter's non-default ``--redis-url``, ``--prefix``).
     """
 
-    def __init__(self, leases: Leases, *, match: str = "*") -> None:
+    def __init__(self, leases: Leases, *, match: str = "*", top: int = DEFAULT_TOP,
+                 cli_options: Sequence[str] = ()) -> None:
         self.leases = leases
         self.match = match
+        self.top = top
+        self.cli_options = tuple(cli_options)
+        #: When this observer started: the last-scan gauge's value until a scan completes.
+        self.started_at = time.time()
         self.snapshot = Snapshot()
         self.expired: Tally[Labels] = Tally()
         self.scan_errors = 0
@@ -116,6 +93,8 @@ class LeaseObserver(Collector):
                 self.scan_errors += 1
             raise
         snap = Snapshot(at=time.time(), leases=infos)
+        snap.page = busy_page.build(infos, lines, prefix=self.leases.prefix, top=self.top,
+                                    cli_options=self.cli_options, match=self.match)
         for info in infos:
             labels = (info.meta.get("actor", ""), info.meta.get("queue", ""))
             snap.present[labels] += 1
@@ -151,10 +130,18 @@ class LeaseObserver(Collector):
         states = self.leases.fence_states([old.key for old in gone])
         return [old for old, state in zip(gone, states) if ended_by_ttl(old.fence, state)]
 
+    def busy_json(self, limit: int | None = None) -> dict[str, Any]:
+        """The Busy page of the last scan as the JSON document of ``GET /leases`` (no Redis call)."""
+        with self._lock:
+            snap = self.snapshot
+        return busy_page.as_json(snap.page, scanned_at=snap.at or None, scan_duration=snap.duration,
+                                 top=self.top, limit=limit)
+
     def collect(self) -> Iterator[Any]:
         """Prometheus collector protocol: the last scan's figures."""
         with self._lock:
             snap, expired, scan_errors = self.snapshot, Tally(self.expired), self.scan_errors
+            started_at = self.started_at
             labels_seen = set(self._labels_seen)
             actors_waiting = sorted(self._actors_waiting)
         names = ["actor_name", "queue_name"]
@@ -190,12 +177,13 @@ class LeaseObserver(Collector):
         for actor in actors_waiting:
             waiting.add_metric([actor], snap.waiting.get(actor, 0))
         yield from (present, overdue, leaked, oldest, ended, waiting)
-        last = GaugeMetricFamily(
-            "dramatiq_lease_exporter_last_scan_timestamp_seconds", "Unix time of the last successful scan."
+        # Served from the start, not from the first success: an exporter that never completes a scan must
+        # still age this gauge, or `time() - it > 120` has nothing to fire on.
+        yield GaugeMetricFamily(
+            "dramatiq_lease_exporter_last_scan_timestamp_seconds",
+            "Unix time of the last successful scan; the exporter's start time until its first one completes.",
+            value=snap.at or started_at,
         )
-        if snap.at:
-            last.add_metric([], snap.at)
-        yield last
         yield GaugeMetricFamily(
             "dramatiq_lease_exporter_scan_duration_seconds",
             "Duration of the last successful scan.",
@@ -207,34 +195,3 @@ class LeaseObserver(Collector):
         )
         errors.add_metric(["scan"], scan_errors)
         yield errors
-
-
-def serve(
-    leases: Leases,
-    *,
-    host: str = "0.0.0.0",
-    port: int = DEFAULT_PORT,
-    interval: float = 5.0,
-    match: str = "*",
-    stop: threading.Event | None = None,
-) -> None:
-    """Scan every ``interval`` seconds and serve the figures on ``host:port`` until ``stop`` is set or SIGTERM."""
-    observer = LeaseObserver(leases, match=match)
-    registry = CollectorRegistry()
-    registry.register(observer)
-    server, thread = start_http_server(port, addr=host, registry=registry)
-    stop = stop or threading.Event()
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    logger.info("Serving lease metrics on http://%s:%d/metrics, scanning every %.1fs.", host, port, interval)
-    try:
-        while not stop.is_set():
-            try:
-                snap = observer.scan()
-                logger.debug("Scanned %d lease(s) in %.3fs.", len(snap.leases), snap.duration)
-            except LeaseUnavailableError as e:
-                logger.error("Scan failed: %s", e)
-            stop.wait(interval)
-    finally:
-        server.shutdown()
-        thread.join(5)

@@ -1,0 +1,192 @@
+"""The fleet-wide view: an observer that reads leases from Redis and serves metrics.
+
+A dead worker cannot report its own leaked lease, so these figures come from
+Redis itself. Run one exporter per fleet (``dramatiq-leases exporter``). A
+scan costs ``O(leases + waiters)``: ``SCAN`` over lease keys and lines (never
+``KEYS``), one script call per batch of lease keys, per hash slot on a
+cluster, and one pipeline per batch of lines. Metrics and the Busy page are
+served from the last scan's snapshot: a request never calls Redis.
+
+Metrics (labels ``actor_name``, ``queue_name`` unless noted):
+
+* ``dramatiq_lease_present``: leases in Redis now.
+* ``dramatiq_lease_heartbeat_overdue``: leases whose heartbeat is late (no
+  renewal for ``2 x interval + 0.5 s``) but whose holder may still be running
+  under them until its own deadline (the last renewal plus the TTL, less the
+  holder's safety margin). A warning, not a leak: such a lease must not be
+  released by hand, and ends by its TTL soon after that deadline.
+* ``dramatiq_lease_leaked`` (+ ``reason`` = holder_dead | past_max_hold |
+  no_ttl): leases that no holder can still believe it holds (its deadline has
+  passed, or the key has no TTL and no deadline ahead), yet still in Redis:
+  exactly the states :attr:`State.leaked` names, which ``dramatiq-leases
+  release --if-dead`` may end. A heartbeat-renewed key outlives its holder's
+  deadline by only the safety margin (a tenth of the TTL), so ``holder_dead``
+  and ``past_max_hold`` are brief unless someone extended the key's TTL;
+  ``no_ttl`` lasts until someone acts.
+* ``dramatiq_lease_expired_total``: grants that ended by TTL instead of release.
+* ``dramatiq_lease_oldest_acquired_timestamp_seconds``: when the oldest
+  present lease was granted.
+* ``dramatiq_lease_waiting`` (label ``actor_name`` only): messages waiting in
+  the line of a busy key.
+* ``dramatiq_lease_exporter_last_scan_timestamp_seconds`` (no labels): when
+  the last scan completed; until the first one does, when the exporter
+  started. It is there from the first scrape, so ``time() - it > 120`` fires
+  two minutes after a start with no successful scan, as it does two minutes
+  after the last one.
+* ``dramatiq_lease_exporter_scan_duration_seconds`` (no labels; 0 until a scan completes).
+* ``dramatiq_lease_redis_errors_total{operation="scan"}``: failed scans.
+
+The Busy page, ``GET /leases`` on the same port
+-----------------------------------------------
+
+Which job holds what right now, for Grafana (the Infinity data source, type
+JSON, root selector ``leases`` or ``hot_keys``). Lease keys appear here, never
+in metric labels; they may carry user ids, so keep the port as private as the
+Redis it reads. Served from the last scan (no Redis call per request); ages
+are as of ``scanned_at``. Each table holds at most ``--top`` rows (default
+50; ``--top 0`` turns the page off, 404); ``?limit=N`` asks for fewer
+(capped by ``--top``; anything but a non-negative integer is a 400). The
+field names are an API::
+
+  {
+    "scanned_at": 1767225600.25,          # Unix time of the scan; null before the first one completes
+    "scan_duration_seconds": 0.004,
+    "limit": 50,                          # rows per table at most, in this answer
+    "leases_total": 3,                    # leases the scan saw (rows may be fewer)
+    "hot_keys_total": 1,                  # keys with waiters the scan saw
+    "leases": [                           # most worrying first: leaked, then heartbeat_overdue, then oldest
+      {"key": "invoice:42", "actor": "send_invoice", "queue": "default",
+       "message_id": "5f0c...", "host": "worker-1", "pid": 4242,   # pid: null if unknown
+       "fence": 17, "state": "no_ttl", "leaked": true,
+       "age_seconds": 93.1,               # since the grant; null for a hash without one (debris)
+       "heartbeat_age_seconds": 1.2,      # since the last renewal; null likewise
+       "ttl_left_seconds": null,          # null: the key has no TTL
+       "line_length": 2,                  # waiters in the key's line
+       "inspect_command": "dramatiq-leases show 'invoice:42'"}
+    ],
+    "hot_keys": [                         # longest line first, then longest wait
+      {"key": "invoice:42", "line_length": 2, "oldest_wait_seconds": 12.5,
+       "waiting_in_place": 1, "parked": 1, "promoted": 0,
+       "actor": "send_invoice",           # the actor with the most waiters in the line
+       "held": true, "state": "no_ttl",   # the lease's state; "free" between holders
+       "inspect_command": "dramatiq-leases show 'invoice:42'"}
+    ]
+  }
+
+``state`` is one of ``alive``, ``heartbeat_overdue``, ``holder_dead``,
+``past_max_hold``, ``no_ttl`` (``leaked`` is true for the last three).
+``inspect_command`` adds the exporter's ``--redis-url`` (password shown as
+``***``) and ``--prefix`` when they are not the defaults; it is null when no
+key maps back to the Redis key. A free key whose lease key has braces is
+stored under a digest and shown by it (``h:<sha1>``), which ``show`` accepts.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from collections.abc import Sequence
+
+from prometheus_client import CollectorRegistry
+
+from ..core import Leases
+from ..core.errors import LeaseUnavailableError
+from .busy_page import DEFAULT_TOP, BusyPage, HotKeyRow, LeaseRow, inspect_command
+from .observer import LEAK_REASONS, LeaseObserver, Snapshot, ended_by_ttl
+from .server import LEASES_PATH, ExporterApp, start_server
+
+__all__ = [
+    "DEFAULT_PORT",
+    "DEFAULT_TOP",
+    "LEAK_REASONS",
+    "LEASES_PATH",
+    "BusyPage",
+    "Exporter",
+    "ExporterApp",
+    "HotKeyRow",
+    "LeaseObserver",
+    "LeaseRow",
+    "Snapshot",
+    "ended_by_ttl",
+    "inspect_command",
+    "serve",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Default port of the exporter's endpoint.
+DEFAULT_PORT = 9808
+
+
+class Exporter:
+    """An observer of ``leases`` and its endpoint, serving from construction on (``port`` 0: any free port).
+
+    Parameters are those of :func:`serve`. Call :meth:`run` to scan until a
+    stop event, :meth:`close` to stop serving.
+    """
+
+    def __init__(
+        self,
+        leases: Leases,
+        *,
+        host: str = "0.0.0.0",
+        port: int = DEFAULT_PORT,
+        match: str = "*",
+        top: int = DEFAULT_TOP,
+        cli_options: Sequence[str] = (),
+    ) -> None:
+        self.observer = LeaseObserver(leases, match=match, top=top, cli_options=cli_options)
+        self.registry = CollectorRegistry()
+        self.registry.register(self.observer)
+        app = ExporterApp(self.registry, self.observer.busy_json if top > 0 else None)
+        self.server, self._thread = start_server(app, host, port)
+
+    @property
+    def port(self) -> int:
+        """The port the endpoint listens on."""
+        return int(self.server.server_address[1])
+
+    def run(self, stop: threading.Event, interval: float = 5.0) -> None:
+        """Scan now and every ``interval`` seconds until ``stop`` is set; a failed scan is logged and counted."""
+        while not stop.is_set():
+            try:
+                snap = self.observer.scan()
+                logger.debug("Scanned %d lease(s) in %.3fs.", len(snap.leases), snap.duration)
+            except LeaseUnavailableError as e:
+                logger.error("Scan failed: %s", e)
+            stop.wait(interval)
+
+    def close(self) -> None:
+        """Stop serving."""
+        self.server.shutdown()
+        self.server.server_close()
+        self._thread.join(5)
+
+
+def serve(
+    leases: Leases,
+    *,
+    host: str = "0.0.0.0",
+    port: int = DEFAULT_PORT,
+    interval: float = 5.0,
+    match: str = "*",
+    top: int = DEFAULT_TOP,
+    cli_options: Sequence[str] = (),
+    stop: threading.Event | None = None,
+) -> None:
+    """Scan every ``interval`` seconds and serve the figures on ``host:port`` until ``stop`` is set or SIGTERM.
+
+    ``top``: rows per table of ``/leases`` (0 turns it off); ``cli_options``:
+    global ``dramatiq-leases`` arguments for its ``show`` commands.
+    """
+    exporter = Exporter(leases, host=host, port=port, match=match, top=top, cli_options=cli_options)
+    stop = stop or threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    logger.info("Serving lease metrics on http://%s:%d/metrics%s, scanning every %.1fs.", host, exporter.port,
+                f" and the Busy page on {LEASES_PATH}" if top > 0 else "", interval)
+    try:
+        exporter.run(stop, interval)
+    finally:
+        exporter.close()

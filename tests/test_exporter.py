@@ -1,0 +1,337 @@
+"""The exporter's Busy page (``GET /leases``) and its last-scan gauge, against real Redis and real leases.
+
+The exporter runs in this process (:class:`Exporter` on a free port) so each
+test can watch its scans; one test runs the real ``dramatiq-leases exporter``
+to check the command line reaches the page.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import shlex
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, redirect_stdout
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client import start_http_server
+from prometheus_client.parser import text_string_to_metric_families
+
+from dramatiq_leases.cli import build_parser, main
+from dramatiq_leases.cli.commands import exporter_cli_options
+from dramatiq_leases.core import Busy, Lease, Leases
+from dramatiq_leases.core.keys import hash_tag
+from dramatiq_leases.embedded import EmbeddedRedis, free_port
+from dramatiq_leases.exporter import DEFAULT_TOP, Exporter, inspect_command
+
+from .support.waiting import wait_for
+
+PREFIX = "t"
+WEB = {"actor": "export_report", "queue": "reports", "host": "web-1", "pid": "4242", "message_id": "msg-1"}
+WORK = {"actor": "send_invoice", "queue": "default", "host": "worker-2", "pid": "77", "message_id": "msg-2"}
+
+
+@pytest.fixture
+def leases(redis_server: EmbeddedRedis) -> Iterator[Leases]:
+    store = Leases.from_url(redis_server.url(1), prefix=PREFIX)
+    yield store
+    store.client.close()
+
+
+@contextmanager
+def running(leases: Leases, *, top: int = DEFAULT_TOP, cli_options: list[str] | None = None,
+            interval: float = 0.05) -> Iterator[Exporter]:
+    """An exporter serving on a free port and scanning every ``interval`` seconds, stopped on exit."""
+    exporter = Exporter(leases, host="127.0.0.1", port=0, top=top, cli_options=cli_options or [])
+    stop = threading.Event()
+    thread = threading.Thread(target=exporter.run, args=(stop, interval), daemon=True)
+    thread.start()
+    try:
+        yield exporter
+    finally:
+        stop.set()
+        thread.join(10)
+        exporter.close()
+
+
+def get(exporter: Exporter, path: str, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+    """Status, headers and body of a GET on the exporter (errors included)."""
+    request = urllib.request.Request(f"http://127.0.0.1:{exporter.port}{path}", headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=5) as response:
+            return response.status, dict(response.headers), response.read()
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read()
+
+
+def page(exporter: Exporter, query: str = "") -> dict[str, Any]:
+    status, headers, body = get(exporter, "/leases" + query)
+    assert status == 200, body
+    assert headers["Content-Type"] == "application/json"
+    doc: dict[str, Any] = json.loads(body)
+    return doc
+
+
+def page_when(exporter: Exporter, ready: Callable[[dict[str, Any]], bool], what: str,
+              query: str = "") -> dict[str, Any]:
+    """The first page that satisfies ``ready``."""
+    def attempt() -> dict[str, Any] | None:
+        doc = page(exporter, query)
+        return doc if ready(doc) else None
+
+    return wait_for(attempt, timeout=15, what=what)
+
+
+def scrape(exporter: Exporter) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """The samples of ``/metrics``, by name and labels."""
+    status, _, body = get(exporter, "/metrics")
+    assert status == 200
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(body.decode()) for s in family.samples}
+
+
+def names(exposition: bytes) -> set[str]:
+    return {family.name for family in text_string_to_metric_families(exposition.decode())}
+
+
+def server_ms(leases: Leases) -> int:
+    seconds, micros = leases.client.time()
+    return int(seconds) * 1000 + int(micros) // 1000
+
+
+def acquire(leases: Leases, key: str, ttl: int = 60_000, **kwargs: Any) -> Lease:
+    lease = leases.try_acquire(key, ttl, **kwargs)
+    assert isinstance(lease, Lease), lease
+    return lease
+
+
+def wait_in_line(leases: Leases, key: str, waiters: int, first_ms: int, meta: dict[str, str]) -> None:
+    """``waiters`` messages find ``key`` busy and take places in its line (first attempts from ``first_ms`` on)."""
+    for n in range(waiters):
+        reply = leases.try_acquire(key, 60_000, meta=meta, waiter=f"{key}-m{n}:0", first_ms=first_ms + n)
+        assert isinstance(reply, Busy), reply
+
+
+def cli(argv: list[str]) -> tuple[int, str]:
+    out = io.StringIO()
+    with redirect_stdout(out):
+        code = main(argv)
+    return code, out.getvalue()
+
+
+# --- the Busy page ------------------------------------------------------------------------------------------
+
+OLD, OVERDUE, LEAKED, BRACED = "user:bob@example.com:export", "invoice:3", "invoice:1", "report:{7}"
+
+
+def test_the_busy_page_lists_leases_worst_first_with_their_lines_and_the_hottest_keys(
+    redis_server: EmbeddedRedis, leases: Leases
+) -> None:
+    # The oldest grant first, then an overdue heartbeat, then the leaked one: age must not outrank worry.
+    acquire(leases, OLD, meta=WEB)
+    acquire(leases, OVERDUE, interval=100, meta=WORK)  # renewed by nobody: overdue after 2 x 100 + 500 ms
+    acquire(leases, LEAKED, 1_000, meta=WORK)
+    leases.client.persist(leases.lease_name(LEAKED))  # no TTL: leaked once its holder's deadline (~1 s) passes
+    now = server_ms(leases)
+    wait_in_line(leases, OLD, 2, now - 5_000, WEB)
+    # A key between holders: its line waits while its head comes back; its lease key has braces (a digest).
+    held = acquire(leases, BRACED, meta=WORK)
+    wait_in_line(leases, BRACED, 3, now - 9_000, WORK)
+    assert leases.release(held)
+    assert leases.inspect(BRACED) is None and leases.inspect_line(BRACED).length == 3
+    options = exporter_cli_options(redis_server.url(1), PREFIX)
+
+    with running(leases, cli_options=options) as exporter:
+        doc = page_when(exporter, lambda d: [r["state"] for r in d["leases"]][:2] == ["no_ttl", "heartbeat_overdue"],
+                        "the leak and the overdue heartbeat on the Busy page")
+        assert doc["scanned_at"] == pytest.approx(time.time(), abs=10)
+        assert doc["scan_duration_seconds"] >= 0
+        assert (doc["limit"], doc["leases_total"], doc["hot_keys_total"]) == (DEFAULT_TOP, 3, 2)
+
+        leaked, overdue, old = doc["leases"]
+        assert [leaked["key"], overdue["key"], old["key"]] == [LEAKED, OVERDUE, OLD]
+        assert leaked["leaked"] is True and leaked["ttl_left_seconds"] is None
+        assert overdue["leaked"] is False and overdue["heartbeat_age_seconds"] > 0.7
+        assert old == {
+            "key": OLD, "actor": "export_report", "queue": "reports", "message_id": "msg-1",
+            "host": "web-1", "pid": 4242, "fence": 1, "state": "alive", "leaked": False,
+            "age_seconds": old["age_seconds"], "heartbeat_age_seconds": old["heartbeat_age_seconds"],
+            "ttl_left_seconds": old["ttl_left_seconds"], "line_length": 2,
+            "inspect_command": f"dramatiq-leases --redis-url {redis_server.url(1)} --prefix {PREFIX} show '{OLD}'",
+        }
+        assert old["age_seconds"] >= overdue["age_seconds"] >= leaked["age_seconds"] > 0
+        assert 0 < old["ttl_left_seconds"] <= 60
+        assert leaked["line_length"] == overdue["line_length"] == 0
+
+        braced, hot_old = doc["hot_keys"]
+        digest = hash_tag(BRACED)
+        assert braced == {
+            "key": digest, "line_length": 3, "oldest_wait_seconds": braced["oldest_wait_seconds"],
+            "waiting_in_place": 0, "parked": braced["parked"], "promoted": braced["promoted"],
+            "actor": "send_invoice", "held": False, "state": "free",
+            "inspect_command": f"dramatiq-leases --redis-url {redis_server.url(1)} --prefix {PREFIX} show '{digest}'",
+        }
+        assert braced["parked"] + braced["promoted"] == 3
+        assert braced["oldest_wait_seconds"] == pytest.approx(9, abs=5)
+        assert (hot_old["key"], hot_old["line_length"], hot_old["held"], hot_old["state"]) == (OLD, 2, True, "alive")
+        assert hot_old["oldest_wait_seconds"] == pytest.approx(5, abs=5)
+
+        # Every command shown inspects its key: the lease and its line, or the free key's line.
+        code, out = cli(shlex.split(old["inspect_command"])[1:])
+        assert code == 0 and OLD in out and "export_report" in out
+        code, out = cli(shlex.split(braced["inspect_command"])[1:])
+        assert code == 0 and "no lease on" in out and "3" in out
+
+        # ?limit= cuts both tables; it cannot raise them above --top.
+        cut = page(exporter, "?limit=1")
+        assert cut["limit"] == 1 and [r["key"] for r in cut["leases"]] == [LEAKED]
+        assert [r["key"] for r in cut["hot_keys"]] == [digest]
+        assert page(exporter, "?limit=0")["leases"] == []
+        for bad in ("?limit=-1", "?limit=many"):
+            status, headers, body = get(exporter, "/leases" + bad)
+            assert status == 400 and "limit" in json.loads(body)["error"]
+
+        # /metrics as prometheus_client's own server serves the same registry, gzip included, without lease keys.
+        status, headers, body = get(exporter, "/metrics")
+        reference, thread = start_http_server(0, addr="127.0.0.1", registry=exporter.registry)
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{reference.server_address[1]}/metrics") as response:
+                assert status == 200 and headers["Content-Type"] == response.headers["Content-Type"]
+                assert names(body) == names(response.read())
+        finally:
+            reference.shutdown()
+            reference.server_close()
+            thread.join(5)
+        assert b"dramatiq_lease_present" in body
+        for key in (OLD, OVERDUE, LEAKED, digest, "report:"):
+            assert key.encode() not in body
+        status, headers, zipped = get(exporter, "/metrics", {"Accept-Encoding": "gzip"})
+        assert headers["Content-Encoding"] == "gzip" and b"dramatiq_lease_present" in gzip.decompress(zipped)
+
+
+def test_the_busy_page_never_holds_more_rows_than_top(leases: Leases) -> None:
+    keys = [f"job:{n}" for n in range(7)]
+    for key in keys:
+        acquire(leases, key, meta=WORK)
+        wait_in_line(leases, key, 1, server_ms(leases), WORK)
+    acquire(leases, "late:1", 1_000, meta=WORK)
+    leases.client.persist(leases.lease_name("late:1"))
+    with running(leases, top=3) as exporter:
+        doc = page_when(exporter, lambda d: d["leases"] and d["leases"][0]["state"] == "no_ttl", "the leak")
+        assert (doc["limit"], doc["leases_total"], doc["hot_keys_total"]) == (3, 8, 7)
+        assert len(doc["leases"]) == 3 and len(doc["hot_keys"]) == 3
+        # The leak first though granted last; then the oldest grants.
+        assert [r["key"] for r in doc["leases"]] == ["late:1", *keys[:2]]
+        big = page(exporter, "?limit=1000")
+        assert big["limit"] == 3 and len(big["leases"]) == 3 and len(big["hot_keys"]) == 3
+
+
+def test_top_zero_turns_the_busy_page_off_but_not_the_metrics(leases: Leases) -> None:
+    acquire(leases, OLD, meta=WEB)
+    with running(leases, top=0) as exporter:
+        status, _, body = get(exporter, "/leases")
+        assert status == 404 and OLD.encode() not in body
+        wait_for(lambda: scrape(exporter).get(("dramatiq_lease_present", (("actor_name", "export_report"),
+                                                                          ("queue_name", "reports")))) == 1,
+                 what="the lease in /metrics")
+
+
+def test_the_page_is_served_from_the_last_scan_not_from_redis(leases: Leases) -> None:
+    acquire(leases, OLD, meta=WEB)
+    with running(leases, interval=3600) as exporter:  # one scan, then none for the test's length
+        first = page_when(exporter, lambda d: d["leases_total"] == 1, "the first scan")
+        acquire(leases, OVERDUE, meta=WORK)
+        leases.client.delete(leases.lease_name(OLD))
+        assert page(exporter) == first
+
+
+def test_inspect_commands_quote_keys_and_keep_dashes_from_being_options() -> None:
+    assert inspect_command("a b'c") == "dramatiq-leases show 'a b'\"'\"'c'"
+    assert shlex.split(inspect_command("a b'c")) == ["dramatiq-leases", "show", "a b'c"]
+    assert shlex.split(inspect_command("-x", ["--prefix", "my app"])) == [
+        "dramatiq-leases", "--prefix", "my app", "show", "--", "-x"]
+    assert exporter_cli_options("redis://127.0.0.1:6379/0", "dramatiq-leases") == []
+    assert exporter_cli_options("redis://:s3cret@cache:6379/2", "app") == [
+        "--redis-url", "redis://:***@cache:6379/2", "--prefix", "app"]
+    assert build_parser().parse_args(["exporter"]).top == DEFAULT_TOP
+
+
+# --- the last-scan gauge --------------------------------------------------------------------------------
+
+
+def test_an_exporter_that_never_scans_still_serves_its_last_scan_time_and_counts_its_errors() -> None:
+    unreachable = Leases.from_url(f"redis://127.0.0.1:{free_port()}/0", socket_timeout=0.5)
+    before = time.time()
+    exporter = Exporter(unreachable, host="127.0.0.1", port=0)
+    after = time.time()
+    gauge = ("dramatiq_lease_exporter_last_scan_timestamp_seconds", ())
+    errors = ("dramatiq_lease_redis_errors_total", (("operation", "scan"),))
+    stop = threading.Event()
+    thread = threading.Thread(target=exporter.run, args=(stop, 0.05), daemon=True)
+    try:
+        # Before any scan: the start time, so `time() - it > 120` fires if none ever completes.
+        samples = scrape(exporter)
+        assert before <= samples[gauge] <= after and samples[errors] == 0
+        thread.start()
+        samples = wait_for(lambda: (s := scrape(exporter))[errors] >= 2 and s, timeout=30,
+                           what="failed scans to be counted")
+        assert before <= samples[gauge] <= after
+        doc = page(exporter)
+        assert (doc["scanned_at"], doc["leases"], doc["hot_keys"]) == (None, [], [])
+    finally:
+        stop.set()
+        if thread.is_alive():
+            thread.join(10)
+        exporter.close()
+        unreachable.client.close()
+
+
+def test_the_last_scan_time_moves_on_with_each_completed_scan(leases: Leases) -> None:
+    with running(leases) as exporter:
+        gauge = ("dramatiq_lease_exporter_last_scan_timestamp_seconds", ())
+        started = exporter.observer.started_at
+        first = wait_for(lambda: (v := scrape(exporter)[gauge]) > started and v, what="a completed scan")
+        wait_for(lambda: scrape(exporter)[gauge] > first, what="the next scan")
+
+
+# --- the command line ---------------------------------------------------------------------------------
+
+
+def test_the_exporter_command_serves_the_busy_page_with_its_options(redis_server: EmbeddedRedis,
+                                                                    leases: Leases) -> None:
+    # Granted in key order too, so a grant within the same millisecond sorts the same way.
+    acquire(leases, OVERDUE, meta=WORK)
+    acquire(leases, OLD, meta=WEB)
+    port = free_port()
+    script = str(Path(sys.executable).with_name("dramatiq-leases"))
+    proc = subprocess.Popen([script, "--redis-url", redis_server.url(1), "--prefix", PREFIX, "exporter",
+                             "--host", "127.0.0.1", "--port", str(port), "--interval", "0.1", "--top", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        def scanned() -> dict[str, Any] | None:
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/leases?limit=5", timeout=1) as response:
+                    doc: dict[str, Any] = json.loads(response.read())
+            except OSError:
+                return None
+            return doc if doc["leases_total"] == 2 else None
+
+        doc = wait_for(scanned, timeout=20, what="the exporter's Busy page")
+        assert doc["limit"] == 1 and [r["key"] for r in doc["leases"]] == [OVERDUE]
+        assert doc["leases"][0]["inspect_command"] == (
+            f"dramatiq-leases --redis-url {redis_server.url(1)} --prefix {PREFIX} show '{OVERDUE}'")
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        if proc.stdout:
+            proc.stdout.close()
