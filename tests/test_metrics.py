@@ -116,9 +116,11 @@ def worker_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
             assert [e for e in runs if e["event"] == "error"] == []
 
             def settled() -> str | None:
-                # The counts are written just after each actor returns: wait until all are in.
+                # Hold times and the held gauge are written by the heartbeat threads once each lease is
+                # released, after the actor returned: wait until all are in, the gauge included.
                 text = http_get(url)
-                if text and value(text, "dramatiq_lease_hold_duration_seconds_count", actor_name=WORK_ACTOR) == sent:
+                if (text and value(text, "dramatiq_lease_hold_duration_seconds_count", actor_name=WORK_ACTOR) == sent
+                        and values(text, "dramatiq_lease_held", actor_name=WORK_ACTOR) == [0]):
                     return text
                 return None
 

@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 import redis
 from redis.cluster import RedisCluster
 from redis.crc import key_slot
+from redis.exceptions import RedisClusterException
 
 from . import scripts, tracing
 from .client import (
@@ -97,6 +98,18 @@ class Leases(LeaseReading, LeaseLine):
         reading its reply would otherwise return a pooled connection with a
         reply still unread, which the next caller would take for its own, or
         leak the connection from the pool. Not available with RedisCluster.
+      fence_retention_ms: how long the fence counter of a key nobody has
+        acquired or released is kept (whole ms); ``None`` (the default): for
+        ever. A fleet leasing per-user or per-invoice keys keeps one counter
+        (~100 bytes) for every key it ever leased; with a retention, idle
+        counters expire and the store stays bounded. Fences stay strictly
+        increasing per key across an expiry: each fence is then at least the
+        server's clock in microseconds at its grant, so a counter made again
+        starts above every fence the old one handed out (README, "What is guaranteed",
+        says what breaks it: the server's clock stepping back by more than
+        the time the counter was idle, or a failover to a replica that had
+        not received the last grants). Every process using the store must
+        use the same setting: one without it restarts an expired counter at 1.
 
     Example:
       >>> leases = Leases.from_url("redis://127.0.0.1:6379/1")
@@ -110,9 +123,12 @@ class Leases(LeaseReading, LeaseLine):
       ...     print(f"busy, retry in {lease.retry_after}s")
     """
 
-    def __init__(self, client: RedisClient, *, prefix: str = DEFAULT_PREFIX, thread_connections: bool = False) -> None:
+    def __init__(self, client: RedisClient, *, prefix: str = DEFAULT_PREFIX, thread_connections: bool = False,
+                 fence_retention_ms: int | None = None) -> None:
         self.client = client
         self.prefix = validate_prefix(prefix)
+        self.fence_retention_ms = (0 if fence_retention_ms is None
+                                   else whole_ms(fence_retention_ms, "fence_retention_ms", owner="Leases"))
         self._cluster = isinstance(client, RedisCluster)
         self._threads = (ThreadConnections(client) if thread_connections and isinstance(client, redis.Redis)
                          and not self._cluster else None)
@@ -135,11 +151,11 @@ class Leases(LeaseReading, LeaseLine):
         }
 
     @classmethod
-    def from_url(cls, url: str, *, prefix: str = DEFAULT_PREFIX,
-                 socket_timeout: float = DEFAULT_SOCKET_TIMEOUT) -> Leases:
+    def from_url(cls, url: str, *, prefix: str = DEFAULT_PREFIX, socket_timeout: float = DEFAULT_SOCKET_TIMEOUT,
+                 fence_retention_ms: int | None = None) -> Leases:
         """Leases on the Redis at ``url`` (``redis://``, ``rediss://`` or ``unix://``)."""
         client = client_from_url(url, socket_timeout=socket_timeout)
-        return cls(client, prefix=prefix)
+        return cls(client, prefix=prefix, fence_retention_ms=fence_retention_ms)
 
     # Names -----------------------------------------------------------------
 
@@ -216,7 +232,7 @@ class Leases(LeaseReading, LeaseLine):
         token = token or new_token()
         meta = dict(meta or {})
         mode = 0 if not waiter else 2 if may_wait else 1
-        line = f"{first_ms} {mode} {ready} {park_ms} {promote_ms}"
+        line = f"{first_ms} {mode} {ready} {park_ms} {promote_ms} {self.fence_retention_ms}"
         args: list[Any] = [token, ttl, max_hold_ms, stored_interval, margin_ms(ttl), waiter or "", line,
                            *meta_args(key, meta)]
         attributes: dict[str, str | int] = {**self._span_attrs[_ACQUIRE], tracing.TTL: ttl}
@@ -335,9 +351,11 @@ class Leases(LeaseReading, LeaseLine):
         Confirmed leases have their local validity extended. Returns one
         :class:`Renewal` per lease, in order. ``links``: span contexts from
         :func:`.tracing.current_context` for the round's span to link to.
+        On a Redis Cluster, the leases of a slot that fails (half migrated,
+        its master failing over) are :attr:`Renewal.ERROR`; the others stand.
 
         Raises:
-          LeaseUnavailableError: Redis could not be asked.
+          LeaseUnavailableError: Redis could not be asked (on a Cluster: no slot answered).
         """
         if not leases:
             return []
@@ -360,6 +378,8 @@ class Leases(LeaseReading, LeaseLine):
                 replies = self._run_batches(leases, batches)
             out = [Renewal.ERROR] * len(leases)
             for batch, codes in zip(batches, replies):
+                if codes is None:  # its slot failed (Cluster); the others' answers stand
+                    continue
                 for i, code in zip(batch, text(codes)):
                     out[i] = _RENEW_CODES.get(code, Renewal.STOLEN)
                     if out[i] is Renewal.OK:
@@ -368,14 +388,27 @@ class Leases(LeaseReading, LeaseLine):
             span.set_attributes({tracing.OUTCOME: "ok" if not lost else "lost", tracing.LOST_COUNT: lost})
         return out
 
-    def _run_batches(self, leases: Sequence[Lease], batches: list[list[int]]) -> list[list[Any]]:
+    def _run_batches(self, leases: Sequence[Lease], batches: list[list[int]]) -> list[Any]:
         def keys_args(batch: list[int]) -> tuple[list[str], list[Any]]:
             return ([self._keys(leases[i].key)[0] for i in batch],
                     [leases[batch[0]].ttl, *(leases[i].token for i in batch)])
 
-        if self._cluster or len(batches) == 1:  # renew_many named its span after this same test
-            # A cluster routes each call to its slot's node: one round trip per slot.
-            return [evalsha(self.client, self._renew_many, *keys_args(batch)) for batch in batches]
+        if self._cluster:
+            # A cluster routes each call to its slot's node: one round trip per slot. A slot that fails (half
+            # migrated, its master failing over) fails its own leases only (None); the round fails if all do.
+            replies: list[Any] = []
+            failure: Exception | None = None
+            for batch in batches:
+                try:
+                    replies.append(evalsha(self.client, self._renew_many, *keys_args(batch)))
+                except (redis.RedisError, RedisClusterException) as e:
+                    failure = e
+                    replies.append(None)
+            if failure is not None and all(reply is None for reply in replies):
+                raise failure
+            return replies
+        if len(batches) == 1:  # renew_many named its span after this same test
+            return [evalsha(self.client, self._renew_many, *keys_args(batches[0]))]
         # redis-py would check SCRIPT EXISTS before a pipeline (an extra round trip);
         # send bare EVALSHAs and load the script only if Redis lost it (a restart).
         for attempt in (1, 2):
@@ -414,7 +447,8 @@ class Leases(LeaseReading, LeaseLine):
             attributes[tracing.FENCE] = fence
         with tracing.span(_RELEASE_SPAN, attributes) as span:
             with unavailable(f"release lease {key!r}", key):
-                reply = self._call(self._release, self._keys(key), [token, waiter or "", ready, promote_ms])
+                reply = self._call(self._release, self._keys(key),
+                                   [token, waiter or "", ready, promote_ms, self.fence_retention_ms])
                 released = int(reply) == 1
             span.set_attribute(tracing.OUTCOME, "released" if released else "not_held")
         return released
@@ -431,7 +465,8 @@ class Leases(LeaseReading, LeaseLine):
         that same instant.
         """
         with unavailable(f"release lease {key!r}", key):
-            reply = self._release_if_dead(keys=[self.lease_name(validate_key(key)), self.fence_name(key)], args=[])
+            reply = self._release_if_dead(keys=[self.lease_name(validate_key(key)), self.fence_name(key)],
+                                          args=[self.fence_retention_ms])
         code = int(reply[0])
         if code < 0:
             return DeadRelease(None, None, 0)

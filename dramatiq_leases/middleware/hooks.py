@@ -15,7 +15,7 @@ import dramatiq
 from dramatiq.asyncio import async_to_sync
 from dramatiq.middleware import Middleware, SkipMessage
 
-from ..core.client import client_from_url
+from ..core.client import client_from_url, connection_kwargs
 from ..core.errors import LeaseConfigError, LeaseKeyError
 from ..core.heartbeat import Heartbeat
 from ..core.keys import DEFAULT_PREFIX
@@ -87,6 +87,10 @@ class LeaseMiddleware(Middleware):
         appear on its endpoint (9191) whatever the order of the two, and
         its own metrics do not count a busy message's rounds (see
         :mod:`.dramatiq_metrics`): it is counted once, when it runs.
+      fence_retention: keep the fence counter of a key idle this long (ms),
+        then let it expire: bounded memory for fleets leasing per-user or
+        per-invoice keys (:class:`Leases`' ``fence_retention_ms``; every
+        process using the store must agree). Default ``None``: for ever.
       trace_keys: record lease keys in span attributes (``lease.key``).
         Off by default, since keys often carry user ids; ``None`` leaves
         the process-wide setting (``DRAMATIQ_LEASES_TRACE_KEYS``) as it is.
@@ -119,6 +123,7 @@ class LeaseMiddleware(Middleware):
         metrics: LeaseMetrics | None = None,
         metrics_endpoint: bool = True,
         trace_keys: bool | None = None,
+        fence_retention: int | None = None,
     ) -> None:
         if (redis_url is None) == (client is None):
             raise LeaseConfigError("LeaseMiddleware needs exactly one of redis_url or client")
@@ -138,7 +143,7 @@ class LeaseMiddleware(Middleware):
         if trace_keys is not None:
             record_keys(trace_keys)
         # Worker threads can be interrupted mid-command: each gets a connection of its own.
-        self.leases = Leases(client, prefix=prefix, thread_connections=True)
+        self.leases = Leases(client, prefix=prefix, thread_connections=True, fence_retention_ms=fence_retention)
         self.metrics = metrics if metrics is not None else PrometheusMetrics()
         self.heartbeat = Heartbeat(self.leases, metrics=self.metrics)
         self.runs = Runs(self.leases, self.heartbeat, self.metrics)
@@ -369,8 +374,7 @@ class LeaseMiddleware(Middleware):
 
 def _warn_without_socket_timeout(client: Any) -> None:
     """A renewal hanging on a socket without timeout cannot confirm a lease; say so at construction."""
-    pool = getattr(client, "connection_pool", None)
-    kwargs = getattr(pool, "connection_kwargs", None)
-    if isinstance(kwargs, dict) and kwargs.get("socket_timeout") is None:
+    kwargs = connection_kwargs(client)
+    if kwargs and kwargs.get("socket_timeout") is None:
         logger.warning("The Redis client given to LeaseMiddleware has no socket_timeout: a renewal that hangs "
                        "is abandoned by the watchdog, but give it one shorter than your TTLs.")

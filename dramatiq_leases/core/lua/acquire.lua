@@ -1,11 +1,12 @@
 -- KEYS: lease, fence (one hash tag; the line, waiters and done keys are derived from the lease's name).
 -- ARGV: token, ttl_ms, max_hold_ms (0: none), interval_ms (0: nobody renews
 -- it), margin_ms, waiter (a message's waiter id, '' for none), the line's
--- numbers as one argument "first_ms mode ready park_ms promote_ms" (first_ms:
+-- numbers as one argument "first_ms mode ready park_ms promote_ms retention_ms" (first_ms:
 -- the waiter's first attempt, server ms, 0: now; mode 0: never join the
 -- line, 1: join, 2: join and may wait in place; ready: waiters per key that
 -- may wait in place; park_ms: how long a parked waiter's copy is delayed;
--- promote_ms: how long a waiter whose turn came has to show up), then
+-- promote_ms: how long a waiter whose turn came has to show up; retention_ms:
+-- how long an idle fence counter is kept, 0 for ever), then
 -- field/value pairs of the lease hash ('key', and 'meta': the holder
 -- metadata as JSON).
 -- Returns {1, fence, now, previous_fence_expired, released_ms, from_line} when
@@ -36,12 +37,13 @@ local token, waiter = ARGV[1], ARGV[6]
 local ttl = whole(ARGV[2], 1, MAX_MS)
 local max_hold = whole(ARGV[3], 0, MAX_MS)
 local interval = whole(ARGV[4], 0, MAX_MS)
-local f1, f2, f3, f4, f5 = string.match(ARGV[7] or '', '^(%d+) (%d+) (%d+) (%d+) (%d+)$')
+local f1, f2, f3, f4, f5, f6 = string.match(ARGV[7] or '', '^(%d+) (%d+) (%d+) (%d+) (%d+) (%d+)$')
 local first = whole(f1, 0, MAX_TIMESTAMP_MS)
 local mode = whole(f2, 0, 2)
 local ready = whole(f3, 0, 1000)
 local park_ms = whole(f4, 1, MAX_MS)
 local promote_ms = whole(f5, 1, MAX_MS)
+local retention = whole(f6, 0, MAX_MS)
 if token == nil or token == '' then return bad('token', token) end
 if ttl == nil then return bad('ttl', ARGV[2]) end
 if max_hold == nil then return bad('max_hold', ARGV[3]) end
@@ -49,7 +51,7 @@ if interval == nil then return bad('interval', ARGV[4]) end
 local margin = whole(ARGV[5], 0, ttl - 1)
 if margin == nil then return bad('margin', ARGV[5]) end
 if waiter == nil or #waiter > 512 or (waiter == '' and mode ~= 0) then return bad('waiter', waiter) end
-if first == nil or mode == nil or ready == nil or park_ms == nil or promote_ms == nil then
+if first == nil or mode == nil or ready == nil or park_ms == nil or promote_ms == nil or retention == nil then
   return bad('line numbers', ARGV[7])
 end
 if (#ARGV - 7) % 2 ~= 0 then return bad('metadata count', #ARGV - 7) end
@@ -68,18 +70,36 @@ local present = redis.call('EXISTS', KEYS[1], LINE)
 local held = present > 0 and redis.call('EXISTS', KEYS[1]) == 1
 local lined = present > 0 and (not held or present == 2) and redis.call('EXISTS', LINE) == 1
 
+-- The next fence. Kept for ever, the counter just counts. With a retention
+-- it expires when idle, so a fence is also never below the server's clock in
+-- microseconds: every grant's fence is then its grant time (scripts run one at
+-- a time and each takes over a microsecond), and a counter created again after
+-- an expiry starts above every fence it had handed out.
+local function next_fence()
+  if retention == 0 then
+    local fence = redis.call('HINCRBY', KEYS[2], 'fence', 1)
+    return fence, fence - 1
+  end
+  local prev = tonumber(redis.call('HGET', KEYS[2], 'fence')) or 0
+  local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  local fence = math.max(prev + 1, now_us)
+  redis.call('HSET', KEYS[2], 'fence', string.format('%d', fence))
+  redis.call('PEXPIRE', KEYS[2], retention)
+  return fence, prev
+end
+
 -- Grants the key to this caller: the fence counter first (if it fails on a
 -- foreign value, nothing else was written), then the lease and its TTL.
 local function grant()
-  local fence = redis.call('HINCRBY', KEYS[2], 'fence', 1)
+  local fence, prev_fence = next_fence()
   local expired, released_ms = 0, 0
-  if fence > 1 then  -- a key seen before (a first grant has nothing to look back on)
+  if prev_fence > 0 then  -- a key seen before (a first grant has nothing to look back on)
     local prev = redis.call('HMGET', KEYS[2], 'released', 'released_ms')
     released_ms = tonumber(prev[2]) or 0
-    if (tonumber(prev[1]) or 0) < fence - 1 then
+    if (tonumber(prev[1]) or 0) < prev_fence then
       -- The previous grant was never released: it ended by TTL.
-      expired = fence - 1
-      redis.call('HSET', KEYS[2], 'expired', expired)
+      expired = prev_fence
+      redis.call('HSET', KEYS[2], 'expired', string.format('%d', expired))
     end
   end
   local px, until_ms = ttl, 0
@@ -87,7 +107,7 @@ local function grant()
     until_ms = now + max_hold + margin
     if max_hold + margin < px then px = max_hold + margin end
   end
-  redis.call('HSET', KEYS[1], 'token', token, 'fence', fence, 'ttl', ttl, 'interval', interval, 'margin_ms', margin,
+  redis.call('HSET', KEYS[1], 'token', token, 'fence', string.format('%d', fence), 'ttl', ttl, 'interval', interval, 'margin_ms', margin,
     'acquired_ms', now, 'renewed_ms', now, 'max_hold_until_ms', until_ms, unpack(ARGV, 8))
   redis.call('PEXPIRE', KEYS[1], px)
   return fence, expired, released_ms

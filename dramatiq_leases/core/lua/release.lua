@@ -1,7 +1,8 @@
 -- KEYS: lease, fence (one hash tag; the line, waiters and done keys are derived from the lease's name). ARGV: token, waiter
 -- (the holder's waiter id if it waited in the line, else ''), ready (waiters
 -- per key that may wait in place), promote_ms (how long a waiter whose turn
--- came has to show up). Returns 1 if released, 0 if the token did
+-- came has to show up), retention_ms (how long an idle fence counter is kept,
+-- 0 for ever). Returns 1 if released, 0 if the token did
 -- not hold the lease (nothing is touched then). The holder always has the
 -- newest fence of its key, so it is recorded as the last one released. A
 -- waiter that ran is remembered for an hour, so a stray copy of it never runs
@@ -17,6 +18,17 @@ end
 if ARGV[2] == nil or #ARGV[2] > 512 then
   return redis.error_reply('ERR dramatiq-leases: invalid waiter ' .. tostring(ARGV[2]))
 end
+local retention = tonumber(ARGV[5] or '0')
+if retention == nil or retention ~= math.floor(retention) or retention < 0 or retention > 1000000000000 then
+  return redis.error_reply('ERR dramatiq-leases: invalid retention_ms ' .. tostring(ARGV[5]))
+end
+local fence_of = 0
+-- Records the released fence; a counter kept for a retention stays bounded (the HSET may recreate one
+-- that expired during a long hold).
+local function released(...)
+  redis.call('HSET', KEYS[2], 'released', string.format('%d', fence_of), ...)
+  if retention > 0 then redis.call('PEXPIRE', KEYS[2], retention) end
+end
 -- The line's keys share the lease's hash tag (one slot, so Cluster runs this as is): derived here
 -- rather than passed, to keep the hot path's arguments few.
 local function sibling(kind) return (string.gsub(KEYS[1], ':lease:{', ':' .. kind .. ':{', 1)) end
@@ -24,17 +36,17 @@ local LINE = sibling('line')
 local cur = redis.pcall('HMGET', KEYS[1], 'token', 'fence')
 if cur.err or not cur[1] or cur[1] ~= ARGV[1] then return 0 end
 redis.call('DEL', KEYS[1])
-local fence = tonumber(cur[2]) or 0
+fence_of = tonumber(cur[2]) or 0
 local lined = redis.call('EXISTS', LINE) == 1
 if ARGV[2] == '' and not lined then
   -- The uncontended path: no line to wake, no waiter to remember.
-  if fence > 0 then redis.call('HSET', KEYS[2], 'released', fence) end
+  if fence_of > 0 then released() end
   return 1
 end
 local WAITERS, DONE = sibling('waiters'), sibling('done')
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-if fence > 0 then redis.call('HSET', KEYS[2], 'released', fence, 'released_ms', now) end
+if fence_of > 0 then released('released_ms', now) end
 if ARGV[2] ~= '' then
   redis.call('ZREMRANGEBYSCORE', DONE, '-inf', now)
   redis.call('ZADD', DONE, now + DONE_MS, ARGV[2])

@@ -1,4 +1,5 @@
--- KEYS: lease, fence. No ARGV. Releases the lease only if no holder can still
+-- KEYS: lease, fence. ARGV: retention_ms (how long an idle fence counter is
+-- kept, 0 for ever; optional). Releases the lease only if no holder can still
 -- be running under it: its holder's deadline and safety margin have passed (the
 -- key outlived them: its TTL was changed by hand), or the hash does not say and
 -- the key has no TTL (a key written by hand).
@@ -19,6 +20,10 @@ local function lease_end(renewed, ttl, until_ms)
   if until_ms > 0 and until_ms < ends then ends = until_ms end
   return ends
 end
+local retention = tonumber(ARGV[1] or '0')
+if retention == nil or retention ~= math.floor(retention) or retention < 0 or retention > 1000000000000 then
+  return redis.error_reply('ERR dramatiq-leases: invalid retention_ms ' .. tostring(ARGV[1]))
+end
 if redis.call('EXISTS', KEYS[1]) == 0 then return {-1} end
 local now = server_now()
 local pttl = redis.call('PTTL', KEYS[1])
@@ -34,5 +39,9 @@ elseif now < deadline then
   return {0, deadline - now, fence}
 end
 redis.call('DEL', KEYS[1])
-if fence > 0 then redis.call('HSET', KEYS[2], 'released', fence) end
+if fence > 0 then
+  -- As text: a fence may have 16 digits (with a retention), more than Lua prints a number with.
+  redis.call('HSET', KEYS[2], 'released', string.format('%d', fence))
+  if retention > 0 then redis.call('PEXPIRE', KEYS[2], retention) end
+end
 return {1, deadline and now - deadline or 0, fence}

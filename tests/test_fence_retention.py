@@ -1,0 +1,144 @@
+"""Bounded memory: with a fence retention, idle fence counters expire and fences still only rise.
+
+Every key ever leased keeps a fence counter; a fleet leasing per-user or per-invoice keys would grow its
+store without bound. With ``fence_retention_ms`` a counter nobody acquires or releases for that long
+expires, and each fence is at least the server's clock in microseconds at its grant, so a counter made
+again starts above every fence handed out before. Real Redis, real expiry.
+"""
+
+from __future__ import annotations
+
+import pytest
+import redis
+
+from dramatiq_leases import Lease, LeaseConfigError, LeaseMiddleware, Leases
+from dramatiq_leases.embedded import EmbeddedRedis
+
+from .support.waiting import wait_for
+
+RETENTION_MS = 300
+
+
+@pytest.fixture
+def leases(redis_client: redis.Redis) -> Leases:
+    return Leases(redis_client, fence_retention_ms=RETENTION_MS)
+
+
+def grant(leases: Leases, key: str, ttl: int = 5_000) -> Lease:
+    lease = leases.try_acquire(key, ttl=ttl)
+    assert isinstance(lease, Lease), lease
+    return lease
+
+
+def server_us(client: redis.Redis) -> int:
+    seconds, micros = client.time()
+    return int(seconds) * 1_000_000 + int(micros)
+
+
+def test_fences_rise_across_the_expiry_of_their_counter(leases: Leases, redis_client: redis.Redis) -> None:
+    fences = []
+    for _ in range(3):
+        lease = grant(leases, "invoice:1")
+        fences.append(lease.fence)
+        assert leases.release(lease)
+    counter = leases.fence_name("invoice:1")
+    assert 0 < redis_client.pttl(counter) <= RETENTION_MS, "an idle counter expires"
+    wait_for(lambda: not redis_client.exists(counter), what="the idle fence counter to expire")
+    after = grant(leases, "invoice:1")
+    fences.append(after.fence)
+    assert fences == sorted(set(fences)), fences
+    # Each fence is the grant's server time in µs: it says when, and a new counter starts above the old.
+    assert fences[-1] <= server_us(redis_client)
+
+
+def test_fences_are_exact_at_sixteen_digits(leases: Leases, redis_client: redis.Redis) -> None:
+    """Lua prints numbers with 14 significant digits: a fence written as a number would be rounded."""
+    first = grant(leases, "k")
+    assert first.fence > 10**15
+    assert int(redis_client.hget(leases.lease_name("k"), "fence")) == first.fence
+    assert leases.release(first)
+    assert leases.fence_state("k")["released"] == first.fence
+    second = grant(leases, "k")
+    assert second.fence > first.fence
+    assert leases.inspect("k").fence == second.fence  # type: ignore[union-attr]
+
+
+def test_an_expired_grant_is_still_told_from_a_released_one(leases: Leases, redis_client: redis.Redis) -> None:
+    released = grant(leases, "k")
+    assert leases.release(released)
+    expiring = grant(leases, "k", ttl=50)
+    after = wait_for(lambda: leases.try_acquire("k", ttl=5_000) or None, what="the 50 ms lease to expire")
+    assert leases.fence_state("k") == {"fence": after.fence, "released": released.fence, "expired": expiring.fence}
+
+
+def test_every_write_to_a_counter_keeps_it_bounded(leases: Leases, redis_client: redis.Redis) -> None:
+    """Grant, release, release --if-dead: none leaves a counter without its retention."""
+    counter = leases.fence_name("k")
+    lease = grant(leases, "k")
+    assert 0 < redis_client.pttl(counter) <= RETENTION_MS
+    # The counter expires under a long hold; the release writes it again, with a TTL.
+    wait_for(lambda: not redis_client.exists(counter), what="the counter to expire during the hold")
+    assert leases.release(lease)
+    assert 0 < redis_client.pttl(counter) <= RETENTION_MS
+    # A leak released by hand: the lease hash had its TTL removed (its holder's deadline passes first).
+    leaked = grant(leases, "k", ttl=200)
+    redis_client.persist(leases.lease_name("k"))
+    wait_for(lambda: not redis_client.exists(counter), what="the counter to expire again")
+    released, _, fence = leases.release_if_dead("k")
+    assert released is True and fence == leaked.fence
+    assert 0 < redis_client.pttl(counter) <= RETENTION_MS
+
+
+def test_many_keys_leave_nothing_behind(leases: Leases, redis_client: redis.Redis) -> None:
+    for n in range(500):
+        assert leases.release(grant(leases, f"user:{n}"))
+    assert redis_client.dbsize() == 500  # one counter per key, for now
+    wait_for(lambda: redis_client.dbsize() == 0, timeout=10, what="every idle counter to expire")
+
+
+def test_without_a_retention_counters_are_kept_and_count_from_one(redis_client: redis.Redis) -> None:
+    leases = Leases(redis_client)
+    fences = []
+    for _ in range(3):
+        lease = grant(leases, "k")
+        fences.append(lease.fence)
+        assert leases.release(lease)
+    assert fences == [1, 2, 3]
+    assert redis_client.pttl(leases.fence_name("k")) == -1
+
+
+def test_a_process_without_the_retention_keeps_counting_up(leases: Leases, redis_client: redis.Redis) -> None:
+    """Mixed settings on one live counter: the one without a retention still hands out larger fences."""
+    timed = grant(leases, "k")
+    assert leases.release(timed)
+    counting = Leases(redis_client)
+    later = grant(counting, "k")
+    assert later.fence == timed.fence + 1
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, "1000", True, 10**13])
+def test_a_bad_retention_is_refused_naming_it(redis_client: redis.Redis, value: object) -> None:
+    with pytest.raises(LeaseConfigError, match=r"Leases: fence_retention_ms must be a whole number"):
+        Leases(redis_client, fence_retention_ms=value)  # type: ignore[arg-type]
+
+
+def test_the_middleware_passes_its_retention_on(redis_server: EmbeddedRedis) -> None:
+    middleware = LeaseMiddleware(redis_server.url(0), fence_retention=86_400_000)
+    assert middleware.leases.fence_retention_ms == 86_400_000
+    with pytest.raises(LeaseConfigError, match="fence_retention_ms"):
+        LeaseMiddleware(redis_server.url(0), fence_retention=0)
+
+
+def test_a_retention_of_a_day_costs_one_more_command_per_grant(redis_client: redis.Redis) -> None:
+    """The price, counted: HGET + HSET + PEXPIRE instead of HINCRBY on each grant, a PEXPIRE on each release."""
+    def commands(leases: Leases) -> int:
+        before = sum(int(v["calls"]) for k, v in redis_client.info("commandstats").items() if k != "cmdstat_info")
+        for _ in range(10):
+            assert leases.release(grant(leases, "cost"))
+        after = sum(int(v["calls"]) for k, v in redis_client.info("commandstats").items() if k != "cmdstat_info")
+        return after - before
+
+    assert Leases(redis_client).release(grant(Leases(redis_client), "warm-up"))  # scripts loaded once
+    plain = commands(Leases(redis_client, prefix="plain"))
+    kept = commands(Leases(redis_client, prefix="kept", fence_retention_ms=86_400_000))
+    assert kept - plain == 10 * 3, (plain, kept)
