@@ -199,5 +199,9 @@ class PrometheusMetrics(LeaseMetrics):
             m["renewals"].labels(*labels, outcome)
         for reason in LOST_REASONS:
             m["lost"].labels(*labels, reason)
+        self.declare_process()
+
+    def declare_process(self) -> None:
+        m = self._metrics()
         for operation in ERROR_OPERATIONS:
             m["redis_errors"].labels(operation)

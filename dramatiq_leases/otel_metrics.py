@@ -148,5 +148,8 @@ class OTelMetrics(LeaseMetrics):
             self._renewals.add(0, self._attrs(meta, outcome=outcome))
         for reason in LOST_REASONS:
             self._lost.add(0, self._attrs(meta, reason=reason))
+        self.declare_process()
+
+    def declare_process(self) -> None:
         for operation in ERROR_OPERATIONS:
             self._errors.add(0, {"operation": operation})

@@ -2,20 +2,30 @@
 
 from __future__ import annotations
 
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 
 def redact_url(url: str) -> str:
-    """``url`` with its password replaced by ``***``, safe to print."""
+    """``url`` with its passwords replaced by ``***``, safe to print.
+
+    The password of the user part, and the value of every query option whose name ends in
+    ``password`` (redis-py's ``?password=``, a Sentinel URL's ``?sentinel_password=``). The hosts are
+    kept as written, so a URL naming several (``redis+sentinel://h1:26379,h2:26379/...``) stays whole.
+    """
     try:
         parts = urlsplit(url)
-        if parts.password is None:
+        userinfo, at, hosts = parts.netloc.rpartition("@")
+        if at and ":" in userinfo:
+            parts = parts._replace(netloc=f"{userinfo.split(':', 1)[0]}:***@{hosts}")
+        pairs = parse_qsl(parts.query, keep_blank_values=True)
+        if any(name.lower().endswith("password") for name, _ in pairs):
+            parts = parts._replace(query=urlencode(
+                [(name, "***" if name.lower().endswith("password") else value) for name, value in pairs],
+                safe="*"))
+        if parts == urlsplit(url):
             return url
-        user = parts.username or ""
-        host = parts.hostname or ""
-        if ":" in host:
-            host = f"[{host}]"
-        netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
-        return urlunsplit(parts._replace(netloc=netloc))
+        # Not urlunsplit: it would turn "unix:///path" into "unix:/path".
+        return (f"{parts.scheme}://{parts.netloc}{parts.path}" + (f"?{parts.query}" if parts.query else "")
+                + (f"#{parts.fragment}" if parts.fragment else ""))
     except ValueError:
         return "<unparsable URL>"

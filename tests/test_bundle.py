@@ -62,6 +62,7 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "dramatiq_lease_present": ("gauge", FLEET, ACTOR),
     "dramatiq_lease_heartbeat_overdue": ("gauge", FLEET, ACTOR),
     "dramatiq_lease_leaked": ("gauge", FLEET, (*ACTOR, "reason")),
+    "dramatiq_lease_leaked_waiting": ("gauge", FLEET, (*ACTOR, "reason")),
     "dramatiq_lease_expired_total": ("counter", FLEET, ACTOR),
     "dramatiq_lease_oldest_acquired_timestamp_seconds": ("gauge", FLEET, ACTOR),
     "dramatiq_lease_waiting": ("gauge", FLEET, ("actor_name",)),
@@ -108,8 +109,9 @@ def compose_services() -> dict[str, Any]:
 
 # --- PromQL, by regex: enough for the queries here, which promtool has parsed -----------------------
 
-_METRIC = re.compile(r"\bdramatiq_\w+")
-_SELECTOR = re.compile(r"\b(dramatiq_\w+)\s*(?:\{([^}]*)\})?")
+# Not inside a recorded series' name (level:metric:operations), which is no exported metric.
+_METRIC = re.compile(r"(?<![:\w])dramatiq_\w+")
+_SELECTOR = re.compile(r"(?<![:\w])(dramatiq_\w+)\s*(?:\{([^}]*)\})?")
 _MATCHER = re.compile(r'(\w+)\s*(=~|!~|!=|=)\s*"((?:[^"\\]|\\.)*)"')
 _GROUPING = re.compile(r"\b(?:by|without)\s*\(([^)]*)\)")
 
@@ -259,7 +261,10 @@ def test_recording_rule_follows_conventions(rule: dict[str, Any]) -> None:
     assert metric.startswith("dramatiq_lease_")
     assert operations.startswith(("rate", "ratio_rate")) and re.search(r"\d+[smhd]$", operations)
     window = re.search(r"(\d+[smhd])$", operations).group(1)
-    assert re.findall(r"\[([^\]]+)\]", rule["expr"]) and set(re.findall(r"\[([^\]]+)\]", rule["expr"])) == {window}
+    ranges = set(re.findall(r"\[([^\]]+)\]", rule["expr"]))
+    # Over its window: its own ranges, or recorded series of the same window (a ratio of two recordings).
+    recorded = set(re.findall(r"\b[a-z_]+:dramatiq_lease_[a-z_]+:[a-z_]*?(\d+[smhd])\b", rule["expr"]))
+    assert (ranges or recorded) and ranges | recorded == {window}, name
     # The level is the labels that every aggregation keeps (histogram buckets also keep le).
     for grouping in _BY.findall(rule["expr"]):
         assert labels_of(grouping) - {"le"} == RECORDING_LEVELS[level], f"{name}: by ({grouping})"
@@ -269,7 +274,7 @@ def test_recording_rule_follows_conventions(rule: dict[str, Any]) -> None:
 def test_recording_rules_are_read_and_exist() -> None:
     recorded = [rule["record"] for rule in recording_rules()]
     assert len(recorded) == len(set(recorded))
-    read = {name for rule in alert_rules() for name in RECORDED.findall(rule["expr"])}
+    read = {name for rule in all_rules() for name in RECORDED.findall(rule["expr"])}
     read |= {name for query in dashboard_queries().values() for name in RECORDED.findall(query)}
     assert read - set(recorded) == set(), "queries read series that no rule records"
     assert set(recorded) - read == set(), "recorded series that nothing reads"
@@ -317,6 +322,8 @@ def test_aggregations_keep_the_cluster_and_the_job(rule: dict[str, Any]) -> None
         assert CLUSTER in labels, f"{rule_id(rule)}: by ({match.group(1)})"
         filter_on = re.search(r"\b(?:and|unless)\s+on\s*\(([^)]*)\)\s*\(?\s*$", expr[:match.start()])
         is_filter = filter_on is not None and labels_of(filter_on.group(1)) == labels
+        # A whole cluster missing a target (`group by (cluster) (...) unless on (cluster) ...`): per cluster.
+        is_filter = is_filter or (labels == {CLUSTER} and match.group(0).startswith("group"))
         assert "job" in labels or actor_level or is_filter, f"{rule_id(rule)}: by ({match.group(1)}) drops the job"
     for grouping in _ON.findall(expr):
         assert CLUSTER in labels_of(grouping), f"{rule_id(rule)}: on ({grouping}) joins across clusters"
@@ -383,7 +390,8 @@ def test_leak_alert_pages_within_30s_only_on_no_ttl_or_waiting_messages() -> Non
             assert leaked_reasons(leak) == {State.NO_TTL.value}, f"pages on any {leaked_reasons(leak)} leak"
             continue
         (waiting,) = condition
-        assert re.search(r"\bdramatiq_lease_(busy_retries_total|waiting)\b", waiting), waiting
+        # Messages waiting in the leaked key's own line, not anywhere on its actor.
+        assert re.search(r"\bdramatiq_lease_leaked_waiting\b", waiting), waiting
         assert re.search(r"\)\s*>\s*0\s*\)?$", waiting), f"messages wait: {waiting}"
     # The warning: the leaks that end at their TTL by themselves.
     ends_by_ttl = {state.value for state in State if state.leaked} - {State.NO_TTL.value}
@@ -445,7 +453,8 @@ def test_alertmanager_groups_and_inhibits_per_actor() -> None:
     (inhibit,) = config["inhibit_rules"]
     assert inhibit["source_matchers"] == ['severity = "critical"']
     assert inhibit["target_matchers"] == ['severity = "warning"']
-    assert set(inhibit["equal"]) == {"alertname", "cluster", "actor_name", "queue_name"}
+    # The reason too: a key without TTL paging must not hide another key's dead-holder warning.
+    assert set(inhibit["equal"]) == {"alertname", "cluster", "actor_name", "queue_name", "reason"}
     receivers = {receiver["name"]: receiver for receiver in config["receivers"]}
     for name in ("pager", "ticket"):
         (webhook,) = receivers[name]["webhook_configs"]
@@ -569,9 +578,14 @@ def test_dashboard_variables() -> None:
         assert variable["type"] == "query"
         assert variable["query"].startswith("label_values(")
         assert variable["multi"] and variable["includeAll"], f"{name}: multi-value with All"
-        # All as .* rather than a list of the values seen: an actor that only
-        # the exporter still reports (its workers are gone) must not be hidden.
-        assert variable["allValue"] == ".*"
+        if name in ("instance", "actor"):
+            # All as .* rather than a list of the values seen: an actor that only
+            # the exporter still reports (its workers are gone) must not be hidden.
+            assert variable["allValue"] == ".*"
+        else:
+            # All as the values listed, which come from the configured selectors: other teams'
+            # jobs of the same metric names stay out.
+            assert "allValue" not in variable
         assert variable["datasource"]["uid"] == "${datasource}"
 
 

@@ -335,3 +335,44 @@ def test_the_exporter_command_serves_the_busy_page_with_its_options(redis_server
         proc.wait(10)
         if proc.stdout:
             proc.stdout.close()
+
+
+# --- what the alerts read -------------------------------------------------------------------------------------
+
+
+def test_messages_waiting_on_a_leaked_key_are_counted_for_that_leak_alone(leases: Leases) -> None:
+    """The leak page is for users waiting on the leaked key itself, not on other keys of its actor."""
+    acquire(leases, LEAKED, 1_000, meta=WORK)
+    leases.client.persist(leases.lease_name(LEAKED))  # leaked (no_ttl) once its holder's deadline passes
+    now = server_ms(leases)
+    wait_in_line(leases, LEAKED, 2, now, WORK)
+    acquire(leases, "invoice:9", meta=WORK)  # a healthy key of the same actor, with its own line
+    wait_in_line(leases, "invoice:9", 3, now, WORK)
+    labels = (("actor_name", WORK["actor"]), ("queue_name", WORK["queue"]), ("reason", "no_ttl"))
+    with running(leases) as exporter:
+        samples = wait_for(lambda: (s := scrape(exporter)).get(("dramatiq_lease_leaked", labels)) and s,
+                           what="the leak in the exporter's metrics")
+        assert samples[("dramatiq_lease_leaked_waiting", labels)] == 2
+        assert samples[("dramatiq_lease_waiting", (("actor_name", WORK["actor"]),))] == 5
+
+
+def test_a_stale_scan_stops_serving_the_lease_gauges(leases: Leases) -> None:
+    """A stuck exporter must not keep a resolved leak paging: its lease figures go stale instead."""
+    acquire(leases, LEAKED, 1_000, meta=WORK)
+    leases.client.persist(leases.lease_name(LEAKED))
+    exporter = Exporter(leases, host="127.0.0.1", port=0, interval=0.05)
+    try:
+        exporter.observer.stale_after = 0.5
+        wait_for(lambda: exporter.observer.scan().leaked, what="a scan that sees the leak")
+        assert any(name == "dramatiq_lease_leaked" for name, _ in scrape(exporter))
+        # No more scans (Redis gone, a hung scan): once the last one is too old, only the exporter's own
+        # figures remain, and the last-scan gauge says how old it is.
+        def without_leases() -> dict[Any, float] | None:
+            samples = scrape(exporter)
+            return None if any(name == "dramatiq_lease_leaked" for name, _ in samples) else samples
+
+        stale = wait_for(without_leases, what="the lease gauges to go")
+        assert ("dramatiq_lease_exporter_last_scan_timestamp_seconds", ()) in stale
+        assert not any(name in {"dramatiq_lease_present", "dramatiq_lease_leaked_waiting"} for name, _ in stale)
+    finally:
+        exporter.close()

@@ -337,3 +337,22 @@ def test_a_killed_workers_held_leases_are_not_summed_in_forever(tmp_path: Path) 
     assert held() == 1.0  # what an endpoint would report for good
     forget_dead_processes(str(directory))
     assert held() == 0.0
+
+
+def test_a_worker_without_leased_actors_still_serves_lease_series(redis_server: EmbeddedRedis) -> None:
+    """DramatiqLeaseWorkerMetricsMissing reads a target without lease series as one whose endpoint is
+    not ours: a worker of the same app running only plain actors must not look like that."""
+    from dramatiq.brokers.stub import StubBroker
+
+    from dramatiq_leases import LeaseMiddleware, PrometheusMetrics
+
+    registry = CollectorRegistry()
+    middleware = LeaseMiddleware(redis_server.url(0), metrics=PrometheusMetrics(registry=registry),
+                                 metrics_endpoint=False)
+    broker = StubBroker(middleware=[middleware])  # type: ignore[no-untyped-call]
+    broker.emit_after("process_boot")
+    operations = {labels["operation"] for name, labels in
+                  ((s.name, s.labels) for family in registry.collect() for s in family.samples)
+                  if name == "dramatiq_lease_redis_errors_total"}
+    assert operations == {"acquire", "renew", "release"}
+    broker.close()

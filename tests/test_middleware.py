@@ -22,6 +22,7 @@ from dramatiq_leases import LeaseKeyRenderError, LeaseLost, LeaseOptionError, cu
 from dramatiq_leases.core import LostReason
 from dramatiq_leases.embedded import EmbeddedRedis
 
+from .support.brokers import RABBITMQ_URL, delete_rabbitmq_queues, rabbitmq_up
 from .support.runs import Runs
 from .support.stack import Stack
 from .support.waiting import wait_for
@@ -489,9 +490,10 @@ def test_async_actors_hold_and_lose_leases(make_stack: Any) -> None:
     assert runs.count(n=1, key="a:1") == 1 and runs.count(n=2, cancelled=True) == 1
 
 
+@pytest.mark.skipif(not rabbitmq_up(), reason="RabbitMQ not reachable ($LEASES_TEST_RABBITMQ_URL)")
 def test_rabbitmq_broker(lease_server: EmbeddedRedis) -> None:
     queue = f"leases-test-{uuid.uuid4().hex[:8]}"
-    broker = RabbitmqBroker(url="amqp://guest:guest@127.0.0.1:5672")
+    broker = RabbitmqBroker(url=RABBITMQ_URL)
     stack = Stack("", lease_server.url(0), broker=broker, lock_min_backoff=20, lock_max_backoff=100)
     runs = Runs()
 
@@ -510,10 +512,7 @@ def test_rabbitmq_broker(lease_server: EmbeddedRedis) -> None:
         assert len(spans) == 4 and all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
     finally:
         stack.stop()
-        pika = RabbitmqBroker(url="amqp://guest:guest@127.0.0.1:5672")
-        for q in (queue, f"{queue}.DQ", f"{queue}.XQ"):
-            pika.channel.queue_delete(q)
-        pika.close()
+        delete_rabbitmq_queues(queue)
 
 
 def test_a_job_lasting_many_ttls_keeps_its_lease(make_stack: Any) -> None:

@@ -37,7 +37,7 @@ CUSTOM = MixinConfig(
 )
 #: Which selector each series of the rules must carry: the worker's or the exporter's.
 EXPORTER_SERIES = {
-    "dramatiq_lease_leaked", "dramatiq_lease_heartbeat_overdue", "dramatiq_lease_waiting",
+    "dramatiq_lease_leaked", "dramatiq_lease_heartbeat_overdue", "dramatiq_lease_waiting", "dramatiq_lease_leaked_waiting",
     "dramatiq_lease_expired_total", "dramatiq_lease_exporter_last_scan_timestamp_seconds",
 }
 

@@ -14,7 +14,6 @@ import statistics
 import subprocess
 import sys
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,22 +24,12 @@ import redis
 from dramatiq_leases import Leases
 from dramatiq_leases.embedded import EmbeddedRedis, free_port
 
+from .support.brokers import BROKERS, RABBITMQ_URL, delete_rabbitmq_queues, unique_queue
 from .support.waiting import wait_for
 
 pytestmark = pytest.mark.system
 
 ROOT = Path(__file__).parents[1]
-RABBITMQ_URL = os.environ.get("LEASES_TEST_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/")
-
-
-def rabbitmq_up() -> bool:
-    try:
-        import pika
-
-        pika.BlockingConnection(pika.URLParameters(RABBITMQ_URL)).close()
-        return True
-    except Exception:
-        return False
 
 
 class LineWorkers:
@@ -48,7 +37,7 @@ class LineWorkers:
 
     def __init__(self, broker: str, server: EmbeddedRedis, tmp_path: Path) -> None:
         self.tmp_path = tmp_path
-        self.queue = f"line-{uuid.uuid4().hex[:8]}"
+        self.queue = unique_queue("line")
         self.env = {
             **os.environ,
             "PYTHONPATH": str(ROOT),
@@ -105,16 +94,7 @@ class LineWorkers:
         self.record.close()
         self.leases_client.close()
         if self.broker == "rabbitmq":
-            import pika
-
-            connection = pika.BlockingConnection(pika.URLParameters(RABBITMQ_URL))
-            channel = connection.channel()
-            for name in (q + suffix for q in (self.queue, f"{self.queue}-hold") for suffix in ("", ".DQ", ".XQ")):
-                channel.queue_delete(name)
-            connection.close()
-
-
-BROKERS = ["redis", pytest.param("rabbitmq", marks=pytest.mark.skipif(not rabbitmq_up(), reason="no RabbitMQ"))]
+            delete_rabbitmq_queues(self.queue, f"{self.queue}-hold")
 
 
 @pytest.fixture(params=BROKERS)

@@ -10,7 +10,9 @@ Commands::
 
 Global flags, accepted before or after the command: ``--redis-url`` (default:
 ``$REDIS_URL``, else ``redis://127.0.0.1:6379/0``; ``demo`` ignores both and
-starts a private Redis unless ``--redis-url`` is given) and ``--prefix``
+starts a private Redis unless ``--redis-url`` is given; a Redis Cluster:
+``redis+cluster://HOST:PORT``, any one of its nodes; through Sentinel:
+``redis+sentinel://HOST:PORT[,HOST:PORT...]/SERVICE[/DB]``) and ``--prefix``
 (default ``dramatiq-leases``).
 
 Exit codes (an API: scripts rely on them):
@@ -123,6 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument(
         "--redis-url", default=argparse.SUPPRESS, metavar="URL",
         help=f"Redis holding the leases (default: $REDIS_URL, else {DEFAULT_REDIS_URL}; "
+             "a Redis Cluster: redis+cluster://HOST:PORT of any one node; "
+             "through Sentinel: redis+sentinel://HOST:PORT[,HOST:PORT...]/SERVICE[/DB]; "
              "demo: a private Redis unless given)",
     )
     common.add_argument("--prefix", default=argparse.SUPPRESS,
@@ -219,6 +223,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         url = args.redis_url or os.environ.get("REDIS_URL") or DEFAULT_REDIS_URL
         try:
             leases = Leases.from_url(url, prefix=args.prefix or DEFAULT_PREFIX)
+        except LeaseUnavailableError as e:  # a cluster URL: its seed node is asked for the cluster's nodes at once
+            _fail(err, f"cannot use Redis at {redact_url(url)}: {e}")
+            return EXIT_UNREACHABLE
         except LeaseError as e:  # an invalid --prefix
             _fail(err, str(e))
             return EXIT_USAGE

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar
+from urllib.parse import parse_qsl, unquote, urlencode
 
 import redis
 from redis.cluster import RedisCluster
+from redis.connection import parse_url
+from redis.exceptions import RedisClusterException
+from redis.sentinel import Sentinel
 
 from .errors import LeaseUnavailableError
 from .tracing import DB_NAMESPACE, SERVER_ADDRESS, SERVER_PORT
@@ -31,13 +35,136 @@ def unavailable(what: str, key: str | None = None) -> Iterator[None]:
     """Turn a Redis error into :class:`LeaseUnavailableError`, saying what could not be done (``what``)."""
     try:
         yield
-    except redis.RedisError as e:
+    except (redis.RedisError, RedisClusterException) as e:  # the latter: a Cluster's "slot not covered", ...
         raise LeaseUnavailableError(f"could not {what}: {type(e).__name__}: {e}", key=key) from e
 
 
-def client_from_url(url: str, *, socket_timeout: float = DEFAULT_SOCKET_TIMEOUT) -> redis.Redis:
-    """A client for ``url`` whose calls and connects time out (a hung renewal cannot confirm a lease)."""
+#: URL schemes of a Redis Cluster, and the scheme of the seed node each names.
+CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+
+
+def is_cluster_url(url: str) -> bool:
+    """Whether ``url`` names a Redis Cluster (``redis+cluster://`` or ``rediss+cluster://``)."""
+    scheme, sep, _ = url.partition("://")
+    return bool(sep) and scheme.lower() in CLUSTER_SCHEMES
+
+
+def client_from_url(url: str, *, socket_timeout: float = DEFAULT_SOCKET_TIMEOUT) -> RedisClient:
+    """A client for ``url`` whose calls and connects time out (a hung renewal cannot confirm a lease).
+
+    ``redis://``, ``rediss://`` and ``unix://`` give a ``redis.Redis``;
+    ``redis+cluster://[[user]:[password]@]host:port`` (``rediss+cluster://``
+    with TLS) a ``RedisCluster``: ``host:port`` is one node of the cluster (a
+    seed), the others are discovered from it; query options are redis-py's,
+    as for ``redis://``; the database can only be 0. Unlike a ``redis.Redis``,
+    a cluster client asks the seed for the cluster's layout at once.
+    ``redis+sentinel://`` (``rediss+sentinel://``) gives a client of the
+    primary that Sentinels name: see :func:`sentinel_client_from_url`.
+
+    Raises:
+      LeaseUnavailableError: the cluster's seed node could not be asked.
+      ValueError: a URL redis-py cannot parse, or a cluster URL naming a database other than 0.
+    """
+    scheme, _, rest = url.partition("://")
+    if is_sentinel_url(url):
+        return sentinel_client_from_url(url, socket_timeout=socket_timeout)
+    if is_cluster_url(url):
+        seed = f"{CLUSTER_SCHEMES[scheme.lower()]}://{rest}"
+        if parse_url(seed).get("db", 0) != 0:  # type: ignore[no-untyped-call]  # ValueError if unparsable
+            raise ValueError("a Redis Cluster has only database 0")
+        try:
+            return RedisCluster.from_url(seed, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout)
+        except (redis.RedisError, RedisClusterException) as e:
+            raise LeaseUnavailableError(f"could not ask the cluster for its nodes: {type(e).__name__}: {e}") from e
     return redis.Redis.from_url(url, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout)
+
+
+#: URL schemes of a primary found through Redis Sentinel, and the scheme of its data nodes.
+SENTINEL_SCHEMES = {"redis+sentinel": "redis", "rediss+sentinel": "rediss"}
+
+#: The port of a Sentinel named without one.
+DEFAULT_SENTINEL_PORT = 26379
+
+#: Query options of a Sentinel URL that apply to the Sentinels themselves, not to the data nodes.
+_SENTINEL_OPTIONS = {"sentinel_username": "username", "sentinel_password": "password"}
+
+
+def is_sentinel_url(url: str) -> bool:
+    """Whether ``url`` names a primary through Sentinel (``redis+sentinel://`` or ``rediss+sentinel://``)."""
+    scheme, sep, _ = url.partition("://")
+    return bool(sep) and scheme.lower() in SENTINEL_SCHEMES
+
+
+def _sentinel_address(member: str) -> tuple[str, int]:
+    host, port = member, ""
+    if member.startswith("["):  # an IPv6 address: [::1]:26379
+        host, _, after = member[1:].partition("]")
+        if after and not after.startswith(":"):
+            raise ValueError(f"invalid Sentinel address {member!r}")
+        port = after[1:]
+    elif ":" in member:
+        host, _, port = member.rpartition(":")
+    if not host or (port and not port.isdigit()):
+        raise ValueError(f"invalid Sentinel address {member!r}")
+    return unquote(host), int(port) if port else DEFAULT_SENTINEL_PORT
+
+
+def sentinel_client_from_url(url: str, *, socket_timeout: float = DEFAULT_SOCKET_TIMEOUT) -> redis.Redis:
+    """A client of the primary that the Sentinels of ``url`` name, following failovers.
+
+    The URL: ``redis+sentinel://[[user]:[password]@]host[:port][,host[:port]...]/service[/db][?options]``
+    (``rediss+sentinel://``: TLS to the data nodes and to the Sentinels). Each ``host:port`` is a
+    Sentinel (port 26379 if left out), ``service`` the name they know the primary by
+    (``sentinel monitor <service> ...``), ``db`` the database (0 if left out). The user and password,
+    and every query option, are redis-py's ``redis://`` ones, for the primary; ``sentinel_username``
+    and ``sentinel_password`` log in to the Sentinels themselves. An IPv6 Sentinel is written in
+    brackets (``[::1]:26379``). This is the grammar Prefect documents for ``redis+sentinel://``, and
+    a subset of the ``redis-sentinel-url`` package's.
+
+    Both the primary's and the Sentinels' connections get ``socket_timeout`` (for connects too) unless
+    the URL sets its own. Nothing is asked until the first command: the client asks a Sentinel where the
+    primary is whenever it connects, so it follows a failover (a call in flight during one fails).
+
+    Raises:
+      ValueError: no Sentinel, no service name, a port or database that is not a number, or an
+        option redis-py cannot parse.
+    """
+    scheme, _, rest = url.partition("://")
+    base = SENTINEL_SCHEMES[scheme.lower()]
+    netloc, _, tail = rest.partition("/")
+    path, _, query = tail.partition("?")
+    userinfo, at, members = netloc.rpartition("@")
+    segments = path.split("/")
+    if "?" in netloc or "#" in url or not segments[0] or len(segments) > 2:
+        raise ValueError(f"a Sentinel URL is {scheme}://[user:password@]host[:port][,host[:port]...]/service[/db]")
+    sentinels = [_sentinel_address(m) for m in members.split(",")]
+    db = segments[1] if len(segments) == 2 and segments[1] else "0"
+    if not db.isdigit():
+        raise ValueError(f"the database of a Sentinel URL must be a number, got {db!r}")
+    pairs = parse_qsl(query, keep_blank_values=True)
+    # The data nodes' options: redis-py's own parsing, of the URL's credentials, database and options.
+    node: dict[str, Any] = {"socket_timeout": socket_timeout, "socket_connect_timeout": socket_timeout}
+    node.update(parse_url(f"{base}://{userinfo}{at}sentinel-primary/{db}?"  # type: ignore[no-untyped-call]
+                          + urlencode([(k, v) for k, v in pairs if k not in _SENTINEL_OPTIONS])))
+    for name in ("host", "port", "connection_class"):  # found through the Sentinels; TLS below
+        node.pop(name, None)
+    own = {k: v for k, v in node.items() if k.startswith(("socket_", "ssl"))}
+    own.update({_SENTINEL_OPTIONS[k]: v for k, v in pairs if k in _SENTINEL_OPTIONS})
+    if base == "rediss":
+        node["ssl"] = own["ssl"] = True
+    sentinel: Any = Sentinel  # untyped in redis-py
+    client: redis.Redis = sentinel(sentinels, sentinel_kwargs=own, **node).master_for(unquote(segments[0]))
+    return client
+
+
+def connection_kwargs(client: Any) -> dict[str, Any]:
+    """The keyword arguments ``client`` makes its connections with (``socket_timeout``, ...); a Redis Cluster's
+    too, whose connections are per node. Empty when the client does not say (a Sentinel client before use)."""
+    if isinstance(client, RedisCluster):
+        kwargs = client.get_connection_kwargs()  # type: ignore[no-untyped-call]
+    else:
+        kwargs = getattr(getattr(client, "connection_pool", None), "connection_kwargs", None)
+    return kwargs if isinstance(kwargs, dict) else {}
 
 
 def server_attributes(client: Any) -> dict[str, str | int]:
@@ -73,6 +200,52 @@ def evalsha(client: Any, script: Any, keys: list[str], args: list[Any]) -> Any:
         return client.evalsha(script.sha, len(keys), *keys, *args)
 
 
+def pipelined(client: Any, commands: Sequence[Sequence[Any]]) -> list[Any]:
+    """Send ``commands`` on one connection in one write, then read their replies in order: one round trip.
+
+    An error reply is returned as its exception, not raised, so that every reply is read. The connection
+    is the client's own if it has one (a single-connection client, as :class:`ThreadConnections` makes),
+    else one of its pool's for the time of the call.
+    """
+    conn: Any = client.connection
+    if conn is None:
+        pipe = client.pipeline(transaction=False)
+        for command in commands:
+            pipe.execute_command(*command)
+        return list(pipe.execute(raise_on_error=False))
+    try:
+        conn.send_packed_command(conn.pack_commands(commands))
+        replies: list[Any] = []
+        for _ in commands:
+            try:
+                replies.append(conn.read_response())
+            except redis.ResponseError as e:
+                replies.append(e)
+    except BaseException:
+        conn.disconnect()  # replies may be left unread: nobody may read them as theirs
+        raise
+    return replies
+
+
+def evalsha_acked(client: Any, script: Any, keys: list[str], args: list[Any], replicas: int,
+                  timeout_ms: int) -> tuple[Any, int]:
+    """Run ``script`` then ``WAIT replicas timeout_ms`` on one connection, in one round trip.
+
+    Returns the script's reply and how many replicas acknowledged every write this connection made
+    (``WAIT`` counts a connection's own writes: the script's, here). ``WAIT`` returns as soon as
+    ``replicas`` acknowledged, or after ``timeout_ms`` with fewer.
+    """
+    commands = [("EVALSHA", script.sha, len(keys), *keys, *args), ("WAIT", replicas, timeout_ms)]
+    reply, acked = pipelined(client, commands)
+    if isinstance(reply, redis.exceptions.NoScriptError):  # Redis lost it (a restart, a failover): load it
+        client.script_load(script.script)
+        reply, acked = pipelined(client, commands)
+    for answer in (reply, acked):
+        if isinstance(answer, Exception):
+            raise answer
+    return reply, int(acked)
+
+
 class ThreadConnections:
     """Runs scripts on a connection of the calling thread's own, reopened after any call that did not complete.
 
@@ -82,7 +255,10 @@ class ThreadConnections:
     which the next caller would take for its own, or leak the connection.
 
     Parameters:
-      client: a ``redis.Redis`` client whose pool the connections come from.
+      client: a ``redis.Redis`` client whose pool the connections come from. A
+        client of a Sentinel pool (``Sentinel(...).master_for(...)``) works too:
+        a connection reopened after a call that did not complete asks the
+        Sentinels where the primary is now.
     """
 
     def __init__(self, client: redis.Redis) -> None:
@@ -102,6 +278,7 @@ class ThreadConnections:
                                                 single_connection_client=True)
         elif local.dirty:
             client.connection.disconnect()  # the last call did not complete: never read its reply as ours
+            _reconnect(client)
         # Two single stores around the call: an interruption anywhere in between leaves dirty set.
         local.dirty = True
         reply = fn(client)
@@ -125,7 +302,17 @@ class ThreadConnections:
             )
         elif local.blocking_dirty:
             client.connection.disconnect()
+            _reconnect(client)
         local.blocking_dirty = True
         reply = client.blpop([name], timeout=min(timeout_ms, MAX_BLOCK_S * 1000) / 1000)
         local.blocking_dirty = False
         return reply is not None
+
+
+def _reconnect(client: redis.Redis) -> None:
+    """Connect ``client``'s own connection again through ``connect()``, which a Sentinel-managed connection
+    overrides to ask the Sentinels where the primary is now. redis-py reconnects a connection that lost its
+    server from the address it had, so a single-connection client of a Sentinel pool would never follow a
+    failover otherwise (a pooled connection goes through ``connect()`` each time it is taken from the pool)."""
+    connection: Any = client.connection
+    connection.connect()

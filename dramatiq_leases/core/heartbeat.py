@@ -277,6 +277,11 @@ class Heartbeat:
         try:
             links = list(islice((e.context for e in batch if e.context is not None), tracing.MAX_LINKS))
             results = self.leases.renew_many([e.lease for e in batch], links=links)
+            failed = results.count(Renewal.ERROR)
+            if failed:  # some hash slots of a Redis Cluster did not answer, or too few replicas acknowledged
+                self.metrics.redis_error("renew")
+                logger.warning("Could not renew %d of %d lease(s): their hash slots did not answer, or fewer "
+                               "replicas than min_replicas acknowledged the round in time.", failed, len(batch))
         except LeaseUnavailableError as e:
             self.metrics.redis_error("renew")
             logger.warning("Could not renew %d lease(s): %s", len(batch), e)

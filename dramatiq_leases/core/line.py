@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .client import MAX_BLOCK_S, RedisClient, ThreadConnections, unavailable
+from .client import MAX_BLOCK_S, RedisClient, ThreadConnections, connection_kwargs, unavailable
 from .keys import lease_name, validate_key, wake_name
 
 #: How long a waiter asked to come back (promoted) has to show up, in ms (as in ``lua/*.lua``).
@@ -76,14 +76,15 @@ class LeaseLine:
     def wait_turn(self, key: str, waiter: str, block_ms: int) -> bool:
         """Block until ``waiter`` is woken (its turn may have come) or ``block_ms`` passed; ``True`` if woken.
 
-        Without per-thread connections the block is kept under the client's
-        own socket timeout.
+        Without per-thread connections (a Redis Cluster's client, for one) the
+        block is kept under the client's own socket timeout: a read that
+        times out would fail the wait (after redis-py's retries, and on a
+        cluster a refresh of its layout), not end it.
         """
         name = wake_name(self.prefix, key, waiter)
         with unavailable(f"wait for {key!r}", key):
             if self._threads is not None:
                 return self._threads.blpop(name, block_ms)
-            kwargs = getattr(getattr(self.client, "connection_pool", None), "connection_kwargs", {})
-            limit = (kwargs.get("socket_timeout") or MAX_BLOCK_S + 1) - 0.5
+            limit = (connection_kwargs(self.client).get("socket_timeout") or MAX_BLOCK_S + 1) - 0.5
             timeout = max(0.05, min(block_ms / 1000, limit))
             return self.client.blpop([name], timeout=timeout) is not None

@@ -76,6 +76,13 @@ class LeaseMetrics:
     def declare(self, meta: Meta) -> None:
         """Create the series of an actor at zero, so that ``increase()`` sees its first event."""
 
+    def declare_process(self) -> None:
+        """Create the process's series without labels of an actor (Redis errors) at zero, at boot.
+
+        A worker's endpoint then serves lease series even before (or without) a leased actor: their
+        absence means the scrape reaches something else (``DramatiqLeaseWorkerMetricsMissing``).
+        """
+
 
 #: Records nothing; the default where no metrics are wanted.
 NULL_METRICS = LeaseMetrics()

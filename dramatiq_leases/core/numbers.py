@@ -44,3 +44,17 @@ def whole_ms(value: Any, name: str, *, minimum: int = 1, owner: str = "", maximu
 def margin_ms(ttl: int) -> int:
     """The safety margin of a lease with this TTL, in whole milliseconds (always below the TTL)."""
     return int(ttl * SAFETY_MARGIN)
+
+
+def whole_count(value: Any, name: str, *, maximum: int, owner: str = "") -> int:
+    """Return ``value`` as an ``int`` if it is a whole number in ``[0, maximum]`` (``2.0`` is accepted, ``True`` not).
+
+    Raises:
+      LeaseConfigError: naming ``owner`` (if given), ``name`` and the value.
+    """
+    ok = (not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+          and value == int(value) and 0 <= value <= maximum)
+    if not ok:
+        prefix = f"{owner}: " if owner else ""
+        raise LeaseConfigError(f"{prefix}{name} must be a whole number from 0 to {maximum}, got {value!r}")
+    return int(value)

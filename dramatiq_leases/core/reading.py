@@ -95,12 +95,24 @@ class LeaseReading:
             if info.redis_key not in seen and fnmatch.fnmatchcase(info.key, match):
                 yield info
 
+    def _scan_names(self, pattern: str, count: int) -> Iterator[str]:
+        """The Redis keys matching ``pattern``, by ``SCAN`` (on a cluster: of every master, each key once)."""
+        names: Iterable[Any] = self.client.scan_iter(match=pattern, count=count)
+        if not self._cluster:
+            yield from map(text, names)
+            return
+        seen: set[str] = set()  # a key moved to a master scanned later (a slot migration) is listed twice
+        for raw in names:
+            name = text(raw)
+            if name not in seen:
+                seen.add(name)
+                yield name
+
     def _scan(self, pattern: str, count: int) -> Iterator[LeaseInfo]:
         batch: list[str] = []
         with unavailable("scan leases"):
-            names: Iterable[Any] = self.client.scan_iter(match=pattern, count=count)
-            for name in names:
-                batch.append(text(name))
+            for name in self._scan_names(pattern, count):
+                batch.append(name)
                 if len(batch) >= count:
                     yield from self.inspect_names(batch)
                     batch = []
@@ -118,10 +130,11 @@ class LeaseReading:
             pipe.zrange(name, 0, 0, withscores=True)
             pipe.zcard(name)
             pipe.hvals(name.replace(":line:", ":waiters:", 1))
-        pipe.time()
+        if not self._cluster:
+            pipe.time()  # a cluster pipeline refuses commands without a key: asked on its own below
         with unavailable("read lines"):
             replies = pipe.execute()
-        seconds, micros = replies[-1]
+            seconds, micros = self.client.time() if self._cluster else replies[-1]
         now_ms = int(seconds) * 1000 + int(micros) // 1000
         out = []
         for i, name in enumerate(names):
@@ -142,9 +155,7 @@ class LeaseReading:
         """Every line of waiters under this prefix, read in batches with ``SCAN``."""
         batch: list[str] = []
         with unavailable("scan lines"):
-            names: Iterable[Any] = self.client.scan_iter(match=line_pattern(self.prefix), count=count)
-            for raw in names:
-                name = text(raw)
+            for name in self._scan_names(line_pattern(self.prefix), count):
                 if name.endswith("}"):  # not a waiter's wake list
                     batch.append(name)
                 if len(batch) >= count:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, NoReturn
 
 import redis
 from redis.cluster import RedisCluster
@@ -22,21 +22,30 @@ from .client import (
     RedisClient,
     ThreadConnections,
     client_from_url,
+    connection_kwargs,
     evalsha,
+    evalsha_acked,
+    pipelined,
     server_attributes,
     unavailable,
 )
-from .errors import LeaseConfigError
+from .errors import LeaseConfigError, LeaseUnavailableError
 from .info import meta_args, text
 from .keys import DEFAULT_PREFIX, fence_name, lease_name, validate_key, validate_prefix
 from .lease import Busy, Lease, Renewal, Wait, default_interval, new_token
 from .line import PROMOTE_MS, LeaseLine
-from .numbers import MAX_TIMESTAMP_MS, margin_ms, whole_ms
+from .numbers import MAX_TIMESTAMP_MS, margin_ms, whole_count, whole_ms
 from .reading import LeaseReading
 
 #: Largest number of leases renewed by one script call; bigger batches are
 #: split, and the calls still share one pipelined round trip.
 RENEW_BATCH = 1000
+
+#: The most replicas ``min_replicas`` may ask to acknowledge a grant.
+MAX_REPLICAS = 100
+
+#: How long a grant or renewal waits for ``min_replicas`` replicas to acknowledge it by default (ms).
+DEFAULT_REPLICA_TIMEOUT_MS = 500
 
 
 _new_token = new_token  # for methods whose parameter is named new_token
@@ -107,9 +116,28 @@ class Leases(LeaseReading, LeaseLine):
         server's clock in microseconds at its grant, so a counter made again
         starts above every fence the old one handed out (README, "What is guaranteed",
         says what breaks it: the server's clock stepping back by more than
-        the time the counter was idle, or a failover to a replica that had
-        not received the last grants). Every process using the store must
+        the time the counter was idle). They also rise across a failover to a
+        replica that had not received the last grants, which hands plain
+        counters' fences out again, as long as the new primary's clock is not
+        behind the old one's by more than the time between the lost grant and
+        the next (docs/replication.md). Every process using the store must
         use the same setting: one without it restarts an expired counter at 1.
+      min_replicas: how many replicas must acknowledge a grant before it
+        counts (0, the default: none asked). Redis replicates asynchronously:
+        a grant that a failing primary had not yet sent to the replica that
+        replaces it is unknown there, and the key can be granted again. With
+        ``min_replicas=N``, ``WAIT N replica_timeout_ms`` follows every
+        acquire, adoption and renewal round on the same connection, in the
+        same round trip; a grant fewer than N replicas acknowledged in time is
+        released (owner-checked) and reported as
+        :class:`~.errors.LeaseUnavailableError`, and a renewal round fewer
+        acknowledged confirms nothing (its leases are :attr:`Renewal.ERROR`;
+        their deadlines run on). ``WAIT`` is not consensus: see
+        docs/replication.md for what it adds and what it does not. Not
+        available with RedisCluster.
+      replica_timeout_ms: how long ``WAIT`` waits for those acknowledgements
+        (whole ms; default 500). It must be shorter than the client's
+        ``socket_timeout``, and should be well under the renew interval.
 
     Example:
       >>> leases = Leases.from_url("redis://127.0.0.1:6379/1")
@@ -124,12 +152,17 @@ class Leases(LeaseReading, LeaseLine):
     """
 
     def __init__(self, client: RedisClient, *, prefix: str = DEFAULT_PREFIX, thread_connections: bool = False,
-                 fence_retention_ms: int | None = None) -> None:
+                 fence_retention_ms: int | None = None, min_replicas: int = 0,
+                 replica_timeout_ms: int = DEFAULT_REPLICA_TIMEOUT_MS) -> None:
         self.client = client
         self.prefix = validate_prefix(prefix)
         self.fence_retention_ms = (0 if fence_retention_ms is None
                                    else whole_ms(fence_retention_ms, "fence_retention_ms", owner="Leases"))
         self._cluster = isinstance(client, RedisCluster)
+        self.min_replicas = whole_count(min_replicas, "min_replicas", maximum=MAX_REPLICAS, owner="Leases")
+        self.replica_timeout_ms = whole_ms(replica_timeout_ms, "replica_timeout_ms", owner="Leases")
+        if self.min_replicas:
+            _check_replication(client, self.replica_timeout_ms)
         self._threads = (ThreadConnections(client) if thread_connections and isinstance(client, redis.Redis)
                          and not self._cluster else None)
         self._acquire = client.register_script(scripts.ACQUIRE)
@@ -152,10 +185,25 @@ class Leases(LeaseReading, LeaseLine):
 
     @classmethod
     def from_url(cls, url: str, *, prefix: str = DEFAULT_PREFIX, socket_timeout: float = DEFAULT_SOCKET_TIMEOUT,
-                 fence_retention_ms: int | None = None) -> Leases:
-        """Leases on the Redis at ``url`` (``redis://``, ``rediss://`` or ``unix://``)."""
+                 fence_retention_ms: int | None = None, min_replicas: int = 0,
+                 replica_timeout_ms: int = DEFAULT_REPLICA_TIMEOUT_MS) -> Leases:
+        """Leases on the Redis at ``url``; its calls and connects time out after ``socket_timeout`` seconds.
+
+        ``redis://``, ``rediss://`` and ``unix://``: one server, as redis-py reads them.
+
+        ``redis+sentinel://[[user]:[password]@]host[:port][,host[:port]...]/service[/db][?options]``
+        (``rediss+sentinel://`` with TLS): the primary that these Sentinels (port 26379 if left out)
+        know as ``service``, database ``db`` (default 0), found again after a failover. The user,
+        password and options (redis-py's ``redis://`` ones) are the primary's; ``sentinel_username``
+        and ``sentinel_password`` log in to the Sentinels. Example:
+        ``redis+sentinel://s1:26379,s2:26379,s3:26379/mymaster/0``. Replication is asynchronous:
+        see ``min_replicas``.
+
+        The other parameters are the constructor's.
+        """
         client = client_from_url(url, socket_timeout=socket_timeout)
-        return cls(client, prefix=prefix, fence_retention_ms=fence_retention_ms)
+        return cls(client, prefix=prefix, fence_retention_ms=fence_retention_ms, min_replicas=min_replicas,
+                   replica_timeout_ms=replica_timeout_ms)
 
     # Names -----------------------------------------------------------------
 
@@ -223,7 +271,10 @@ class Leases(LeaseReading, LeaseLine):
         Raises:
           LeaseConfigError: a number is not a whole count of milliseconds in
             range, or the metadata is not strings; checked before Redis is asked.
-          LeaseUnavailableError: Redis could not be asked; nothing was granted.
+          LeaseUnavailableError: Redis could not be asked; nothing was
+            granted. With ``min_replicas``: also a grant that too few replicas
+            acknowledged in time, released again (owner-checked; if the
+            release fails too, it ends by its TTL).
         """
         validate_key(key)
         ttl, stored_interval, max_hold_ms = _check_numbers(ttl, interval, max_hold)
@@ -241,12 +292,14 @@ class Leases(LeaseReading, LeaseLine):
         with tracing.span(_ACQUIRE_SPAN, attributes) as span:
             sent_at = time.monotonic()
             with unavailable(f"acquire lease {key!r}", key):
-                reply = self._call(self._acquire, self._keys(key), args)
+                reply, acked = self._call_acked(self._acquire, self._keys(key), args)
             if int(reply[0]) != 1:
                 span.set_attributes({tracing.OUTCOME: "busy", tracing.FENCE: int(reply[2])})
                 return Busy(key=key, ttl_left=int(reply[1]), fence=int(reply[2]), now_ms=int(reply[3]),
                             wait=_WAITS[int(reply[4])], place=int(reply[5]), line=int(reply[6]),
                             block_ms=int(reply[7]))
+            if acked < self.min_replicas:
+                self._not_replicated("acquire", key, token, acked)
             span.set_attributes({tracing.OUTCOME: "acquired", tracing.FENCE: int(reply[1])})
         lease = Lease(
             key=key,
@@ -303,7 +356,9 @@ class Leases(LeaseReading, LeaseLine):
 
         Raises:
           LeaseConfigError: as :meth:`try_acquire`.
-          LeaseUnavailableError: Redis could not be asked.
+          LeaseUnavailableError: Redis could not be asked; or, with
+            ``min_replicas``, the adoption was acknowledged by too few replicas
+            in time: the adopted lease is then released (owner-checked).
         """
         validate_key(key)
         ttl, stored_interval, max_hold_ms = _check_numbers(ttl, interval, max_hold)
@@ -316,12 +371,14 @@ class Leases(LeaseReading, LeaseLine):
         args: list[Any] = [token, mine, ttl, interval_ms, margin, max_hold_ms, *meta_args(key, meta)]
         sent_at = time.monotonic()
         with unavailable(f"adopt lease {key!r}", key):
-            reply = self._call(self._adopt, [self.lease_name(key)], args)
+            reply, acked = self._call_acked(self._adopt, [self.lease_name(key)], args)
         code = int(reply[0])
         if code == 0:
             return None
         if code < 0:
             return Busy(key=key, ttl_left=int(reply[1]), fence=int(reply[2]), now_ms=int(reply[3]))
+        if acked < self.min_replicas:
+            self._not_replicated("adopt", key, mine, acked)
         _, fence, acquired_ms, until_ms, now_ms = (int(x) for x in reply)
         return Lease(
             key=key,
@@ -341,6 +398,29 @@ class Leases(LeaseReading, LeaseLine):
             return evalsha(self.client, script, keys, args)
         return self._threads.call(script, keys, args)
 
+    def _call_acked(self, script: Any, keys: list[str], args: list[Any]) -> tuple[Any, int]:
+        """:meth:`_call`, then, with ``min_replicas``, ``WAIT`` on the same connection in the same round trip:
+        the reply, and how many replicas acknowledged it (``0`` without ``min_replicas``: none asked)."""
+        if not self.min_replicas:
+            return self._call(script, keys, args), 0
+        replicas, timeout_ms = self.min_replicas, self.replica_timeout_ms
+        if self._threads is None:
+            return evalsha_acked(self.client, script, keys, args, replicas, timeout_ms)
+        return self._threads.run(lambda client: evalsha_acked(client, script, keys, args, replicas, timeout_ms))
+
+    def _not_replicated(self, what: str, key: str, token: str, acked: int) -> NoReturn:
+        """A grant fewer than ``min_replicas`` replicas acknowledged: a failover may lose it, so it is not
+        trusted. Release it (owner-checked) and fail as if Redis had not answered."""
+        try:
+            self.release_token(key, token)
+            outcome = "released"
+        except LeaseUnavailableError:
+            outcome = "not released (it ends by its TTL)"
+        raise LeaseUnavailableError(
+            f"could not {what} lease {key!r}: granted, but acknowledged by {acked} of the {self.min_replicas} "
+            f"replica(s) asked (min_replicas) within {self.replica_timeout_ms} ms, so a failover could lose it; "
+            f"{outcome}", key=key)
+
     def renew(self, lease: Lease) -> Renewal:
         """Restore ``lease``'s TTL if this token still holds it. Raises :class:`LeaseUnavailableError`."""
         return self.renew_many([lease])[0]
@@ -353,6 +433,9 @@ class Leases(LeaseReading, LeaseLine):
         :func:`.tracing.current_context` for the round's span to link to.
         On a Redis Cluster, the leases of a slot that fails (half migrated,
         its master failing over) are :attr:`Renewal.ERROR`; the others stand.
+        With ``min_replicas``, a round that fewer replicas acknowledged in
+        time confirms nothing: the leases it renewed are :attr:`Renewal.ERROR`
+        and their deadlines run on (those found gone or stolen are lost as ever).
 
         Raises:
           LeaseUnavailableError: Redis could not be asked (on a Cluster: no slot answered).
@@ -375,7 +458,11 @@ class Leases(LeaseReading, LeaseLine):
         with tracing.span(name, attributes, links) as span:
             sent_at = time.monotonic()
             with unavailable(f"renew {len(leases)} lease(s)"):
-                replies = self._run_batches(leases, batches)
+                if self.min_replicas:
+                    replies, acked = self._renew_acked(leases, batches)
+                else:
+                    replies, acked = self._run_batches(leases, batches), 0
+            unconfirmed = acked < self.min_replicas  # a failover could undo these renewals
             out = [Renewal.ERROR] * len(leases)
             for batch, codes in zip(batches, replies):
                 if codes is None:  # its slot failed (Cluster); the others' answers stand
@@ -383,7 +470,10 @@ class Leases(LeaseReading, LeaseLine):
                 for i, code in zip(batch, text(codes)):
                     out[i] = _RENEW_CODES.get(code, Renewal.STOLEN)
                     if out[i] is Renewal.OK:
-                        leases[i].confirm(sent_at)
+                        if unconfirmed:
+                            out[i] = Renewal.ERROR
+                        else:
+                            leases[i].confirm(sent_at)
             lost = len(leases) - out.count(Renewal.OK)
             span.set_attributes({tracing.OUTCOME: "ok" if not lost else "lost", tracing.LOST_COUNT: lost})
         return out
@@ -423,6 +513,24 @@ class Leases(LeaseReading, LeaseLine):
                     raise
                 self.client.script_load(scripts.RENEW_MANY)
         raise AssertionError("unreachable")
+
+    def _renew_acked(self, leases: Sequence[Lease], batches: list[list[int]]) -> tuple[list[Any], int]:
+        """The renewal scripts of ``batches`` then ``WAIT``, pipelined on one connection (never a Cluster's):
+        their replies, and how many replicas acknowledged them."""
+        commands: list[tuple[Any, ...]] = [
+            ("EVALSHA", self._renew_many.sha, len(batch), *(self._keys(leases[i].key)[0] for i in batch),
+             leases[batch[0]].ttl, *(leases[i].token for i in batch))
+            for batch in batches
+        ]
+        commands.append(("WAIT", self.min_replicas, self.replica_timeout_ms))
+        replies = pipelined(self.client, commands)  # never a cluster: see __init__
+        if any(isinstance(reply, redis.exceptions.NoScriptError) for reply in replies):
+            self.client.script_load(scripts.RENEW_MANY)  # Redis lost it (a restart, a failover)
+            replies = pipelined(self.client, commands)
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        return replies[:-1], int(replies[-1])
 
     def release(self, lease: Lease) -> bool:
         """Release ``lease`` if its token still holds it; ``False`` if it did not (nothing touched).
@@ -474,3 +582,15 @@ class Leases(LeaseReading, LeaseLine):
         if code == 1:
             return DeadRelease(True, -ms / 1000, fence)
         return DeadRelease(False, ms / 1000 if ms >= 0 else None, fence)
+
+
+def _check_replication(client: RedisClient, timeout_ms: int) -> None:
+    """Refuse, at construction, a ``min_replicas`` set-up that cannot work."""
+    if isinstance(client, RedisCluster):
+        raise LeaseConfigError("Leases: min_replicas is not available with RedisCluster (WAIT must follow each "
+                               "script on the connection that ran it)")
+    socket_timeout = connection_kwargs(client).get("socket_timeout")
+    if isinstance(socket_timeout, (int, float)) and timeout_ms >= socket_timeout * 1000:
+        raise LeaseConfigError(
+            f"Leases: replica_timeout_ms must be shorter than the Redis client's socket_timeout "
+            f"({socket_timeout} s), got {timeout_ms}: a read that times out before WAIT answers fails the call")

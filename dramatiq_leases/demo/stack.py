@@ -15,7 +15,7 @@ from typing import Any
 
 import redis
 
-from ..core.client import client_from_url
+from ..core.client import client_from_url, is_cluster_url
 from ..urls import redact_url
 from .console import Console
 from .settings import (
@@ -75,7 +75,11 @@ class Stack:
             url = self.embedded.url()
 
         try:
-            self.client = client_from_url(url)
+            if is_cluster_url(url):
+                raise ValueError("the demo needs a standalone Redis: its Dramatiq broker lives there too")
+            client = client_from_url(url)
+            assert isinstance(client, redis.Redis)  # not a cluster URL
+            self.client = client
             self.client.ping()
         except (redis.RedisError, ValueError) as e:
             reason = " ".join(str(e).split())

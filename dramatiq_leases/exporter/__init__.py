@@ -7,7 +7,11 @@ scan costs ``O(leases + waiters)``: ``SCAN`` over lease keys and lines (never
 cluster, and one pipeline per batch of lines. Metrics and the Busy page are
 served from the last scan's snapshot: a request never calls Redis.
 
-Metrics (labels ``actor_name``, ``queue_name`` unless noted):
+Metrics (labels ``actor_name``, ``queue_name`` unless noted). The gauges of
+leases and lines are served only while the last scan is fresh (at most
+``max(3 x interval, 30 s)`` old): a stuck exporter's figures go stale in
+Prometheus instead of keeping a resolved leak paging, and
+``DramatiqLeaseExporterStale`` says it is blind.
 
 * ``dramatiq_lease_present``: leases in Redis now.
 * ``dramatiq_lease_heartbeat_overdue``: leases whose heartbeat is late (no
@@ -23,6 +27,8 @@ Metrics (labels ``actor_name``, ``queue_name`` unless noted):
   deadline by only the safety margin (a tenth of the TTL), so ``holder_dead``
   and ``past_max_hold`` are brief unless someone extended the key's TTL;
   ``no_ttl`` lasts until someone acts.
+* ``dramatiq_lease_leaked_waiting`` (+ ``reason``): messages waiting in the
+  lines of the keys of those leaked leases: users are waiting on the leak.
 * ``dramatiq_lease_expired_total``: grants that ended by TTL instead of release.
 * ``dramatiq_lease_oldest_acquired_timestamp_seconds``: when the oldest
   present lease was granted.
@@ -135,8 +141,11 @@ class Exporter:
         match: str = "*",
         top: int = DEFAULT_TOP,
         cli_options: Sequence[str] = (),
+        interval: float = 5.0,
     ) -> None:
-        self.observer = LeaseObserver(leases, match=match, top=top, cli_options=cli_options)
+        self.observer = LeaseObserver(leases, match=match, top=top, cli_options=cli_options,
+                                      stale_after=max(3 * interval, 30.0))
+        self.interval = interval
         self.registry = CollectorRegistry()
         self.registry.register(self.observer)
         app = ExporterApp(self.registry, self.observer.busy_json if top > 0 else None)
@@ -147,8 +156,12 @@ class Exporter:
         """The port the endpoint listens on."""
         return int(self.server.server_address[1])
 
-    def run(self, stop: threading.Event, interval: float = 5.0) -> None:
-        """Scan now and every ``interval`` seconds until ``stop`` is set; a failed scan is logged and counted."""
+    def run(self, stop: threading.Event, interval: float | None = None) -> None:
+        """Scan now and every ``interval`` seconds (default: the exporter's) until ``stop`` is set.
+
+        A failed scan is logged and counted.
+        """
+        interval = self.interval if interval is None else interval
         while not stop.is_set():
             try:
                 snap = self.observer.scan()
@@ -180,13 +193,14 @@ def serve(
     ``top``: rows per table of ``/leases`` (0 turns it off); ``cli_options``:
     global ``dramatiq-leases`` arguments for its ``show`` commands.
     """
-    exporter = Exporter(leases, host=host, port=port, match=match, top=top, cli_options=cli_options)
+    exporter = Exporter(leases, host=host, port=port, match=match, top=top, cli_options=cli_options,
+                        interval=interval)
     stop = stop or threading.Event()
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
     logger.info("Serving lease metrics on http://%s:%d/metrics%s, scanning every %.1fs.", host, exporter.port,
                 f" and the Busy page on {LEASES_PATH}" if top > 0 else "", interval)
     try:
-        exporter.run(stop, interval)
+        exporter.run(stop)
     finally:
         exporter.close()

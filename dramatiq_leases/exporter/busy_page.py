@@ -90,7 +90,7 @@ def inspect_command(key: str, cli_options: Sequence[str] = ()) -> str:
     return f"dramatiq-leases{options} show {'-- ' if key.startswith('-') else ''}{shell_quote(key)}"
 
 
-def _tag(name: str, prefix: str, kind: str) -> str | None:
+def hash_tag_of(name: str, prefix: str, kind: str) -> str | None:
     """The hash tag of a Redis key ``{prefix}:{kind}:{tag}``, or ``None`` if it is not one."""
     head = f"{prefix}:{kind}:{{"
     return name[len(head):-1] if name.startswith(head) and name.endswith("}") else None
@@ -127,18 +127,18 @@ def build(
     """The Busy page of one scan's ``infos`` and ``lines``: ``O(leases + lines)``, plus ``log top`` per row."""
     line_of: dict[str, LineInfo] = {}  # by hash tag, shared by a lease and its line
     for line in lines:
-        tag = _tag(line.name, prefix, "line")
+        tag = hash_tag_of(line.name, prefix, "line")
         if tag is not None and line.length:
             line_of[tag] = line
     lease_of: dict[str, LeaseInfo] = {}
     for info in infos:
-        tag = _tag(info.redis_key, prefix, "lease")
+        tag = hash_tag_of(info.redis_key, prefix, "lease")
         if tag is not None:
             lease_of[tag] = info
 
     rows: list[LeaseRow] = []
     for info in heapq.nsmallest(top, infos, key=_worry):
-        tag = _tag(info.redis_key, prefix, "lease") or ""
+        tag = hash_tag_of(info.redis_key, prefix, "lease") or ""
         waiting = line_of.get(tag)
         state = info.state
         key = _show_key(prefix, info.redis_key, (info.key, tag))
@@ -170,7 +170,7 @@ def build(
     hot_rows: list[HotKeyRow] = []
     for name, line, held in heapq.nsmallest(top, hot, key=lambda h: (-h[1].length, h[1].oldest_first_ms, h[0])):
         redis_key = held.redis_key if held is not None else lease_name(prefix, name)
-        key = _show_key(prefix, redis_key, (name, _tag(redis_key, prefix, "lease") or ""))
+        key = _show_key(prefix, redis_key, (name, hash_tag_of(redis_key, prefix, "lease") or ""))
         hot_rows.append(HotKeyRow(
             key=name,
             line_length=line.length,

@@ -35,6 +35,7 @@ class Snapshot:
     present: Tally[Labels] = field(default_factory=Tally)
     overdue: Tally[Labels] = field(default_factory=Tally)
     leaked: Tally[tuple[str, str, str]] = field(default_factory=Tally)
+    leaked_waiting: Tally[tuple[str, str, str]] = field(default_factory=Tally)
     oldest: dict[Labels, float] = field(default_factory=dict)
     waiting: Tally[str] = field(default_factory=Tally)
     leases: list[LeaseInfo] = field(default_factory=list)
@@ -66,8 +67,11 @@ class LeaseObserver(Collector):
     """
 
     def __init__(self, leases: Leases, *, match: str = "*", top: int = DEFAULT_TOP,
-                 cli_options: Sequence[str] = ()) -> None:
+                 cli_options: Sequence[str] = (), stale_after: float | None = None) -> None:
         self.leases = leases
+        #: Seconds after which the last scan no longer describes Redis: its lease gauges are then not served
+        #: (they go stale in Prometheus) rather than keep a resolved leak paging, or hide a new one.
+        self.stale_after = stale_after
         self.match = match
         self.top = top
         self.cli_options = tuple(cli_options)
@@ -109,6 +113,15 @@ class LeaseObserver(Collector):
         for line in lines:
             for actor, count in line.actors.items():
                 snap.waiting[actor] += count
+        # What waits on each leaked key: a leak with a line is one users are waiting on.
+        waiting_on = {tag: line.length for line in lines
+                      if (tag := busy_page.hash_tag_of(line.name, self.leases.prefix, "line")) is not None}
+        for info in infos:
+            state = info.state
+            if state.leaked:
+                tag = busy_page.hash_tag_of(info.redis_key, self.leases.prefix, "lease") or ""
+                snap.leaked_waiting[(info.meta.get("actor", ""), info.meta.get("queue", ""), state.value)] += (
+                    waiting_on.get(tag, 0))
         snap.duration = time.monotonic() - started
         with self._lock:
             for info in ended:
@@ -155,6 +168,10 @@ class LeaseObserver(Collector):
             "dramatiq_lease_leaked", "Leases in Redis that no holder can still believe it holds (leaked).",
             labels=[*names, "reason"],
         )
+        leaked_waiting = GaugeMetricFamily(
+            "dramatiq_lease_leaked_waiting", "Messages waiting in the lines of leaked leases' keys.",
+            labels=[*names, "reason"],
+        )
         oldest = GaugeMetricFamily(
             "dramatiq_lease_oldest_acquired_timestamp_seconds",
             "Unix time at which the oldest lease present was acquired.", labels=names,
@@ -167,7 +184,9 @@ class LeaseObserver(Collector):
             present.add_metric(list(labels), snap.present.get(labels, 0))
             overdue.add_metric(list(labels), snap.overdue.get(labels, 0))
             for reason in LEAK_REASONS:
-                leaked.add_metric([*labels, reason.value], snap.leaked.get((labels[0], labels[1], reason.value), 0))
+                by = (labels[0], labels[1], reason.value)
+                leaked.add_metric([*labels, reason.value], snap.leaked.get(by, 0))
+                leaked_waiting.add_metric([*labels, reason.value], snap.leaked_waiting.get(by, 0))
             ended.add_metric(list(labels), expired.get(labels, 0))
             if labels in snap.oldest:
                 oldest.add_metric(list(labels), snap.oldest[labels])
@@ -176,7 +195,9 @@ class LeaseObserver(Collector):
         )
         for actor in actors_waiting:
             waiting.add_metric([actor], snap.waiting.get(actor, 0))
-        yield from (present, overdue, leaked, oldest, ended, waiting)
+        yield ended
+        if self.stale_after is None or not snap.at or time.time() - snap.at <= self.stale_after:
+            yield from (present, overdue, leaked, leaked_waiting, oldest, waiting)
         # Served from the start, not from the first success: an exporter that never completes a scan must
         # still age this gauge, or `time() - it > 120` has nothing to fire on.
         yield GaugeMetricFamily(

@@ -16,11 +16,12 @@ from dramatiq.asyncio import async_to_sync
 from dramatiq.middleware import Middleware, SkipMessage
 
 from ..core.client import client_from_url, connection_kwargs
-from ..core.errors import LeaseConfigError, LeaseKeyError
+from ..core.errors import LeaseConfigError, LeaseKeyError, LeaseUnavailableError
 from ..core.heartbeat import Heartbeat
 from ..core.keys import DEFAULT_PREFIX
 from ..core.lease import Busy, Lease, Wait, new_token
-from ..core.store import Leases
+from ..core.numbers import whole_count, whole_ms
+from ..core.store import DEFAULT_REPLICA_TIMEOUT_MS, MAX_REPLICAS, Leases
 from ..exposition import WorkerExposition
 from ..metrics import LeaseMetrics, PrometheusMetrics
 from ..tracing import record_keys
@@ -63,8 +64,11 @@ class LeaseMiddleware(Middleware):
     :class:`LeaseLost`. If Redis cannot be reached, the actor does not run.
 
     Parameters:
-      redis_url: where leases are stored (``redis://...``); or pass ``client``.
-      client: a ready ``redis.Redis`` or ``RedisCluster`` client instead of a URL.
+      redis_url: where leases are stored (``redis://...``; through Sentinel:
+        ``redis+sentinel://host:26379,host2:26379/service/db``, see
+        :meth:`Leases.from_url`); or pass ``client``.
+      client: a ready ``redis.Redis`` (``Sentinel(...).master_for(...)`` too)
+        or ``RedisCluster`` client instead of a URL.
       prefix: prefix of every Redis key written. Default ``"dramatiq-leases"``.
       lock_ttl: default ``lock_ttl`` in ms (at least 100). Default 30 000.
       lock_renew_interval: default ``lock_renew_interval`` in ms. Default ``lock_ttl / 3``.
@@ -91,6 +95,14 @@ class LeaseMiddleware(Middleware):
         then let it expire: bounded memory for fleets leasing per-user or
         per-invoice keys (:class:`Leases`' ``fence_retention_ms``; every
         process using the store must agree). Default ``None``: for ever.
+      min_replicas: how many replicas must acknowledge each grant, adoption
+        and renewal (``WAIT``, in the same round trip) before it counts; 0
+        to 100, default 0 (none asked). A grant fewer acknowledged in time is
+        released and the message comes back later, as when Redis is
+        unreachable; a renewal round fewer acknowledged confirms nothing
+        (see :class:`Leases` and docs/replication.md). Not with RedisCluster.
+      replica_timeout: how long, in ms, to wait for those acknowledgements.
+        Default 500; shorter than the client's ``socket_timeout``.
       trace_keys: record lease keys in span attributes (``lease.key``).
         Off by default, since keys often carry user ids; ``None`` leaves
         the process-wide setting (``DRAMATIQ_LEASES_TRACE_KEYS``) as it is.
@@ -124,9 +136,14 @@ class LeaseMiddleware(Middleware):
         metrics_endpoint: bool = True,
         trace_keys: bool | None = None,
         fence_retention: int | None = None,
+        min_replicas: int = 0,
+        replica_timeout: int = DEFAULT_REPLICA_TIMEOUT_MS,
     ) -> None:
         if (redis_url is None) == (client is None):
             raise LeaseConfigError("LeaseMiddleware needs exactly one of redis_url or client")
+        # Checked here to name this middleware's parameters; Leases checks them again.
+        whole_count(min_replicas, "min_replicas", maximum=MAX_REPLICAS, owner="LeaseMiddleware")
+        whole_ms(replica_timeout, "replica_timeout", owner="LeaseMiddleware")
         if client is None:
             client = client_from_url(redis_url or "")
         else:
@@ -143,7 +160,8 @@ class LeaseMiddleware(Middleware):
         if trace_keys is not None:
             record_keys(trace_keys)
         # Worker threads can be interrupted mid-command: each gets a connection of its own.
-        self.leases = Leases(client, prefix=prefix, thread_connections=True, fence_retention_ms=fence_retention)
+        self.leases = Leases(client, prefix=prefix, thread_connections=True, fence_retention_ms=fence_retention,
+                             min_replicas=min_replicas, replica_timeout_ms=replica_timeout)
         self.metrics = metrics if metrics is not None else PrometheusMetrics()
         self.heartbeat = Heartbeat(self.leases, metrics=self.metrics)
         self.runs = Runs(self.leases, self.heartbeat, self.metrics)
@@ -183,14 +201,20 @@ class LeaseMiddleware(Middleware):
         """Set up metrics for this worker process and note TimeLimit's default."""
         self.declarations.note_time_limit(broker)
         self._exposition.boot(broker.middleware)
+        self.metrics.declare_process()
         self._booted = True
         for actor_name in self.declarations.actors:
             actor = broker.get_actor(actor_name)
             self.metrics.declare({"actor": actor_name, "queue": actor.queue_name})
 
     def before_worker_boot(self, broker: dramatiq.Broker, worker: dramatiq.Worker) -> None:
-        """Keep Dramatiq's Prometheus from counting busy rounds: its metrics exist once every process boot ran."""
+        """Keep Dramatiq's Prometheus from counting busy rounds: its metrics exist once every process boot ran.
+
+        Name the line's channel too: the consumers start before ``after_worker_boot``, and a parked
+        copy they receive meanwhile is registered under it.
+        """
         self.dramatiq_prometheus.adjust(broker)
+        self.waiting.prepare()
 
     def after_worker_boot(self, broker: dramatiq.Broker, worker: dramatiq.Worker) -> None:
         """Start the heartbeat and the line's listener here, on threads no asynchronous exception can reach."""
@@ -287,7 +311,17 @@ class LeaseMiddleware(Middleware):
                 if opts.max_wait is not None:  # wake up in time to give up
                     block_ms = max(1, min(block_ms, first + opts.max_wait - result.now_ms))
                 started = time.monotonic()
-                self.waiting.wait_in_place(key, waiter, block_ms)
+                try:
+                    self.waiting.wait_in_place(key, waiter, block_ms)
+                except LeaseUnavailableError as e:
+                    # Ask once more, not waiting in place again: Redis away sends the message back with
+                    # backoff, as a failed acquire does. Raised from here, the error would fail the message:
+                    # Dramatiq logs it and calls the actor, whose guard fails it for want of a lease.
+                    self.metrics.redis_error("acquire")
+                    logger.warning("Could not wait in place for lease %r for message %s: %s.", key,
+                                   message.message_id, e)
+                    in_place = budget
+                    continue
                 in_place += time.monotonic() - started
                 continue
             self.waiting.forget_thread()

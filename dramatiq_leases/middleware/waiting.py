@@ -87,12 +87,25 @@ class Waiting:
 
     # Lifecycle ---------------------------------------------------------------
 
+    def prepare(self) -> None:
+        """Name this process's promotion channel; call it before the worker's consumers start.
+
+        Dramatiq starts the consumers, and the worker threads, before any ``after_worker_boot``
+        hook runs: a parked copy that a delay-queue consumer receives in between (one left in the
+        broker by a worker that stopped or died, or parked by another process meanwhile) is
+        registered with its line under this channel. Without one it would not be, and nothing
+        would look at it again before its ``eta``. A promotion published before :meth:`boot`
+        subscribes is not missed: the listener checks every registered copy once subscribed.
+        """
+        # No whitespace: waiter entries are space-separated (a prefix may contain spaces).
+        self.channel = "".join(f"{self.leases.prefix}:promote:{uuid.uuid4().hex}".split())
+
     def boot(self, broker: dramatiq.Broker, worker_threads: int) -> None:
         """Start listening for promotions; at most half the worker threads may wait in place."""
         self._broker = broker
         self.cap = max(1, worker_threads // 2)
-        # No whitespace: waiter entries are space-separated (a prefix may contain spaces).
-        self.channel = "".join(f"{self.leases.prefix}:promote:{uuid.uuid4().hex}".split())
+        if not self.channel:
+            self.prepare()
         self._stop.clear()
         self._threads = [
             threading.Thread(target=self._listen, name="dramatiq-leases-line-listener", daemon=True),

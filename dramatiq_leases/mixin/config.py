@@ -61,6 +61,9 @@ class MixinConfig:
         release, not lost or expired (the safety SLO).
       liveness_objective: the share of messages that must get their lease
         rather than give up waiting (the liveness SLO).
+      slo_min_events: lost or expired grants (or give-ups) in a long window
+        before its burn rate may alert: one event of a low-traffic actor
+        burns the budget at once (and has its own warning).
     """
 
     worker_selector: str = 'job="dramatiq"'
@@ -76,6 +79,7 @@ class MixinConfig:
     acquire_latency_min_rate: float = 0.05
     safety_objective: float = 0.999
     liveness_objective: float = 0.999
+    slo_min_events: int = 5
 
     def __post_init__(self) -> None:
         for name in ("worker_selector", "exporter_selector"):
@@ -97,6 +101,7 @@ class MixinConfig:
             "redis_errors",
             "acquire_latency_warning_seconds",
             "acquire_latency_critical_seconds",
+            "slo_min_events",
             "acquire_latency_min_rate",
         )
         for name in positive:

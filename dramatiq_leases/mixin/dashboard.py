@@ -29,9 +29,11 @@ def _panels(panels: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
         yield from _panels(panel.get("panels", []))
 
 
-def _variable(name: str, label: str, query: str) -> dict[str, Any]:
+def _variable(name: str, label: str, query: str, all_value: str | None = None) -> dict[str, Any]:
+    # Without an allValue, Grafana sends "All" as the values listed: only the configured selector's jobs
+    # and clusters, never other teams' series of the same names.
     return {
-        "allValue": ".*",
+        **({"allValue": all_value} if all_value is not None else {}),
         "current": {},
         "datasource": {"type": "prometheus", "uid": "${datasource}"},
         "definition": query,
@@ -57,7 +59,9 @@ def dashboard(cfg: MixinConfig) -> dict[str, Any]:
     in_cluster = f', {c}=~"$cluster"' if c else ""
 
     def filtered(expr: str) -> str:
-        return _JOB_FILTER.sub(lambda m: m.group(0) + in_cluster, expr)
+        expr = _JOB_FILTER.sub(lambda m: m.group(0) + in_cluster, expr)
+        # Exporter gauges are de-duplicated per actor before summing: per cluster, too.
+        return expr.replace("max by (actor_name", f"max by ({c}, actor_name") if c else expr
 
     for panel in _panels(d["panels"]):
         for target in panel.get("targets", []):
@@ -79,9 +83,14 @@ def dashboard(cfg: MixinConfig) -> dict[str, Any]:
             "instance",
             "Worker instance",
             f'label_values(dramatiq_lease_redis_errors_total{{job=~"$job"{in_cluster}}}, instance)',
+            ".*",
         ),
         "actor": _variable(
-            "actor", "Actor", f'label_values(dramatiq_lease_busy_retries_total{{job=~"$job"{in_cluster}}}, actor_name)'
+            "actor",
+            "Actor",
+            f'label_values(dramatiq_lease_busy_retries_total{{job=~"$job"{in_cluster}}}, actor_name)',
+            # An actor only the exporter still reports (its workers gone) must not be hidden by "All".
+            ".*",
         ),
         "exporter_job": _variable(
             "exporter_job",

@@ -30,6 +30,8 @@ BURN_RATES = (
     ("warning", "1d", "2h", 3.0, "1h"),
     ("warning", "3d", "6h", 1.0, "3h"),
 )
+#: Seconds in each long window (rate x seconds = events in the window).
+WINDOW_SECONDS = {"1h": 3600, "6h": 21600, "1d": 86400, "3d": 259200}
 #: Every window the burn-rate pairs read.
 SLO_WINDOWS = ("5m", "30m", "1h", "2h", "6h", "1d", "3d")
 
@@ -70,20 +72,29 @@ def recording_rules(cfg: MixinConfig) -> list[Rule]:
         lost = f"sum by ({actor}) (rate(dramatiq_lease_lost_total{_sel(w)}[{window}]))"
         expired = f"max by ({actor}) (rate(dramatiq_lease_expired_total{_sel(cfg.exporter_selector)}[{window}]))"
         gave_up = f"sum by ({actor}) (rate(dramatiq_lease_gave_up_total{_sel(w)}[{window}]))"
-        rules.append(
+        rules += [
+            {"record": f"actor:dramatiq_lease_grants:rate{window}", "expr": grants},
             {
-                # Grants that ended lost or expired instead of released, per grant.
+                # Grants that ended without their holder's release. A lease a worker lost is not released,
+                # so the exporter counts it as expired too: the larger of the two counts each grant once
+                # (expired alone when the holder crashed and could not say).
+                "record": f"actor:dramatiq_lease_unsafe_ends:rate{window}",
+                "expr": f"({lost} > {expired})\nor {expired}\nor {lost}",
+            },
+            {"record": f"actor:dramatiq_lease_gave_up:rate{window}", "expr": gave_up},
+            {
+                # Per grant; no series without grants (rather than +Inf): the event alerts cover those.
                 "record": f"actor:dramatiq_lease_unsafe_ends_per_grant:ratio_rate{window}",
-                "expr": f"(\n  ({lost} + {expired})\n  or {lost}\n  or {expired}\n)\n/ {grants}",
-            }
-        )
-        rules.append(
+                "expr": f"actor:dramatiq_lease_unsafe_ends:rate{window}\n"
+                f"/ (actor:dramatiq_lease_grants:rate{window} > 0)",
+            },
             {
                 # Messages that gave up waiting, per message that finished waiting (granted or gave up).
                 "record": f"actor:dramatiq_lease_gave_up_per_message:ratio_rate{window}",
-                "expr": f"{gave_up}\n/ (({grants} + {gave_up}) or {gave_up})",
-            }
-        )
+                "expr": f"actor:dramatiq_lease_gave_up:rate{window}\n/ (((actor:dramatiq_lease_grants:rate{window}"
+                f" + actor:dramatiq_lease_gave_up:rate{window}) or actor:dramatiq_lease_gave_up:rate{window}) > 0)",
+            },
+        ]
     return rules
 
 
@@ -120,12 +131,11 @@ def alert_rules(cfg: MixinConfig) -> list[Rule]:
     w, e, by = cfg.worker_selector, cfg.exporter_selector, cfg.by
     where = "of actor {{ $labels.actor_name }} on queue {{ $labels.queue_name }}"
     leaked = f"max by ({by}, reason) (dramatiq_lease_leaked{_sel(e, _LEAKED)}) > 0"
+    # Users are affected when messages wait in the line of the leaked key itself (the exporter counts them
+    # per leaked lease), not merely somewhere on the same actor.
     waiting_on = (
-        f"(\n  {leaked}\n  and on ({_on(cfg, 'actor_name', 'queue_name')})"
-        f" (sum by ({_on(cfg, 'actor_name', 'queue_name')})"
-        f" (rate(dramatiq_lease_busy_retries_total{_sel(w)}[5m])) > 0)\n)"
-        f"\nor\n(\n  {leaked}\n  and on ({_on(cfg, 'actor_name')})"
-        f" (max by ({_on(cfg, 'actor_name')}) (dramatiq_lease_waiting{_sel(e)}) > 0)\n)"
+        f"{leaked}\nand on ({by}, reason)\n"
+        f"max by ({by}, reason) (dramatiq_lease_leaked_waiting{_sel(e, _LEAKED)}) > 0"
     )
     leak_text = (
         "{{ $value }} lease(s) " + where + " are leaked ({{ $labels.reason }}): still in Redis, but no "
@@ -141,6 +151,14 @@ def alert_rules(cfg: MixinConfig) -> list[Rule]:
         f"time() - max by ({_on(cfg, 'job', 'instance')})"
         f" (dramatiq_lease_exporter_last_scan_timestamp_seconds{_sel(e)})"
     )
+    exporter_down = f"up{_sel(e)} == 0\nor\nabsent(up{_sel(e)})"
+    if cfg.cluster_label:
+        # absent() has no labels: a cluster whose workers are scraped but whose exporter target is gone.
+        c = cfg.cluster_label
+        has_cluster = c + '!=""'
+        exporter_down += (
+            f"\nor\n(group by ({c}) (up{_sel(w, has_cluster)}) unless on ({c}) group by ({c}) (up{_sel(e)}))"
+        )
     rules = [
         _alert(
             "DramatiqLeaseLeaked",
@@ -151,8 +169,7 @@ def alert_rules(cfg: MixinConfig) -> list[Rule]:
                 cfg,
                 "DramatiqLeaseLeaked",
                 "Leaked leases are blocking messages that are waiting for them.",
-                leak_text + " Either a key has no TTL (it never frees by itself) or messages of this actor are "
-                "waiting on it.",
+                leak_text + " Either a key has no TTL (it never frees by itself) or messages are waiting in its line.",
             ),
         ),
         _alert(
@@ -269,7 +286,7 @@ def alert_rules(cfg: MixinConfig) -> list[Rule]:
         ),
         _alert(
             "DramatiqLeaseExporterDown",
-            f"up{_sel(e)} == 0\nor\nabsent(up{_sel(e)})",
+            exporter_down,
             "5m",
             "warning",
             _annotations(
@@ -327,16 +344,18 @@ def alert_rules(cfg: MixinConfig) -> list[Rule]:
             ),
         ),
     ]
-    for name, metric, objective, summary in (
+    for name, metric, events, objective, summary in (
         (
             "DramatiqLeaseSafetyBudgetBurn",
             "unsafe_ends_per_grant",
+            "unsafe_ends",
             cfg.safety_objective,
             "Leases are lost or expire under running jobs faster than the safety objective allows.",
         ),
         (
             "DramatiqLeaseLivenessBudgetBurn",
             "gave_up_per_message",
+            "gave_up",
             cfg.liveness_objective,
             "Messages give up waiting for their lease faster than the liveness objective allows.",
         ),
@@ -345,9 +364,13 @@ def alert_rules(cfg: MixinConfig) -> list[Rule]:
         unit = "grants" if metric.startswith("unsafe") else "messages"
         for severity, long, short, factor, for_ in BURN_RATES:
             threshold = f"({factor:g} * {budget:.6g})"
+            # A low-traffic actor burns its budget with one event: those page only from slo_min_events on
+            # (a single loss or give-up has its own warning).
             expr = (
                 f"actor:dramatiq_lease_{metric}:ratio_rate{long} > {threshold}\n"
-                f"and\nactor:dramatiq_lease_{metric}:ratio_rate{short} > {threshold}"
+                f"and\nactor:dramatiq_lease_{metric}:ratio_rate{short} > {threshold}\n"
+                f"and on ({_on(cfg, 'actor_name', 'queue_name')})\n"
+                f"actor:dramatiq_lease_{events}:rate{long} * {WINDOW_SECONDS[long]} >= {cfg.slo_min_events}"
             )
             rules.append(
                 _alert(

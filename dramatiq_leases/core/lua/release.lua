@@ -35,9 +35,11 @@ local function sibling(kind) return (string.gsub(KEYS[1], ':lease:{', ':' .. kin
 local LINE = sibling('line')
 local cur = redis.pcall('HMGET', KEYS[1], 'token', 'fence')
 if cur.err or not cur[1] or cur[1] ~= ARGV[1] then return 0 end
+-- Read before the first write: on a Cluster slot half migrated, a sibling key may be elsewhere, and
+-- the script must fail before it deletes anything (Lua is not a transaction).
+local lined = redis.call('EXISTS', LINE) == 1
 redis.call('DEL', KEYS[1])
 fence_of = tonumber(cur[2]) or 0
-local lined = redis.call('EXISTS', LINE) == 1
 if ARGV[2] == '' and not lined then
   -- The uncontended path: no line to wake, no waiter to remember.
   if fence_of > 0 then released() end
