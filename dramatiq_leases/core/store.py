@@ -14,7 +14,6 @@ from typing import Any, NamedTuple, NoReturn
 import redis
 from redis.cluster import RedisCluster
 from redis.crc import key_slot
-from redis.exceptions import RedisClusterException
 
 from . import scripts, tracing
 from .client import (
@@ -484,19 +483,7 @@ class Leases(LeaseReading, LeaseLine):
                     [leases[batch[0]].ttl, *(leases[i].token for i in batch)])
 
         if self._cluster:
-            # A cluster routes each call to its slot's node: one round trip per slot. A slot that fails (half
-            # migrated, its master failing over) fails its own leases only (None); the round fails if all do.
-            replies: list[Any] = []
-            failure: Exception | None = None
-            for batch in batches:
-                try:
-                    replies.append(evalsha(self.client, self._renew_many, *keys_args(batch)))
-                except (redis.RedisError, RedisClusterException) as e:
-                    failure = e
-                    replies.append(None)
-            if failure is not None and all(reply is None for reply in replies):
-                raise failure
-            return replies
+            return self._run_cluster_batches([keys_args(batch) for batch in batches])
         if len(batches) == 1:  # renew_many named its span after this same test
             return [evalsha(self.client, self._renew_many, *keys_args(batches[0]))]
         # redis-py would check SCRIPT EXISTS before a pipeline (an extra round trip);
@@ -512,6 +499,30 @@ class Leases(LeaseReading, LeaseLine):
                 if attempt == 2:
                     raise
                 self.client.script_load(scripts.RENEW_MANY)
+        raise AssertionError("unreachable")
+
+    def _run_cluster_batches(self, calls: list[tuple[list[str], list[Any]]]) -> list[Any]:
+        """One renewal script call per slot, sent as a cluster pipeline: one round trip per node, not per slot
+        (each lease key is a hash tag of its own, so a round of N leases spans ~N slots).
+
+        A slot that fails (half migrated, its master failing over) fails its own leases only (``None``);
+        the round fails if all do.
+        """
+        for attempt in (1, 2):
+            pipe = self.client.pipeline()
+            for keys, args in calls:
+                # redis-py blocks its evalsha() method in cluster pipelines, not the command: each call's
+                # keys are in one slot, which routes it.
+                pipe.execute_command("EVALSHA", self._renew_many.sha, len(keys), *keys, *args)
+            replies: list[Any] = list(pipe.execute(raise_on_error=False))
+            lost_script = any(isinstance(r, redis.exceptions.NoScriptError) for r in replies)
+            if lost_script and attempt == 1:
+                self.client.script_load(scripts.RENEW_MANY)  # on every primary (a restart lost it)
+                continue
+            failures = [r for r in replies if isinstance(r, Exception)]
+            if failures and len(failures) == len(replies):
+                raise failures[0]
+            return [None if isinstance(r, Exception) else r for r in replies]
         raise AssertionError("unreachable")
 
     def _renew_acked(self, leases: Sequence[Lease], batches: list[list[int]]) -> tuple[list[Any], int]:
