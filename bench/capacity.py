@@ -178,31 +178,50 @@ class Load:
         return self.cpu / self.seconds
 
 
-def drive(url: str, admins: Sequence[redis.Redis], target: Callable[..., None], processes: int, keys: int,
-          seconds: float) -> Load:
-    """Run ``processes`` copies of ``target``; count their operations and the servers' CPU over ``seconds``."""
+@dataclass
+class Window:
+    """What the client processes reported and what the servers spent over one measured window."""
+
+    seconds: float
+    cpu: float
+    commands: tuple[int, int, float]
+    reports: list[Any]
+
+
+def run_clients(admins: Sequence[redis.Redis], target: Callable[..., None], args: Callable[[int], tuple[Any, ...]],
+                processes: int, seconds: float, ready_timeout: float = 120) -> Window:
+    """Fork ``processes`` copies of ``target(*args(wid), ready, go, deadline, pipe)``, start them together and
+    measure the servers' CPU and commands over ``seconds``; each copy sends one report down its pipe."""
     ctx = mp.get_context("fork")
     ready, go = ctx.Semaphore(0), ctx.Event()
     deadline = ctx.Value("d", 0.0)
     pipes, procs = [], []
     for wid in range(processes):
         rx, tx = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=target, args=(url, wid, keys, ready, go, deadline, tx), daemon=True)
+        p = ctx.Process(target=target, args=(*args(wid), ready, go, deadline, tx), daemon=True)
         p.start()
         pipes.append(rx)
         procs.append(p)
     for _ in range(processes):
-        if not ready.acquire(timeout=120):
+        if not ready.acquire(timeout=ready_timeout):
             raise RuntimeError("a client process did not get ready")
-    cpu0, (_, _, us0), t0 = redis_cpu(admins), redis_commands(admins), time.time()
+    cpu0, commands0, t0 = redis_cpu(admins), redis_commands(admins), time.time()
     deadline.value = t0 + seconds
     go.set()
-    time.sleep(max(0.0, deadline.value - time.time()))
-    cpu1, (_, _, us1), t1 = redis_cpu(admins), redis_commands(admins), time.time()
-    ops = sum(rx.recv() for rx in pipes)
+    time.sleep(max(0.0, deadline.value - time.time()))  # the measured window itself, not a wait for an event
+    cpu1, commands1, t1 = redis_cpu(admins), redis_commands(admins), time.time()
+    reports = [rx.recv() for rx in pipes]
     for p in procs:
         p.join(30)
-    return Load(processes, ops, t1 - t0, cpu1 - cpu0, us1 - us0)
+    delta = (commands1[0] - commands0[0], commands1[1] - commands0[1], commands1[2] - commands0[2])
+    return Window(t1 - t0, cpu1 - cpu0, delta, reports)
+
+
+def drive(url: str, admins: Sequence[redis.Redis], target: Callable[..., None], processes: int, keys: int,
+          seconds: float) -> Load:
+    """Run ``processes`` copies of ``target``; count their operations and the servers' CPU over ``seconds``."""
+    w = run_clients(admins, target, lambda wid: (url, wid, keys), processes, seconds)
+    return Load(processes, sum(w.reports), w.seconds, w.cpu, w.commands[2])
 
 
 def load_table(rows: Sequence[Load], what: str) -> str:
@@ -383,28 +402,8 @@ FLEET_HEADERS = [
 
 def fleet(url: str, admins: Sequence[redis.Redis], processes: int, held: int, rate: float,
           seconds: float) -> FleetResult:
-    ctx = mp.get_context("fork")
-    ready, go = ctx.Semaphore(0), ctx.Event()
-    deadline = ctx.Value("d", 0.0)
-    pipes, procs = [], []
-    for wid in range(processes):
-        rx, tx = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_fleet_worker, args=(url, wid, held, rate, ready, go, deadline, tx), daemon=True)
-        p.start()
-        pipes.append(rx)
-        procs.append(p)
-    for _ in range(processes):
-        if not ready.acquire(timeout=300):
-            raise RuntimeError("a fleet process did not get ready")
-    cpu0, (top0, inner0, _), t0 = redis_cpu(admins), redis_commands(admins), time.time()
-    deadline.value = t0 + seconds
-    go.set()
-    time.sleep(max(0.0, deadline.value - time.time()))
-    cpu1, (top1, inner1, _), t1 = redis_cpu(admins), redis_commands(admins), time.time()
-    parts = [rx.recv() for rx in pipes]
-    for p in procs:
-        p.join(30)
-    return FleetResult(processes, held, t1 - t0, cpu1 - cpu0, top1 - top0, inner1 - inner0, parts)
+    w = run_clients(admins, _fleet_worker, lambda wid: (url, wid, held, rate), processes, seconds, ready_timeout=300)
+    return FleetResult(processes, held, w.seconds, w.cpu, w.commands[0], w.commands[1], w.reports)
 
 
 # Cluster --------------------------------------------------------------------------------------------------
