@@ -16,9 +16,8 @@ clock, which is also the Redis server's.
   other host, where it runs once to completion. Healed, the holder does not run it again, takes new jobs,
   and no lease is left behind.
 * A host waiting in place for a busy key is cut off: its message is not lost, it runs once after the heal.
-  Partitions of 4 s and of 13 s (past the read timeout of the waiter's blocking connection); one of 22 s,
-  past the send-back to the (unreachable) broker too, is a known defect, run with
-  ``DRAMATIQ_LEASES_LONG_PARTITIONS=1``.
+  Partitions of 4 s, of 13 s (past the read timeout of the waiter's blocking connection) and of 22 s
+  (past the send-back to the unreachable broker too: the worker keeps the delivery until it can).
 * Namespaces and links are removed whatever happens, and those a crashed run left behind by the next run.
 
 Skipped where network namespaces cannot be made (not root, no iproute2, no ``blackhole`` qdisc).
@@ -261,7 +260,6 @@ def test_a_cut_off_holder_stops_before_its_lease_can_be_granted_elsewhere(site: 
 BLOCKING_READ_TIMEOUT_S = MAX_BLOCK_S + 2
 #: ... and longer than this, also the acquire asked next (2 s) and the send-back to the broker (5 s).
 SEND_BACK_FAILS_S = BLOCKING_READ_TIMEOUT_S + 2 + 5
-LONG_PARTITIONS = os.environ.get("DRAMATIQ_LEASES_LONG_PARTITIONS") == "1"
 
 
 @pytest.mark.parametrize("cut_s", [
@@ -269,14 +267,9 @@ LONG_PARTITIONS = os.environ.get("DRAMATIQ_LEASES_LONG_PARTITIONS") == "1"
     # Catches a failed wait in place whose Redis error escapes before_process_message: Dramatiq then calls the
     # actor, whose guard fails the message for want of a lease (dead-lettered here, max_retries=0).
     pytest.param(BLOCKING_READ_TIMEOUT_S + 1.0, id="longer-than-the-blocking-read-timeout"),
-    pytest.param(SEND_BACK_FAILS_S + 3.0, id="longer-than-the-send-back", marks=[
-        pytest.mark.skipif(not LONG_PARTITIONS, reason="a minute long: DRAMATIQ_LEASES_LONG_PARTITIONS=1 runs it"),
-        pytest.mark.xfail(strict=True, reason=(
-            "defect: with the broker unreachable too (one Redis for both), the message cannot be sent back: "
-            "it is failed instead ('Could not send message ... back to the queue; failing it instead'), and "
-            "never runs (dead-lettered, or left unacknowledged until its worker restarts: Dramatiq's Redis "
-            "consumer gives up a nack that times out)")),
-    ]),
+    # The send-back fails too (one Redis for the broker and the leases): the worker keeps the delivery and sends
+    # it back once Redis answers (middleware/requeue.py), instead of dead-lettering it.
+    pytest.param(SEND_BACK_FAILS_S + 3.0, id="longer-than-the-send-back"),
 ])
 def test_a_waiter_cut_off_keeps_its_message(site: Site, cut_s: float) -> None:
     """b waits in place for a key a holds; b is cut off, a releases the key meanwhile; b's message still runs."""

@@ -7,12 +7,14 @@ import time
 from typing import Any
 
 import dramatiq
+from dramatiq.middleware import Interrupt
 
 from ..core.lease import Busy, Wait
 from ..core.metrics import LeaseMetrics
 from .backoff import backoff_delay
 from .errors import LeaseWaitExceeded
 from .options import ATTEMPTS_OPTION, FIRST_ATTEMPT_OPTION, Options
+from .requeue import enqueue_back
 from .waiting import READY_PER_KEY, Waiting, waiter_id
 
 logger = logging.getLogger(__name__)
@@ -52,8 +54,10 @@ def gives_up(opts: Options, first_ms: int, now_ms: int) -> bool:
 
 
 def on_busy(broker: dramatiq.Broker, message: Any, opts: Options, busy: Busy, meta: dict[str, str],
-            metrics: LeaseMetrics, waiting: Waiting, first_ms: int) -> None:
+            metrics: LeaseMetrics, waiting: Waiting, first_ms: int, deadline: float) -> None:
     """Park ``message`` (or send it back soon) to wait for ``busy.key``; give up on it past ``lock_max_wait``.
+
+    ``deadline`` (``time.monotonic()``): how long a broker outage may be waited out to send it back.
 
     Raises:
       LeaseWaitExceeded: given up with ``lock_give_up="fail"`` (the message is dead-lettered).
@@ -90,31 +94,27 @@ def on_busy(broker: dramatiq.Broker, message: Any, opts: Options, busy: Busy, me
     if busy.wait is Wait.SOON or busy.wait is Wait.NONE:
         logger.debug("Lease %r is busy; message %s (place %d of %d) comes again soon.",
                      busy.key, message.message_id, busy.place, busy.line)
-        send_back(broker, message, opts, count_attempt=True, first_ms=first_ms, now_ms=now_ms,
+        send_back(broker, message, opts, deadline, count_attempt=True, first_ms=first_ms, now_ms=now_ms,
                   holder_ttl=busy.ttl_left)
         return
     logger.debug("Lease %r is busy; message %s parks at place %d of %d.", busy.key, message.message_id,
                  busy.place, busy.line)
-    try:
-        waiting.park(broker, message, busy.key, busy, first_ms, opts.max_wait)
-    except Exception:
-        logger.exception("Could not park message %s; failing it instead.", message.message_id)
-        message.fail()
-        return
-    mark_skipped(message, requeued=True)
+    copy, delay = waiting.parked_copy(message, busy.key, busy, first_ms, opts.max_wait)
+    _hand_back(broker, message, copy, delay, deadline)
 
 
 def send_back(
     broker: dramatiq.Broker,
     message: Any,
     opts: Options,
+    deadline: float,
     *,
     count_attempt: bool,
     first_ms: int | None = None,
     now_ms: int = 0,
     holder_ttl: int = -1,
 ) -> None:
-    """Re-enqueue the same message (same id) after a backoff with full jitter; fail it if that is impossible."""
+    """Re-enqueue the same message (same id) after a backoff with full jitter, waiting out a broker outage."""
     attempts = int(message.options.get(ATTEMPTS_OPTION, 0))
     delay = backoff_delay(attempts, opts.min_backoff, opts.max_backoff, holder_ttl)
     options: dict[str, Any] = {ATTEMPTS_OPTION: attempts + 1 if count_attempt else attempts}
@@ -123,10 +123,21 @@ def send_back(
         if opts.max_wait is not None:
             # Land the last retry at the end of the budget rather than past it.
             delay = max(1, min(delay, first_ms + opts.max_wait - now_ms))
+    _hand_back(broker, message, message.copy(options=options), delay, deadline)
+
+
+def _hand_back(broker: dramatiq.Broker, message: Any, copy: Any, delay: int, deadline: float) -> None:
+    """Skip this delivery once ``copy`` is in the broker; fail it if the copy cannot get there (see :mod:`.requeue`)."""
     try:
-        broker.enqueue(message.copy(options=options), delay=delay)
+        sent = enqueue_back(broker, copy, delay, deadline)
+    except Interrupt:
+        # Dramatiq would acknowledge an interrupted delivery (its retry cannot be sent either): lost.
+        message.fail()
+        raise
     except Exception:
         logger.exception("Could not send message %s back to the queue; failing it instead.", message.message_id)
-        message.fail()
+        sent = False
+    if not sent:
+        message.fail()  # not acknowledged as skipped: that would lose it
         return
     mark_skipped(message, requeued=True)

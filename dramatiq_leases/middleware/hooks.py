@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 import os
 import socket
 import threading
@@ -248,6 +249,7 @@ class LeaseMiddleware(Middleware):
             raise
 
     def _acquire_or_skip(self, broker: dramatiq.Broker, message: Any) -> None:
+        hook_started = time.monotonic()
         # Until a lease is registered below, the guarded actor refuses to run in this thread.
         self.runs.pending()
         self.waiting.forget_thread()
@@ -284,6 +286,8 @@ class LeaseMiddleware(Middleware):
         # TimeLimit counts this hook: wait in place for a quarter of the time limit at most, then park.
         limit = self.declarations.time_limit(message, actor)
         budget = MAX_IN_PLACE if limit is None else min(MAX_IN_PLACE, limit / 4000)
+        # Sending the message back through a broker outage may take until half the time limit.
+        hand_back_by = hook_started + (math.inf if limit is None else limit / 2000)
         in_place = 0.0
         while True:
             may_wait = in_place < budget and self.waiting.reserve(key, waiter)
@@ -297,7 +301,7 @@ class LeaseMiddleware(Middleware):
                 logger.warning("Could not acquire lease %r for message %s: %s. Retrying later.", key,
                                message.message_id, e)
                 self.waiting.forget_thread()
-                send_back(broker, message, opts, count_attempt=False)
+                send_back(broker, message, opts, hand_back_by, count_attempt=False)
                 raise SkipMessage(f"lease {key!r} unavailable: {e}") from None
             if isinstance(result, Lease):
                 self.waiting.forget_thread()
@@ -326,7 +330,7 @@ class LeaseMiddleware(Middleware):
                 continue
             self.waiting.forget_thread()
             self.runs.not_granted()
-            on_busy(broker, message, opts, result, meta, self.metrics, self.waiting, first)
+            on_busy(broker, message, opts, result, meta, self.metrics, self.waiting, first, hand_back_by)
             raise SkipMessage(f"lease {key!r} is busy")
 
         if first or result.from_line:

@@ -165,16 +165,16 @@ class Waiting:
         """Give back this thread's place to wait in place, if it holds one."""
         self._in_place.pop(threading.get_ident(), None)
 
-    def park(self, broker: dramatiq.Broker, message: Any, key: str, busy: Busy, first_ms: int,
-             max_wait: int | None) -> None:
-        """Send ``message`` to the delay queue as the parked copy of its waiter (raises if the broker fails)."""
+    @staticmethod
+    def parked_copy(message: Any, key: str, busy: Busy, first_ms: int, max_wait: int | None) -> tuple[Any, int]:
+        """The copy of ``message`` to park in the delay queue for its waiter, and its delay (ms)."""
         delay = PARK_MS
         if max_wait is not None:
             # Back at the end of the wait budget at the latest, to give up in time.
             delay = max(1, min(delay, first_ms + max_wait - busy.now_ms))
         attempts = int(message.options.get(ATTEMPTS_OPTION, 0)) + 1
         options = {ATTEMPTS_OPTION: attempts, FIRST_ATTEMPT_OPTION: first_ms, LINE_OPTION: key}
-        broker.enqueue(message.copy(options=options), delay=delay)
+        return message.copy(options=options), delay
 
     # Delay-queue consumers -----------------------------------------------------
 

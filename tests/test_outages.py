@@ -1,0 +1,231 @@
+"""A broker outage while a message is being sent back: the message is kept, never acknowledged away or dead-lettered.
+
+The quickstart's set-up (one Redis for the broker and the leases) is the hard case: when that Redis is away, the
+acquire fails (fail closed) and so does sending the message back. The outage here is the real server frozen
+with ``SIGSTOP`` (connections hang until their socket timeouts, as in a partition; nothing is lost meanwhile)
+and thawed with ``SIGCONT``. It starts in a middleware ahead of ``LeaseMiddleware``, after the worker took the
+message and before the lease is asked for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import dramatiq
+import pytest
+import redis
+from dramatiq.brokers.redis import RedisBroker
+from dramatiq.middleware import Middleware
+
+from dramatiq_leases import LeaseMiddleware
+from dramatiq_leases.embedded import EmbeddedRedis
+from dramatiq_leases.middleware.requeue import enqueue_back
+
+from .support.stack import Stack
+from .support.waiting import wait_for
+
+#: Every client times out this fast while the server is frozen.
+TIMEOUTS = "socket_timeout=0.5&socket_connect_timeout=0.5"
+
+
+class Freeze:
+    """Freezes and thaws a real redis-server."""
+
+    def __init__(self, server: EmbeddedRedis) -> None:
+        assert server.process is not None
+        self.pid = server.process.pid
+
+    def freeze(self) -> None:
+        os.kill(self.pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        os.kill(self.pid, signal.SIGCONT)
+
+
+class OutageOnFirstDelivery(Middleware):
+    """Starts an outage when the worker takes its first message, before the next middleware asks for its lease."""
+
+    def __init__(self, begin: Callable[[], None], end: Callable[[], None] | None = None, after: float = 0) -> None:
+        self.begin, self.end, self.after = begin, end, after
+        self.begun = threading.Event()
+
+    def before_process_message(self, broker: dramatiq.Broker, message: Any) -> None:
+        if self.begun.is_set():
+            return
+        self.begin()
+        self.begun.set()
+        if self.end is not None:
+            threading.Timer(self.after, self.end).start()
+
+
+class _Said(logging.Handler):
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+        self.event = threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.text in record.getMessage():
+            self.event.set()
+
+
+@contextlib.contextmanager
+def said(text: str) -> Iterator[threading.Event]:
+    """An event set once dramatiq_leases logs a record containing ``text``."""
+    handler = _Said(text)
+    logging.getLogger("dramatiq_leases").addHandler(handler)
+    try:
+        yield handler.event
+    finally:
+        logging.getLogger("dramatiq_leases").removeHandler(handler)
+
+
+def dead_letters(server: EmbeddedRedis) -> list[str]:
+    """Message ids in the broker's dead-letter queue of the default queue."""
+    client = redis.Redis.from_url(server.url(0))
+    try:
+        return [json.loads(payload)["message_id"] for payload in client.hvals("dramatiq:default.XQ.msgs")]
+    finally:
+        client.close()
+
+
+@pytest.fixture
+def server() -> Iterator[EmbeddedRedis]:
+    server = EmbeddedRedis(persist=True).start()
+    try:
+        yield server
+    finally:
+        if server.process is not None:
+            os.kill(server.process.pid, signal.SIGCONT)
+        server.close()
+
+
+def one_redis_stack(server: EmbeddedRedis, freezer: Middleware | None = None, **broker_options: Any) -> Stack:
+    """Broker and leases on the same Redis (databases 0 and 1), every client with short timeouts."""
+    broker = RedisBroker(url=f"{server.url(0)}?{TIMEOUTS}", **broker_options)
+    if freezer is not None:
+        broker.add_middleware(freezer)
+    middleware = LeaseMiddleware(f"{server.url(1)}?{TIMEOUTS}", metrics_endpoint=False, lock_ttl=2_000)
+    return Stack("", "", broker=broker, middleware=middleware, threads=2)
+
+
+def test_an_outage_while_sending_back_keeps_the_message(server: EmbeddedRedis,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """The acquire fails, the send-back fails for seconds; once Redis is back the message goes back, then runs once."""
+    freeze = Freeze(server)
+    stack = one_redis_stack(server, OutageOnFirstDelivery(freeze.freeze, freeze.thaw, after=4.0))
+    runs: list[str] = []
+
+    @stack.actor(lock_key="invoice:{n}", max_retries=0)
+    def bill(n: int) -> None:
+        runs.append(dramatiq.middleware.CurrentMessage.get_current_message().message_id)  # type: ignore[union-attr]
+
+    stack.broker.add_middleware(dramatiq.middleware.CurrentMessage())
+    message = bill.send(1)
+    stack.start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="dramatiq_leases"):
+            assert stack.recorder.wait_settled(message.message_id, timeout=40) == "acked"
+    finally:
+        stack.stop()
+    assert runs == [message.message_id]
+    assert message.message_id not in stack.recorder.nacked
+    said = caplog.text
+    assert "Could not send message" in said and "Trying again" in said
+    assert "Sent message" in said  # back in the broker once the server answered again
+
+
+def test_a_worker_stopping_during_the_outage_still_sends_the_message_back(server: EmbeddedRedis) -> None:
+    """Redis restarts; the worker is told to stop meanwhile; it keeps the delivery until Redis is back: it runs once."""
+    first = one_redis_stack(server, OutageOnFirstDelivery(server.stop))  # SIGTERM: the data is saved, as on a restart
+    runs: list[int] = []
+
+    @first.actor(lock_key="export:{n}", max_retries=0, actor_name="export")
+    def export_first(n: int) -> None:
+        runs.append(n)
+
+    message = export_first.send(7)
+    with said("Trying again") as retrying:
+        first.start()
+        assert retrying.wait(15), "the send-back never failed"
+    assert first.worker is not None
+    first.worker.stop(timeout=500)  # returns with the worker thread still trying
+
+    server.start()
+    second = one_redis_stack(server)
+
+    @second.actor(lock_key="export:{n}", max_retries=0, actor_name="export")
+    def export_second(n: int) -> None:
+        runs.append(n)
+
+    second.start()
+    try:
+        wait_for(lambda: runs == [7], timeout=30, what="the message to run on the second worker")
+        wait_for(lambda: message.message_id in second.recorder.acked, what="its run to be acknowledged")
+        assert second.worker is not None
+        second.worker.join()  # nothing else is left to run: no second run
+    finally:
+        second.stop()
+        first.broker.close()
+    assert runs == [7]
+    assert dead_letters(server) == []
+
+
+def test_an_interrupted_send_back_dead_letters_the_message_rather_than_lose_it(server: EmbeddedRedis) -> None:
+    """Dramatiq interrupts the waiting thread (Shutdown): the message is failed, and dead-lettered once Redis is back."""
+    stack = one_redis_stack(server, OutageOnFirstDelivery(server.stop))
+    runs: list[int] = []
+
+    # With retries left, Dramatiq's Retries would send a retry (impossible: Redis is down) and acknowledge.
+    @stack.actor(lock_key="export:{n}", max_retries=3, notify_shutdown=True)
+    def export(n: int) -> None:
+        runs.append(n)
+
+    message = export.send(8)
+    with said("Trying again") as retrying:
+        stack.start()
+        assert retrying.wait(15), "the send-back never failed"
+    assert stack.worker is not None
+    stack.worker.stop(timeout=500)  # ShutdownNotifications raises Shutdown into the thread
+    server.start()
+    # Dramatiq retries the nack every 5 s until Redis answers.
+    assert stack.recorder.wait_settled(message.message_id, timeout=30) == "nacked"
+    stack.broker.close()
+    assert dead_letters(server) == [message.message_id]
+    assert runs == []
+
+
+def test_enqueue_back_stops_at_its_deadline_and_not_for_other_errors(server: EmbeddedRedis) -> None:
+    """A broker away past the deadline: ``False``; an error that is not an outage: raised at once, not retried."""
+    broker = RedisBroker(url=f"{server.url(0)}?{TIMEOUTS}")
+    try:
+        message = dramatiq.Message(queue_name="q", actor_name="a", args=(), kwargs={}, options={})
+        freeze = Freeze(server)
+        freeze.freeze()
+        try:
+            started = time.monotonic()
+            assert not enqueue_back(broker, message, 10, started + 1.5)
+            assert 1.5 <= time.monotonic() - started < 1.5 + 2 * 0.5 + 0.5  # the last attempt's timeout at most
+        finally:
+            freeze.thaw()
+
+        class Attempts(Middleware):
+            count = 0
+
+            def before_enqueue(self, broker: dramatiq.Broker, message: Any, delay: int) -> None:
+                Attempts.count += 1
+
+        broker.add_middleware(Attempts())
+        with pytest.raises(TypeError, match="not JSON serializable"):
+            enqueue_back(broker, message.copy(args=(object(),)), 10, time.monotonic() + 30)
+        assert Attempts.count == 1  # not tried again
+    finally:
+        broker.close()
