@@ -15,7 +15,9 @@ import io
 import itertools
 import json
 import logging
+import os
 import shlex
+import signal
 import subprocess
 import sys
 import threading
@@ -33,7 +35,7 @@ from redis.crc import key_slot
 
 from dramatiq_leases import LeaseLost, LeaseMiddleware, current_lease
 from dramatiq_leases.cli import main
-from dramatiq_leases.core import Busy, Lease, Leases, LeaseUnavailableError
+from dramatiq_leases.core import Busy, Heartbeat, Lease, Leases, LeaseUnavailableError
 from dramatiq_leases.core.keys import lease_name
 from dramatiq_leases.core.metrics import LeaseMetrics
 from dramatiq_leases.embedded import EmbeddedRedis, free_port
@@ -550,3 +552,46 @@ def test_a_slot_left_half_moved_loses_only_its_own_leases_and_never_runs_a_key_t
     assert jobs.metrics.of("lost") == {"unreachable": 2}, jobs.metrics.counts
     assert list(leases.scan()) == []
     leases.client.close()
+
+
+def test_a_master_that_hangs_costs_only_its_own_leases() -> None:
+    """A master stops answering (SIGSTOP: its connections hang, as behind a partition). Each heartbeat round
+    waits one socket timeout for it in all, not one per slot (redis-py's cluster pipeline retried slot by slot:
+    a round of 60 leases took 211 s), so the leases on the other masters go on being renewed, and only the
+    hung master's are lost, at their local deadline."""
+    ttl, interval = 3_000, 500
+    with RedisClusterNodes(masters=3, replicas=0) as nodes:
+        for port in nodes.masters():  # the healthy masters keep serving their slots once the hung one is FAIL
+            nodes.node(port).config_set("cluster-require-full-coverage", "no")
+        client = nodes.client(socket_timeout=0.5, socket_connect_timeout=0.5)
+        leases = Leases(client)
+        by_master = nodes.spread(leases.lease_name, 10, (f"hang:{i}" for i in itertools.count()))
+        lost: dict[str, str] = {}
+        heartbeat = Heartbeat(leases)
+        held: dict[str, Lease] = {}
+        for key in itertools.chain(*by_master.values()):
+            lease = leases.try_acquire(key, ttl, interval=interval)
+            assert isinstance(lease, Lease)
+            held[key] = lease
+            heartbeat.track(lease, on_lost=lambda lease, reason: lost.setdefault(lease.key, reason))
+        heartbeat.start()
+        victim = nodes.masters()[0]
+        hung, healthy = set(by_master[victim]), set(held) - set(by_master[victim])
+        server = next(n for n in nodes.nodes if n.port == victim)
+        assert server.process is not None
+        os.kill(server.process.pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        try:
+            wait_for(lambda: set(lost) == hung, timeout=10, what="the hung master's leases to be lost")
+
+            def renewed_since_the_stop(lease: Lease) -> bool:
+                # Confirmed by a renewal sent a second or more after the stop.
+                return time.monotonic() + lease.remaining() > stopped_at + (lease.ttl - lease.margin) / 1000 + 1.0
+
+            wait_for(lambda: all(renewed_since_the_stop(held[k]) for k in healthy), timeout=10,
+                     what="the other masters' leases to be renewed")
+        finally:
+            os.kill(server.process.pid, signal.SIGCONT)
+            heartbeat.stop()
+        assert set(lost) == hung and set(lost.values()) == {"unreachable"}, lost
+        client.close()

@@ -339,7 +339,11 @@ def test_works_on_redis_cluster() -> None:
             check=True, capture_output=True, timeout=30,
         )
         client = redis.cluster.RedisCluster(host="127.0.0.1", port=nodes[0].port)
-        wait_for(lambda: client.cluster_info().get("cluster_state") == "ok", what="cluster to be ok")
+        each = [redis.Redis(port=n.port) for n in nodes]
+        wait_for(lambda: all("cluster_state:ok" in str(c.execute_command("CLUSTER", "INFO")) for c in each),
+                 what="every node to be ok")
+        for c in each:
+            c.close()
         leases = Leases(client)
         held = [leases.try_acquire(f"invoice:{i}", ttl=10_000) for i in range(50)]
         assert all(isinstance(x, Lease) for x in held)

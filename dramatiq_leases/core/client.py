@@ -227,25 +227,6 @@ def pipelined(client: Any, commands: Sequence[Sequence[Any]]) -> list[Any]:
     return replies
 
 
-def evalsha_acked(client: Any, script: Any, keys: list[str], args: list[Any], replicas: int,
-                  timeout_ms: int) -> tuple[Any, int]:
-    """Run ``script`` then ``WAIT replicas timeout_ms`` on one connection, in one round trip.
-
-    Returns the script's reply and how many replicas acknowledged every write this connection made
-    (``WAIT`` counts a connection's own writes: the script's, here). ``WAIT`` returns as soon as
-    ``replicas`` acknowledged, or after ``timeout_ms`` with fewer.
-    """
-    commands = [("EVALSHA", script.sha, len(keys), *keys, *args), ("WAIT", replicas, timeout_ms)]
-    reply, acked = pipelined(client, commands)
-    if isinstance(reply, redis.exceptions.NoScriptError):  # Redis lost it (a restart, a failover): load it
-        client.script_load(script.script)
-        reply, acked = pipelined(client, commands)
-    for answer in (reply, acked):
-        if isinstance(answer, Exception):
-            raise answer
-    return reply, int(acked)
-
-
 class ThreadConnections:
     """Runs scripts on a connection of the calling thread's own, reopened after any call that did not complete.
 

@@ -56,7 +56,7 @@ def lease_name(prefix: str, key: str) -> str:
 
 
 def fence_name(prefix: str, key: str) -> str:
-    """The Redis key of the fencing counter of ``key``; it never expires."""
+    """The Redis key of the fencing counter of ``key``; kept for ever unless a ``fence_retention`` expires it."""
     return f"{prefix}:fence:{{{hash_tag(key)}}}"
 
 

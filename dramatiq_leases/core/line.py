@@ -22,6 +22,12 @@ from typing import Any
 from .client import MAX_BLOCK_S, RedisClient, ThreadConnections, connection_kwargs, unavailable
 from .keys import lease_name, validate_key, wake_name
 
+#: How many waiters of one key may wait in place (holding a thread) by default.
+DEFAULT_READY = 2
+
+#: How long a parked waiter stays away at most, by default (ms).
+DEFAULT_PARK_MS = 300_000
+
 #: How long a waiter asked to come back (promoted) has to show up, in ms (as in ``lua/*.lua``).
 PROMOTE_MS = 10_000
 

@@ -7,24 +7,19 @@ numbers are checked before Redis is asked. This module knows nothing of Dramatiq
 from __future__ import annotations
 
 import time
-from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, NoReturn
 
 import redis
 from redis.cluster import RedisCluster
-from redis.crc import key_slot
 
-from . import scripts, tracing
+from . import cluster, rounds, scripts, tracing
 from .client import (
     DEFAULT_SOCKET_TIMEOUT,
     RedisClient,
     ThreadConnections,
     client_from_url,
-    connection_kwargs,
     evalsha,
-    evalsha_acked,
-    pipelined,
     server_attributes,
     unavailable,
 )
@@ -32,20 +27,10 @@ from .errors import LeaseConfigError, LeaseUnavailableError
 from .info import meta_args, text
 from .keys import DEFAULT_PREFIX, fence_name, lease_name, validate_key, validate_prefix
 from .lease import Busy, Lease, Renewal, Wait, default_interval, new_token
-from .line import PROMOTE_MS, LeaseLine
+from .line import DEFAULT_PARK_MS, DEFAULT_READY, PROMOTE_MS, LeaseLine
 from .numbers import MAX_TIMESTAMP_MS, margin_ms, whole_count, whole_ms
 from .reading import LeaseReading
-
-#: Largest number of leases renewed by one script call; bigger batches are
-#: split, and the calls still share one pipelined round trip.
-RENEW_BATCH = 1000
-
-#: The most replicas ``min_replicas`` may ask to acknowledge a grant.
-MAX_REPLICAS = 100
-
-#: How long a grant or renewal waits for ``min_replicas`` replicas to acknowledge it by default (ms).
-DEFAULT_REPLICA_TIMEOUT_MS = 500
-
+from .replication import DEFAULT_REPLICA_TIMEOUT_MS, MAX_REPLICAS, check_replication, evalsha_acked, not_replicated
 
 _new_token = new_token  # for methods whose parameter is named new_token
 
@@ -73,12 +58,6 @@ class DeadRelease(NamedTuple):
     deadline_in: float | None
     fence: int
 
-
-#: How many waiters of one key may wait in place (holding a thread) by default.
-DEFAULT_READY = 2
-
-#: How long a parked waiter stays away at most, by default (ms).
-DEFAULT_PARK_MS = 300_000
 
 _WAITS = [Wait.NONE, Wait.IN_PLACE, Wait.PARK, Wait.SOON, Wait.DUPLICATE]
 
@@ -161,7 +140,7 @@ class Leases(LeaseReading, LeaseLine):
         self.min_replicas = whole_count(min_replicas, "min_replicas", maximum=MAX_REPLICAS, owner="Leases")
         self.replica_timeout_ms = whole_ms(replica_timeout_ms, "replica_timeout_ms", owner="Leases")
         if self.min_replicas:
-            _check_replication(client, self.replica_timeout_ms)
+            check_replication(client, self.replica_timeout_ms)
         self._threads = (ThreadConnections(client) if thread_connections and isinstance(client, redis.Redis)
                          and not self._cluster else None)
         self._acquire = client.register_script(scripts.ACQUIRE)
@@ -393,6 +372,8 @@ class Leases(LeaseReading, LeaseLine):
         )
 
     def _call(self, script: Any, keys: list[str], args: list[Any]) -> Any:
+        if self._cluster:
+            return cluster.call(self.client, script, keys, args)
         if self._threads is None:
             return evalsha(self.client, script, keys, args)
         return self._threads.call(script, keys, args)
@@ -408,17 +389,13 @@ class Leases(LeaseReading, LeaseLine):
         return self._threads.run(lambda client: evalsha_acked(client, script, keys, args, replicas, timeout_ms))
 
     def _not_replicated(self, what: str, key: str, token: str, acked: int) -> NoReturn:
-        """A grant fewer than ``min_replicas`` replicas acknowledged: a failover may lose it, so it is not
-        trusted. Release it (owner-checked) and fail as if Redis had not answered."""
+        """A grant too few replicas acknowledged: a failover may lose it, so it is not trusted. Release it
+        (owner-checked) and fail as if Redis had not answered."""
         try:
-            self.release_token(key, token)
-            outcome = "released"
+            released = self.release_token(key, token)
         except LeaseUnavailableError:
-            outcome = "not released (it ends by its TTL)"
-        raise LeaseUnavailableError(
-            f"could not {what} lease {key!r}: granted, but acknowledged by {acked} of the {self.min_replicas} "
-            f"replica(s) asked (min_replicas) within {self.replica_timeout_ms} ms, so a failover could lose it; "
-            f"{outcome}", key=key)
+            released = None
+        raise not_replicated(what, key, acked, self.min_replicas, self.replica_timeout_ms, released)
 
     def renew(self, lease: Lease) -> Renewal:
         """Restore ``lease``'s TTL if this token still holds it. Raises :class:`LeaseUnavailableError`."""
@@ -441,12 +418,7 @@ class Leases(LeaseReading, LeaseLine):
         """
         if not leases:
             return []
-        # One script call per slot and TTL: the TTL then travels once, not once per lease.
-        groups: dict[tuple[int, int], list[int]] = defaultdict(list)
-        for i, lease in enumerate(leases):
-            slot = key_slot(self._keys(lease.key)[0].encode()) if self._cluster else 0
-            groups[(slot, lease.ttl)].append(i)
-        batches = [idx[n : n + RENEW_BATCH] for idx in groups.values() for n in range(0, len(idx), RENEW_BATCH)]
+        batches, calls = rounds.plan(leases, lambda key: self._keys(key)[0], cluster=self._cluster)
         # Several script calls on one connection are a pipeline: a batch in the conventions' terms.
         attributes: dict[str, str | int]
         if not self._cluster and len(batches) > 1:
@@ -457,10 +429,13 @@ class Leases(LeaseReading, LeaseLine):
         with tracing.span(name, attributes, links) as span:
             sent_at = time.monotonic()
             with unavailable(f"renew {len(leases)} lease(s)"):
-                if self.min_replicas:
-                    replies, acked = self._renew_acked(leases, batches)
+                if self.min_replicas:  # never a Cluster: see __init__
+                    replies, acked = rounds.run_acked(self.client, self._renew_many, calls, self.min_replicas,
+                                                      self.replica_timeout_ms)
+                elif self._cluster:
+                    replies, acked = cluster.run(self.client, self._renew_many, calls), 0
                 else:
-                    replies, acked = self._run_batches(leases, batches), 0
+                    replies, acked = rounds.run(self.client, self._renew_many, calls), 0
             unconfirmed = acked < self.min_replicas  # a failover could undo these renewals
             out = [Renewal.ERROR] * len(leases)
             for batch, codes in zip(batches, replies):
@@ -476,72 +451,6 @@ class Leases(LeaseReading, LeaseLine):
             lost = len(leases) - out.count(Renewal.OK)
             span.set_attributes({tracing.OUTCOME: "ok" if not lost else "lost", tracing.LOST_COUNT: lost})
         return out
-
-    def _run_batches(self, leases: Sequence[Lease], batches: list[list[int]]) -> list[Any]:
-        def keys_args(batch: list[int]) -> tuple[list[str], list[Any]]:
-            return ([self._keys(leases[i].key)[0] for i in batch],
-                    [leases[batch[0]].ttl, *(leases[i].token for i in batch)])
-
-        if self._cluster:
-            return self._run_cluster_batches([keys_args(batch) for batch in batches])
-        if len(batches) == 1:  # renew_many named its span after this same test
-            return [evalsha(self.client, self._renew_many, *keys_args(batches[0]))]
-        # redis-py would check SCRIPT EXISTS before a pipeline (an extra round trip);
-        # send bare EVALSHAs and load the script only if Redis lost it (a restart).
-        for attempt in (1, 2):
-            pipe = self.client.pipeline(transaction=False)
-            for batch in batches:
-                keys, args = keys_args(batch)
-                pipe.evalsha(self._renew_many.sha, len(keys), *keys, *args)
-            try:
-                return list(pipe.execute())
-            except redis.exceptions.NoScriptError:
-                if attempt == 2:
-                    raise
-                self.client.script_load(scripts.RENEW_MANY)
-        raise AssertionError("unreachable")
-
-    def _run_cluster_batches(self, calls: list[tuple[list[str], list[Any]]]) -> list[Any]:
-        """One renewal script call per slot, sent as a cluster pipeline: one round trip per node, not per slot
-        (each lease key is a hash tag of its own, so a round of N leases spans ~N slots).
-
-        A slot that fails (half migrated, its master failing over) fails its own leases only (``None``);
-        the round fails if all do.
-        """
-        for attempt in (1, 2):
-            pipe = self.client.pipeline()
-            for keys, args in calls:
-                # redis-py blocks its evalsha() method in cluster pipelines, not the command: each call's
-                # keys are in one slot, which routes it.
-                pipe.execute_command("EVALSHA", self._renew_many.sha, len(keys), *keys, *args)
-            replies: list[Any] = list(pipe.execute(raise_on_error=False))
-            lost_script = any(isinstance(r, redis.exceptions.NoScriptError) for r in replies)
-            if lost_script and attempt == 1:
-                self.client.script_load(scripts.RENEW_MANY)  # on every primary (a restart lost it)
-                continue
-            failures = [r for r in replies if isinstance(r, Exception)]
-            if failures and len(failures) == len(replies):
-                raise failures[0]
-            return [None if isinstance(r, Exception) else r for r in replies]
-        raise AssertionError("unreachable")
-
-    def _renew_acked(self, leases: Sequence[Lease], batches: list[list[int]]) -> tuple[list[Any], int]:
-        """The renewal scripts of ``batches`` then ``WAIT``, pipelined on one connection (never a Cluster's):
-        their replies, and how many replicas acknowledged them."""
-        commands: list[tuple[Any, ...]] = [
-            ("EVALSHA", self._renew_many.sha, len(batch), *(self._keys(leases[i].key)[0] for i in batch),
-             leases[batch[0]].ttl, *(leases[i].token for i in batch))
-            for batch in batches
-        ]
-        commands.append(("WAIT", self.min_replicas, self.replica_timeout_ms))
-        replies = pipelined(self.client, commands)  # never a cluster: see __init__
-        if any(isinstance(reply, redis.exceptions.NoScriptError) for reply in replies):
-            self.client.script_load(scripts.RENEW_MANY)  # Redis lost it (a restart, a failover)
-            replies = pipelined(self.client, commands)
-        for reply in replies:
-            if isinstance(reply, Exception):
-                raise reply
-        return replies[:-1], int(replies[-1])
 
     def release(self, lease: Lease) -> bool:
         """Release ``lease`` if its token still holds it; ``False`` if it did not (nothing touched).
@@ -594,14 +503,3 @@ class Leases(LeaseReading, LeaseLine):
             return DeadRelease(True, -ms / 1000, fence)
         return DeadRelease(False, ms / 1000 if ms >= 0 else None, fence)
 
-
-def _check_replication(client: RedisClient, timeout_ms: int) -> None:
-    """Refuse, at construction, a ``min_replicas`` set-up that cannot work."""
-    if isinstance(client, RedisCluster):
-        raise LeaseConfigError("Leases: min_replicas is not available with RedisCluster (WAIT must follow each "
-                               "script on the connection that ran it)")
-    socket_timeout = connection_kwargs(client).get("socket_timeout")
-    if isinstance(socket_timeout, (int, float)) and timeout_ms >= socket_timeout * 1000:
-        raise LeaseConfigError(
-            f"Leases: replica_timeout_ms must be shorter than the Redis client's socket_timeout "
-            f"({socket_timeout} s), got {timeout_ms}: a read that times out before WAIT answers fails the call")

@@ -16,7 +16,7 @@ Span names:
   ``EVALSHA lease.renew``: one renewal round of many leases in one script
   call; ``PIPELINE EVALSHA lease.renew`` when the round is several script
   calls pipelined in one round trip (leases of several TTLs, or more than
-  :data:`~dramatiq_leases.core.store.RENEW_BATCH`). On a Redis Cluster, a
+  :data:`~dramatiq_leases.core.rounds.RENEW_BATCH`). On a Redis Cluster, a
   round spanning several hash slots is one ``EVALSHA`` per slot, under one
   ``EVALSHA lease.renew`` span.
   ``EVALSHA lease.release``: one release.

@@ -22,7 +22,8 @@ from ..core.heartbeat import Heartbeat
 from ..core.keys import DEFAULT_PREFIX
 from ..core.lease import Busy, Lease, Wait, new_token
 from ..core.numbers import whole_count, whole_ms
-from ..core.store import DEFAULT_REPLICA_TIMEOUT_MS, MAX_REPLICAS, Leases
+from ..core.replication import DEFAULT_REPLICA_TIMEOUT_MS, MAX_REPLICAS
+from ..core.store import Leases
 from ..exposition import WorkerExposition
 from ..metrics import LeaseMetrics, PrometheusMetrics
 from ..tracing import record_keys

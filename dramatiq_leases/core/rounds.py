@@ -1,0 +1,75 @@
+"""Renewal rounds: many leases renewed in one round trip, as script calls grouped per hash slot and TTL.
+
+A standalone Redis takes every call of a round in one pipeline of bare ``EVALSHA`` commands (with
+``min_replicas``, a ``WAIT`` closes it); a Redis Cluster takes them node by node (:mod:`.cluster`).
+The script is loaded again only if Redis lost it (a restart).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import redis
+from redis.crc import key_slot
+
+from .client import evalsha, pipelined
+from .lease import Lease
+
+#: Largest number of leases renewed by one script call; bigger batches are
+#: split, and the calls still share one pipelined round trip.
+RENEW_BATCH = 1000
+
+#: One script call: its keys (the leases' Redis keys) and its arguments (the TTL, then the tokens).
+Call = tuple[list[str], list[Any]]
+
+
+def plan(leases: Sequence[Lease], name: Callable[[str], str], *, cluster: bool) -> tuple[list[list[int]], list[Call]]:
+    """Group ``leases`` into script calls: the indexes each call renews, and the calls.
+
+    One call per slot (Cluster) and TTL, so the TTL travels once, not once per lease;
+    ``name`` gives a lease key's Redis key.
+    """
+    groups: dict[tuple[int, int], list[int]] = defaultdict(list)
+    for i, lease in enumerate(leases):
+        slot = key_slot(name(lease.key).encode()) if cluster else 0
+        groups[(slot, lease.ttl)].append(i)
+    batches = [idx[n : n + RENEW_BATCH] for idx in groups.values() for n in range(0, len(idx), RENEW_BATCH)]
+    calls = [([name(leases[i].key) for i in batch], [leases[batch[0]].ttl, *(leases[i].token for i in batch)])
+             for batch in batches]
+    return batches, calls
+
+
+def run(client: Any, script: Any, calls: list[Call]) -> list[Any]:
+    """The replies of ``calls`` on a standalone Redis, in one round trip."""
+    if len(calls) == 1:
+        return [evalsha(client, script, *calls[0])]
+    # redis-py would check SCRIPT EXISTS before a pipeline (an extra round trip);
+    # send bare EVALSHAs and load the script only if Redis lost it.
+    for attempt in (1, 2):
+        pipe = client.pipeline(transaction=False)
+        for keys, args in calls:
+            pipe.evalsha(script.sha, len(keys), *keys, *args)
+        try:
+            return list(pipe.execute())
+        except redis.exceptions.NoScriptError:
+            if attempt == 2:
+                raise
+            client.script_load(script.script)
+    raise AssertionError("unreachable")
+
+
+def run_acked(client: Any, script: Any, calls: list[Call], replicas: int, timeout_ms: int) -> tuple[list[Any], int]:
+    """``calls`` then ``WAIT replicas timeout_ms``, pipelined on one connection (never a Cluster's): the
+    replies, and how many replicas acknowledged them."""
+    commands: list[tuple[Any, ...]] = [("EVALSHA", script.sha, len(keys), *keys, *args) for keys, args in calls]
+    commands.append(("WAIT", replicas, timeout_ms))
+    replies = pipelined(client, commands)
+    if any(isinstance(reply, redis.exceptions.NoScriptError) for reply in replies):
+        client.script_load(script.script)  # Redis lost it (a restart, a failover)
+        replies = pipelined(client, commands)
+    for reply in replies:
+        if isinstance(reply, Exception):
+            raise reply
+    return replies[:-1], int(replies[-1])
