@@ -43,6 +43,9 @@ class LeaseLine:
     _threads: ThreadConnections | None
     _line: Any
 
+    def _call(self, script: Any, keys: list[str], args: list[Any]) -> Any:
+        raise NotImplementedError  # Leases': the thread's connection, a Cluster's node, or the pool
+
     def _line_keys(self, key: str) -> list[str]:
         return [lease_name(self.prefix, key)]  # the script derives the line's keys from it
 
@@ -58,7 +61,7 @@ class LeaseLine:
         """
         validate_key(key)
         with unavailable(f"hold waiters of {key!r}", key):
-            reply = self._line(keys=self._line_keys(key), args=["hold", holder, park_ms, ready, promote_ms, *waiters])
+            reply = self._call(self._line, self._line_keys(key), ["hold", holder, park_ms, ready, promote_ms, *waiters])
         return [r.decode() if isinstance(r, bytes) else str(r) for r in reply]
 
     def leave(self, key: str, waiters: Sequence[str], *, ready: int, promote_ms: int = PROMOTE_MS) -> int:
@@ -66,9 +69,7 @@ class LeaseLine:
         validate_key(key)
         keys, args = self._line_keys(key), ["leave", "", 1, ready, promote_ms, *waiters]
         with unavailable(f"leave the line of {key!r}", key):
-            if self._threads is not None:
-                return int(self._threads.call(self._line, keys, args))
-            return int(self._line(keys=keys, args=args))
+            return int(self._call(self._line, keys, args))
 
     def wake(self, key: str, waiter: str) -> None:
         """Wake ``waiter`` if it waits in place (it then asks again); for a process shutting down."""
