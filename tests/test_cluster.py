@@ -11,6 +11,7 @@ lives beside its lease (same hash tag, same slot).
 
 from __future__ import annotations
 
+import contextlib
 import io
 import itertools
 import json
@@ -24,7 +25,7 @@ import threading
 import time
 import urllib.request
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import redirect_stderr, redirect_stdout
 from typing import Any
 
@@ -35,7 +36,7 @@ from redis.crc import key_slot
 
 from dramatiq_leases import LeaseLost, LeaseMiddleware, current_lease
 from dramatiq_leases.cli import main
-from dramatiq_leases.core import Busy, Heartbeat, Lease, Leases, LeaseUnavailableError
+from dramatiq_leases.core import Busy, Heartbeat, Lease, Leases, LeaseUnavailableError, Renewal
 from dramatiq_leases.core.keys import lease_name
 from dramatiq_leases.core.metrics import LeaseMetrics
 from dramatiq_leases.embedded import EmbeddedRedis, free_port
@@ -554,44 +555,84 @@ def test_a_slot_left_half_moved_loses_only_its_own_leases_and_never_runs_a_key_t
     leases.client.close()
 
 
-def test_a_master_that_hangs_costs_only_its_own_leases() -> None:
-    """A master stops answering (SIGSTOP: its connections hang, as behind a partition). Each heartbeat round
-    waits one socket timeout for it in all, not one per slot (redis-py's cluster pipeline retried slot by slot:
-    a round of 60 leases took 211 s), so the leases on the other masters go on being renewed, and only the
-    hung master's are lost, at their local deadline."""
-    ttl, interval = 3_000, 500
+def stop_master(nodes: RedisClusterNodes, port: int, how: str) -> Callable[[], None]:
+    """Make master ``port`` hang (``SIGSTOP``: its connections time out, as behind a partition) or die
+    (``SIGKILL``: refused); returns what undoes a hang."""
+    server = next(n for n in nodes.nodes if n.port == port)
+    assert server.process is not None
+    pid = server.process.pid
+    if how == "killed":
+        os.kill(pid, signal.SIGKILL)
+        server.process.wait()
+        return lambda: None
+    os.kill(pid, signal.SIGSTOP)
+    return lambda: os.kill(pid, signal.SIGCONT)
+
+
+@pytest.mark.parametrize("how", ["hung", "killed"])
+def test_a_master_that_fails_costs_only_its_own_leases(how: str) -> None:
+    """A master stops answering (hung or dead, no replica to replace it). Each heartbeat round waits one socket
+    timeout for it in all, not one per slot (redis-py's cluster pipeline retried slot by slot: a round of 60
+    leases took 211 s), and fails only its calls, so the leases on the other masters go on being renewed while
+    the failed master's, with a longer TTL, are still tracked; those are lost at their own deadline."""
+    short_ttl, long_ttl, interval = 3_000, 8_000, 500
     with RedisClusterNodes(masters=3, replicas=0) as nodes:
-        for port in nodes.masters():  # the healthy masters keep serving their slots once the hung one is FAIL
+        for port in nodes.masters():  # the other masters keep serving their slots once the failed one is FAIL
             nodes.node(port).config_set("cluster-require-full-coverage", "no")
         client = nodes.client(socket_timeout=0.5, socket_connect_timeout=0.5)
         leases = Leases(client)
-        by_master = nodes.spread(leases.lease_name, 10, (f"hang:{i}" for i in itertools.count()))
+        by_master = nodes.spread(leases.lease_name, 10, (f"fail:{i}" for i in itertools.count()))
+        victim = nodes.masters()[0]
         lost: dict[str, str] = {}
         heartbeat = Heartbeat(leases)
         held: dict[str, Lease] = {}
-        for key in itertools.chain(*by_master.values()):
-            lease = leases.try_acquire(key, ttl, interval=interval)
-            assert isinstance(lease, Lease)
-            held[key] = lease
-            heartbeat.track(lease, on_lost=lambda lease, reason: lost.setdefault(lease.key, reason))
+        for port, keys in by_master.items():
+            for key in keys:
+                lease = leases.try_acquire(key, long_ttl if port == victim else short_ttl, interval=interval)
+                assert isinstance(lease, Lease)
+                held[key] = lease
+                heartbeat.track(lease, on_lost=lambda lease, reason: lost.setdefault(lease.key, reason))
         heartbeat.start()
-        victim = nodes.masters()[0]
-        hung, healthy = set(by_master[victim]), set(held) - set(by_master[victim])
-        server = next(n for n in nodes.nodes if n.port == victim)
-        assert server.process is not None
-        os.kill(server.process.pid, signal.SIGSTOP)
+        failed, healthy = set(by_master[victim]), set(held) - set(by_master[victim])
+        resume = stop_master(nodes, victim, how)
         stopped_at = time.monotonic()
         try:
-            wait_for(lambda: set(lost) == hung, timeout=10, what="the hung master's leases to be lost")
-
             def renewed_since_the_stop(lease: Lease) -> bool:
                 # Confirmed by a renewal sent a second or more after the stop.
                 return time.monotonic() + lease.remaining() > stopped_at + (lease.ttl - lease.margin) / 1000 + 1.0
 
-            wait_for(lambda: all(renewed_since_the_stop(held[k]) for k in healthy), timeout=10,
+            wait_for(lambda: all(renewed_since_the_stop(held[k]) for k in healthy), timeout=5,
                      what="the other masters' leases to be renewed")
+            assert lost == {}, "a lease was lost before the failed master's deadline"
+            wait_for(lambda: set(lost) == failed, timeout=15, what="the failed master's leases to be lost")
         finally:
-            os.kill(server.process.pid, signal.SIGCONT)
+            resume()
             heartbeat.stop()
-        assert set(lost) == hung and set(lost.values()) == {"unreachable"}, lost
+        assert set(lost) == failed and set(lost.values()) == {"unreachable"}, lost
+        client.close()
+
+
+def test_leases_on_a_master_that_fails_over_go_on_being_renewed_by_its_replica() -> None:
+    """A master dies; its replica is promoted: the same client's renewal rounds find the new master (the slot
+    map is read again after the failure), and leases the replica had received are renewed there, not lost."""
+    with RedisClusterNodes(masters=3, replicas=1) as nodes:
+        client = nodes.client(socket_timeout=0.5, socket_connect_timeout=0.5)
+        leases = Leases(client)
+        by_master = nodes.spread(leases.lease_name, 3, (f"failover:{i}" for i in itertools.count()))
+        held = {key: leases.try_acquire(key, 60_000) for key in itertools.chain(*by_master.values())}
+        assert all(isinstance(lease, Lease) for lease in held.values())
+        victim = next(port for port in by_master if port != nodes.nodes[0].port)
+        assert nodes.node(victim).execute_command("WAIT", 1, 5_000) == 1  # its replica has the grants
+        stop_master(nodes, victim, "killed")
+        rounds: list[list[Renewal]] = []
+
+        def renewed_everywhere() -> bool:
+            with contextlib.suppress(LeaseUnavailableError):
+                rounds.append(leases.renew_many(list(held.values())))  # type: ignore[arg-type]
+            return bool(rounds) and rounds[-1] == [Renewal.OK] * len(held)
+
+        wait_for(renewed_everywhere, timeout=30, interval=0.5, what="renewals on the promoted replica")
+        assert victim not in {n.port for n in client.get_primaries()}
+        assert Renewal.ERROR in itertools.chain(*rounds), "the failure was never seen: the test proves nothing"
+        assert all(r in (Renewal.OK, Renewal.ERROR) for r in itertools.chain(*rounds)), rounds  # never gone/stolen
         client.close()

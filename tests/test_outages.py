@@ -88,6 +88,15 @@ def said(text: str) -> Iterator[threading.Event]:
         logging.getLogger("dramatiq_leases").removeHandler(handler)
 
 
+def pending(server: EmbeddedRedis) -> int:
+    """Messages the broker holds for the default queue (queued, delayed or being processed)."""
+    client = redis.Redis.from_url(server.url(0))
+    try:
+        return int(client.hlen("dramatiq:default.msgs")) + int(client.hlen("dramatiq:default.DQ.msgs"))
+    finally:
+        client.close()
+
+
 def dead_letters(server: EmbeddedRedis) -> list[str]:
     """Message ids in the broker's dead-letter queue of the default queue."""
     client = redis.Redis.from_url(server.url(0))
@@ -134,6 +143,9 @@ def test_an_outage_while_sending_back_keeps_the_message(server: EmbeddedRedis,
     try:
         with caplog.at_level(logging.WARNING, logger="dramatiq_leases"):
             assert stack.recorder.wait_settled(message.message_id, timeout=40) == "acked"
+            # An attempt that timed out may have reached the frozen server, which applies it once thawed:
+            # wait until the broker holds no copy either.
+            wait_for(lambda: pending(server) == 0, timeout=20, what="every copy to be delivered and acknowledged")
     finally:
         stack.stop()
     assert runs == [message.message_id]
@@ -229,3 +241,57 @@ def test_enqueue_back_stops_at_its_deadline_and_not_for_other_errors(server: Emb
         assert Attempts.count == 1  # not tried again
     finally:
         broker.close()
+
+
+@pytest.mark.parametrize(("setting", "refusing"), [("min-replicas-to-write", "1"), ("maxmemory", "1")],
+                         ids=["NOREPLICAS", "OOM"])
+def test_a_broker_refusing_writes_for_a_while_is_waited_out(server: EmbeddedRedis, setting: str,
+                                                            refusing: str) -> None:
+    """Up but refusing writes (too few replicas; out of memory) is an outage too, not a reason to dead-letter."""
+    broker = RedisBroker(url=f"{server.url(0)}?{TIMEOUTS}")
+    admin = redis.Redis.from_url(server.url(0))
+    try:
+        message = dramatiq.Message(queue_name="q", actor_name="a", args=(), kwargs={}, options={})
+        normal = admin.config_get(setting)[setting]
+        admin.config_set(setting, refusing)
+        threading.Timer(1.0, admin.config_set, (setting, normal)).start()
+        with said("Trying again") as refused:
+            assert enqueue_back(broker, message, 10, time.monotonic() + 30)
+        assert refused.is_set()
+        assert admin.hlen("dramatiq:q.DQ.msgs") == 1  # in the broker, once
+    finally:
+        broker.close()
+        admin.close()
+
+
+def test_a_copy_sent_back_twice_runs_once(server: EmbeddedRedis) -> None:
+    """An enqueue that timed out may reach the broker after all, as well as the attempt after it: two copies of
+    a message sent back after a Redis error. Its run is remembered (like a waiter's): the second never runs."""
+    stack = one_redis_stack(server, OutageOnFirstDelivery(Freeze(server).freeze, Freeze(server).thaw, after=1.0))
+    runs: list[int] = []
+
+    class LateWrite(Middleware):
+        """What a timed-out enqueue applied late looks like: a second, identical copy of the one sent back."""
+
+        copied = False
+
+        def after_enqueue(self, broker: dramatiq.Broker, message: Any, delay: int | None) -> None:
+            if delay and not self.copied:
+                self.copied = True
+                broker.enqueue(message.copy(), delay=delay + 200)
+
+    stack.broker.add_middleware(LateWrite())
+
+    @stack.actor(lock_key="invoice:{n}", max_retries=0)
+    def bill(n: int) -> None:
+        runs.append(n)
+
+    message = bill.send(9)
+    stack.start()
+    try:
+        wait_for(lambda: runs, timeout=30, what="the message to run")
+        wait_for(lambda: pending(server) == 0, timeout=20, what="both copies to be delivered and acknowledged")
+    finally:
+        stack.stop()
+    assert runs == [9]
+    assert message.message_id not in stack.recorder.nacked

@@ -13,7 +13,7 @@ from ..core.lease import Busy, Wait
 from ..core.metrics import LeaseMetrics
 from .backoff import backoff_delay
 from .errors import LeaseWaitExceeded
-from .options import ATTEMPTS_OPTION, FIRST_ATTEMPT_OPTION, Options
+from .options import ATTEMPTS_OPTION, FIRST_ATTEMPT_OPTION, SENT_BACK_OPTION, Options
 from .requeue import enqueue_back
 from .waiting import READY_PER_KEY, Waiting, waiter_id
 
@@ -113,11 +113,17 @@ def send_back(
     first_ms: int | None = None,
     now_ms: int = 0,
     holder_ttl: int = -1,
+    remember: bool = False,
 ) -> None:
-    """Re-enqueue the same message (same id) after a backoff with full jitter, waiting out a broker outage."""
+    """Re-enqueue the same message (same id) after a backoff with full jitter, waiting out a broker outage.
+
+    ``remember``: its run is remembered (:data:`SENT_BACK_OPTION`); a copy with ``first_ms`` always is.
+    """
     attempts = int(message.options.get(ATTEMPTS_OPTION, 0))
     delay = backoff_delay(attempts, opts.min_backoff, opts.max_backoff, holder_ttl)
     options: dict[str, Any] = {ATTEMPTS_OPTION: attempts + 1 if count_attempt else attempts}
+    if remember:
+        options[SENT_BACK_OPTION] = True
     if first_ms is not None:
         options[FIRST_ATTEMPT_OPTION] = first_ms
         if opts.max_wait is not None:

@@ -41,6 +41,7 @@ from .options import (
     DEFAULT_TTL,
     FIRST_ATTEMPT_OPTION,
     LEASE_OPTION,
+    SENT_BACK_OPTION,
     Options,
 )
 from .runs import Runs
@@ -302,7 +303,7 @@ class LeaseMiddleware(Middleware):
                 logger.warning("Could not acquire lease %r for message %s: %s. Retrying later.", key,
                                message.message_id, e)
                 self.waiting.forget_thread()
-                send_back(broker, message, opts, hand_back_by, count_attempt=False)
+                send_back(broker, message, opts, hand_back_by, count_attempt=False, remember=True)
                 raise SkipMessage(f"lease {key!r} unavailable: {e}") from None
             if isinstance(result, Lease):
                 self.waiting.forget_thread()
@@ -334,9 +335,9 @@ class LeaseMiddleware(Middleware):
             on_busy(broker, message, opts, result, meta, self.metrics, self.waiting, first, hand_back_by)
             raise SkipMessage(f"lease {key!r} is busy")
 
-        if first or result.from_line:
-            # It waited in the line (this delivery or another copy of it): remembered as having run when
-            # released, so a copy of it parked somewhere never runs again.
+        if first or result.from_line or message.options.get(SENT_BACK_OPTION):
+            # It waited in the line (this delivery or another copy of it), or was sent back: remembered as
+            # having run when released, so a copy of it parked or sent back twice never runs again.
             run.waiter = waiter
         self.runs.granted(run, result)
         self.metrics.acquire(meta, "acquired", time.monotonic() - started)
@@ -345,6 +346,7 @@ class LeaseMiddleware(Middleware):
         # The wait clock belongs to this delivery: a retry of it (Retries) starts a new one.
         message.options.pop(FIRST_ATTEMPT_OPTION, None)
         message.options.pop(ATTEMPTS_OPTION, None)
+        message.options.pop(SENT_BACK_OPTION, None)
         message.options.pop(LINE_OPTION, None)
         self.metrics.wait(meta, max(0.0, result.acquired_at - first / 1000) if first else 0.0)
         logger.debug("Acquired lease %r (fence %d) for message %s.", key, result.fence, message.message_id)
@@ -378,7 +380,7 @@ class LeaseMiddleware(Middleware):
         if exception is not None:
             # A failure while waiting (TimeLimit in the hook): Retries, which runs after us, must
             # send a new attempt, not this one's place and wait clock.
-            for name in (FIRST_ATTEMPT_OPTION, ATTEMPTS_OPTION, LINE_OPTION):
+            for name in (FIRST_ATTEMPT_OPTION, ATTEMPTS_OPTION, LINE_OPTION, SENT_BACK_OPTION):
                 message.options.pop(name, None)
 
     def after_skip_message(self, broker: dramatiq.Broker, message: Any) -> None:

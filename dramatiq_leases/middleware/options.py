@@ -34,6 +34,10 @@ LEASE_MESSAGE_OPTIONS = ACTOR_OPTIONS | {LEASE_OPTION}
 ATTEMPTS_OPTION = "lease_busy_attempts"
 FIRST_ATTEMPT_OPTION = "lease_first_attempt_ms"
 
+#: Message option of a copy sent back after a Redis error: its run is remembered, like a waiter's, so that a
+#: second copy (an enqueue that timed out, was tried again, and reached the broker after all) never runs again.
+SENT_BACK_OPTION = "lease_sent_back"
+
 #: What ``lock_give_up`` may be: dead-letter the message, or acknowledge it without running it.
 GIVE_UP_ACTIONS = ("fail", "drop")
 

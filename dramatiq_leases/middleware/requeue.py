@@ -33,8 +33,21 @@ TRANSIENT_BROKER_ERRORS: tuple[type[BaseException], ...] = (
     redis.ConnectionError,
     redis.TimeoutError,
     redis.ReadOnlyError,
+    redis.exceptions.OutOfMemoryError,
     OSError,
 )
+
+#: Error replies of a Redis that is up but refuses writes for now (too few replicas, a failed save, a script
+#: running, a replica that lost its primary, a cluster reconfiguring).
+TRANSIENT_REPLIES = ("NOREPLICAS", "MISCONF", "BUSY", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN", "LOADING")
+
+
+def is_outage(error: BaseException) -> bool:
+    """Whether an enqueue failed because the broker cannot take the message for now, not because of the message."""
+    if isinstance(error, TRANSIENT_BROKER_ERRORS):
+        return True
+    return isinstance(error, redis.ResponseError) and str(error).split(" ", 1)[0] in TRANSIENT_REPLIES
+
 
 #: First pause between two attempts (s), doubled up to :data:`MAX_PAUSE_S`, with jitter.
 FIRST_PAUSE_S = 0.25
@@ -59,7 +72,9 @@ def enqueue_back(broker: dramatiq.Broker, message: Any, delay: int, deadline: fl
         attempts += 1
         try:
             broker.enqueue(message, delay=delay)
-        except TRANSIENT_BROKER_ERRORS as e:
+        except Exception as e:
+            if not is_outage(e):
+                raise
             left = deadline - time.monotonic()
             if attempts == 1:
                 logger.warning("Could not send message %s back to queue %r: %s. Trying again for up to %.0f s.",
