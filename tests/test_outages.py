@@ -155,6 +155,15 @@ def test_an_outage_while_sending_back_keeps_the_message(server: EmbeddedRedis,
     assert "Sent message" in said  # back in the broker once the server answered again
 
 
+def stop_while_sending_back(stack: Stack) -> None:
+    """Start ``stack``'s worker, wait until it fails to send its message back, and tell it to stop (0.5 s)."""
+    with said("Trying again") as retrying:
+        stack.start()
+        assert retrying.wait(15), "the send-back never failed"
+    assert stack.worker is not None
+    stack.worker.stop(timeout=500)
+
+
 def test_a_worker_stopping_during_the_outage_still_sends_the_message_back(server: EmbeddedRedis) -> None:
     """Redis restarts; the worker is told to stop meanwhile; it keeps the delivery until Redis is back: it runs once."""
     first = one_redis_stack(server, OutageOnFirstDelivery(server.stop))  # SIGTERM: the data is saved, as on a restart
@@ -164,12 +173,8 @@ def test_a_worker_stopping_during_the_outage_still_sends_the_message_back(server
     def export_first(n: int) -> None:
         runs.append(n)
 
-    message = export_first.send(7)
-    with said("Trying again") as retrying:
-        first.start()
-        assert retrying.wait(15), "the send-back never failed"
-    assert first.worker is not None
-    first.worker.stop(timeout=500)  # returns with the worker thread still trying
+    export_first.send(7)
+    stop_while_sending_back(first)  # returns with the worker thread still trying
 
     server.start()
     second = one_redis_stack(server)
@@ -180,10 +185,8 @@ def test_a_worker_stopping_during_the_outage_still_sends_the_message_back(server
 
     second.start()
     try:
-        wait_for(lambda: runs == [7], timeout=30, what="the message to run on the second worker")
-        wait_for(lambda: message.message_id in second.recorder.acked, what="its run to be acknowledged")
-        assert second.worker is not None
-        second.worker.join()  # nothing else is left to run: no second run
+        wait_for(lambda: runs, timeout=30, what="the message to run on the second worker")
+        wait_for(lambda: pending(server) == 0, timeout=20, what="every copy to be delivered and acknowledged")
     finally:
         second.stop()
         first.broker.close()
@@ -202,11 +205,7 @@ def test_an_interrupted_send_back_dead_letters_the_message_rather_than_lose_it(s
         runs.append(n)
 
     message = export.send(8)
-    with said("Trying again") as retrying:
-        stack.start()
-        assert retrying.wait(15), "the send-back never failed"
-    assert stack.worker is not None
-    stack.worker.stop(timeout=500)  # ShutdownNotifications raises Shutdown into the thread
+    stop_while_sending_back(stack)  # ShutdownNotifications raises Shutdown into the thread
     server.start()
     # Dramatiq retries the nack every 5 s until Redis answers.
     assert stack.recorder.wait_settled(message.message_id, timeout=30) == "nacked"

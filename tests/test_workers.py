@@ -130,8 +130,9 @@ def check_one_at_a_time(runs: list[dict[str, Any]], key: str) -> None:
 def test_mutual_exclusion_across_processes_and_threads(workers: Workers) -> None:
     workers.start(processes=2, threads=4)
     workers.consuming(2)
-    keys = ["a", "b", "c", "d"]
-    send_many(workers, "interval_job", [(key, 0.1) for key in keys for _ in range(6)])
+    # More keys than one process has threads: one process alone cannot take them all at once.
+    keys = ["a", "b", "c", "d", "e", "f", "g", "h"]
+    send_many(workers, "interval_job", [(key, 0.2) for key in keys for _ in range(3)])
     wait_for(lambda: len(workers.runs("interval")) >= 24, timeout=60, what=f"24 jobs to finish\n{workers.logs()}")
     runs = workers.runs("interval")
     assert len({r["message_id"] for r in runs}) == len(runs) == 24, "a message ran twice"

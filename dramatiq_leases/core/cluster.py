@@ -20,6 +20,31 @@ import redis
 Call = tuple[list[str], list[Any]]
 
 
+#: Replies that say a node is away, or the cluster down: the slot map is read again.
+_NODE_DOWN = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ClusterDownError)
+
+
+def _try_again(reply: Exception) -> bool:
+    """A call that met its slot mid-migration: its keys split between two nodes (``TRYAGAIN``), or, sent
+    with ``ASKING`` to the importing node, a key the script derives (a line's) not there yet."""
+    return isinstance(reply, redis.exceptions.TryAgainError) or (
+        isinstance(reply, redis.ResponseError) and "non local key" in str(reply))
+
+
+#: How long a call answered ``TRYAGAIN`` waits before it goes again (s), as redis-py's cluster client does.
+TRYAGAIN_PAUSE_S = 0.05
+
+
+class _Retry(NamedTuple):
+    """A call to send (again): to ``node`` (``None``: its slot's master in the slot map), with ``ASKING``."""
+
+    call: int
+    node: Any = None
+    asking: bool = False
+    error: Exception | None = None  # why it goes again: kept as its error if it cannot
+    failed: str = ""  # the node that could not be reached: it goes again only to another
+
+
 def call(client: Any, script: Any, keys: list[str], args: list[Any]) -> Any:
     """Run ``script`` on the node that serves ``keys``: its reply, or its error raised."""
     return run(client, script, [(keys, args)])[0]
@@ -84,30 +109,6 @@ def run(client: Any, script: Any, calls: list[Call]) -> list[Any]:
     if errors and all(reply is None for reply in out):
         raise errors[0]
     return out
-
-
-#: Replies that say a node is away, or the cluster down: the slot map is read again.
-_NODE_DOWN = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ClusterDownError)
-
-def _try_again(reply: Exception) -> bool:
-    """A call that met its slot mid-migration: its keys split between two nodes (``TRYAGAIN``), or, sent
-    with ``ASKING`` to the importing node, a key the script derives (a line's) not there yet."""
-    return isinstance(reply, redis.exceptions.TryAgainError) or (
-        isinstance(reply, redis.ResponseError) and "non local key" in str(reply))
-
-
-#: How long a call answered ``TRYAGAIN`` waits before it goes again (s), as redis-py's cluster client does.
-TRYAGAIN_PAUSE_S = 0.05
-
-
-class _Retry(NamedTuple):
-    """A call to send (again): to ``node`` (``None``: its slot's master in the slot map), with ``ASKING``."""
-
-    call: int
-    node: Any = None
-    asking: bool = False
-    error: Exception | None = None  # why it goes again: kept as its error if it cannot
-    failed: str = ""  # the node that could not be reached: it goes again only to another
 
 
 def _route(client: Any, calls: list[Call], todo: list[_Retry], errors: list[Exception]) -> list[tuple[int, Any, bool]]:

@@ -2,14 +2,16 @@
 
 A message this middleware skips is acknowledged once skipped, so its copy must be in the broker
 first. When the broker cannot take the copy (the same Redis as the lease store is down, a
-partition, a RabbitMQ restart), the worker thread keeps the delivery and tries again with backoff:
+partition, a RabbitMQ restart, a Redis refusing writes for now: :func:`is_outage`), the worker
+thread keeps the delivery and tries again with backoff:
 acknowledging it would lose the message, failing it would dead-letter a message that did nothing
 wrong. It keeps trying through a worker shutdown, as Dramatiq keeps trying an acknowledgement:
 if the process exits first, the delivery was never acknowledged and the broker delivers it again
 (RabbitMQ when the connection drops, Redis when the worker's heartbeat lapses). It stops only at a
 deadline set well inside the actor's time limit, whose interruption would otherwise end the
 delivery as processed; the message is then failed, and goes to the dead-letter queue once the
-broker answers: logged, never silently dropped.
+broker answers: logged, never silently dropped. An attempt that timed out may have reached the
+broker all the same: two copies then, of which only one runs (see ``SENT_BACK_OPTION``).
 """
 
 from __future__ import annotations
