@@ -6,7 +6,8 @@ from .heartbeat import Heartbeat
 from .info import LeaseInfo, State, stale_after
 from .keys import DEFAULT_PREFIX, KeyTemplate
 from .lease import Busy, Lease, LostReason, Renewal
-from .store import DeadRelease, Leases
+from .recovery import DeadRelease
+from .store import Leases
 
 __all__ = [
     "DEFAULT_PREFIX",

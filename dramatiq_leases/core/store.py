@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple, NoReturn
+from typing import Any, NoReturn
 
 import redis
 from redis.cluster import RedisCluster
@@ -30,6 +30,7 @@ from .lease import Busy, Lease, Renewal, Wait, default_interval, new_token
 from .line import DEFAULT_PARK_MS, DEFAULT_READY, PROMOTE_MS, LeaseLine
 from .numbers import MAX_TIMESTAMP_MS, margin_ms, whole_count, whole_ms
 from .reading import LeaseReading
+from .recovery import LeaseRecovery
 from .replication import DEFAULT_REPLICA_TIMEOUT_MS, MAX_REPLICAS, check_replication, evalsha_acked, not_replicated
 
 _new_token = new_token  # for methods whose parameter is named new_token
@@ -43,22 +44,6 @@ def _check_numbers(ttl: Any, interval: Any, max_hold: Any) -> tuple[int, int, in
     return ttl, interval, max_hold
 
 
-class DeadRelease(NamedTuple):
-    """What :meth:`Leases.release_if_dead` did.
-
-    Attributes:
-      released: ``True`` if released, ``False`` if refused, ``None`` if there is no such lease.
-      deadline_in: seconds until the lease may be released, its holder's
-        deadline plus safety margin (negative: past it), or ``None`` when the
-        key does not say (it then expires by its TTL).
-      fence: the fence of the lease found (0 if unknown).
-    """
-
-    released: bool | None
-    deadline_in: float | None
-    fence: int
-
-
 _WAITS = [Wait.NONE, Wait.IN_PLACE, Wait.PARK, Wait.SOON, Wait.DUPLICATE]
 
 _RENEW_CODES = {"1": Renewal.OK, "0": Renewal.GONE, "s": Renewal.STOLEN, "m": Renewal.MAX_HOLD}
@@ -69,7 +54,7 @@ _ACQUIRE_SPAN, _RENEW_SPAN, _RELEASE_SPAN = f"EVALSHA {_ACQUIRE}", f"EVALSHA {_R
 _RENEW_PIPELINE_SPAN = f"PIPELINE EVALSHA {_RENEW}"
 
 
-class Leases(LeaseReading, LeaseLine):
+class Leases(LeaseReading, LeaseLine, LeaseRecovery):
     """Leases on keys, stored in one Redis deployment (standalone, Sentinel or Cluster).
 
     Parameters:
@@ -480,26 +465,3 @@ class Leases(LeaseReading, LeaseLine):
                 released = int(reply) == 1
             span.set_attribute(tracing.OUTCOME, "released" if released else "not_held")
         return released
-
-    def release_if_dead(self, key: str) -> DeadRelease:
-        """Release the lease on ``key`` only if no holder can still be running under it.
-
-        Decided inside one script from facts the holder wrote itself: its
-        deadline and the margin its actor has to stop have passed
-        (:attr:`LeaseInfo.ends_ms`; the key outlived them because its TTL was
-        changed by hand); or the hash does not say and the key has no TTL
-        (written by hand). A holder whose heartbeat is merely overdue keeps
-        its lease: it may still be running, and the key expires by itself at
-        that same instant.
-        """
-        with unavailable(f"release lease {key!r}", key):
-            reply = self._release_if_dead(keys=[self.lease_name(validate_key(key)), self.fence_name(key)],
-                                          args=[self.fence_retention_ms])
-        code = int(reply[0])
-        if code < 0:
-            return DeadRelease(None, None, 0)
-        ms, fence = int(reply[1]), int(reply[2])
-        if code == 1:
-            return DeadRelease(True, -ms / 1000, fence)
-        return DeadRelease(False, ms / 1000 if ms >= 0 else None, fence)
-
