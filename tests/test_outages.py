@@ -2,9 +2,10 @@
 
 The quickstart's set-up (one Redis for the broker and the leases) is the hard case: when that Redis is away, the
 acquire fails (fail closed) and so does sending the message back. The outage here is the real server frozen
-with ``SIGSTOP`` (connections hang until their socket timeouts, as in a partition; nothing is lost meanwhile)
-and thawed with ``SIGCONT``. It starts in a middleware ahead of ``LeaseMiddleware``, after the worker took the
-message and before the lease is asked for.
+with ``SIGSTOP`` (connections hang until their socket timeouts, as in a partition; what was sent meanwhile is
+applied once it is thawed with ``SIGCONT``), or stopped and started again with its data (connections refused,
+as in a restart), or refusing writes (out of memory, too few replicas). It starts in a middleware ahead of
+``LeaseMiddleware``, after the worker took the message and before the lease is asked for.
 """
 
 from __future__ import annotations
