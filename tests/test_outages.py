@@ -195,6 +195,29 @@ def test_a_worker_stopping_during_the_outage_still_sends_the_message_back(server
     assert dead_letters(server) == []
 
 
+def test_the_send_back_gives_up_at_half_the_time_limit(server: EmbeddedRedis) -> None:
+    """An actor with a 2 s time limit: the thread stops trying after 1 s (before TimeLimit would end the delivery
+    as processed) and fails the message, which reaches the dead-letter queue once Redis is back."""
+    stack = one_redis_stack(server, OutageOnFirstDelivery(server.stop))
+    runs: list[int] = []
+
+    @stack.actor(lock_key="export:{n}", max_retries=0, time_limit=2_000)
+    def export(n: int) -> None:
+        runs.append(n)
+
+    message = export.send(5)
+    with said("near its time limit") as gave_up:
+        stack.start()
+        assert gave_up.wait(10), "the send-back went on past half the time limit"
+    server.start()
+    try:
+        assert stack.recorder.wait_settled(message.message_id, timeout=30) == "nacked"
+    finally:
+        stack.stop()
+    assert dead_letters(server) == [message.message_id]
+    assert runs == []
+
+
 def test_an_interrupted_send_back_dead_letters_the_message_rather_than_lose_it(server: EmbeddedRedis) -> None:
     """Dramatiq interrupts the waiting thread (Shutdown): the message is failed, and dead-lettered once Redis is back."""
     stack = one_redis_stack(server, OutageOnFirstDelivery(server.stop))
