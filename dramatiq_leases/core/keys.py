@@ -32,10 +32,47 @@ def validate_key(key: object, *, what: str = "lease key") -> str:
     return key
 
 
+#: The kinds of Redis key a lease key has, named ``{prefix}:{kind}:{tag}`` (see :func:`lease_name` and its siblings).
+KEY_KINDS = ("lease", "fence", "line", "waiters", "done")
+
+_GLOB = "glob characters in the SCAN patterns that `list` and the exporter build from the prefix would match other keys"
+
+#: Characters a prefix may not hold, and why: the prefix is matched literally in ``SCAN`` patterns only if it
+#: holds none of Redis's glob characters (backslash is the glob escape), and braces would end the hash tag.
+_FORBIDDEN_IN_PREFIX = {
+    "{": "braces would end the Redis Cluster hash tag early",
+    "}": "braces would end the Redis Cluster hash tag early",
+    "*": _GLOB, "?": _GLOB, "[": _GLOB, "]": _GLOB,
+    "\\": "a backslash escapes the next character in the SCAN patterns that `list` and the exporter build from "
+          "the prefix, which would then miss the prefix's leases",
+}
+
+
 def validate_prefix(prefix: object) -> str:
-    """Return ``prefix`` if it is a usable key prefix, else raise :class:`LeaseConfigError`."""
-    if not isinstance(prefix, str) or not prefix or any(c in prefix for c in "{}*?[]"):
-        raise LeaseConfigError(f"prefix must be a non-empty string without braces or glob characters, got {prefix!r}")
+    """Return ``prefix`` if it is a usable key prefix, else raise :class:`LeaseConfigError`.
+
+    A prefix is a non-empty string without braces or glob characters (``* ? [ ] \\``), so that every
+    ``SCAN`` pattern built from it matches it literally, and with no segment after its first colon that is
+    one of :data:`KEY_KINDS` (``app:line``, ``app:lease:eu``; equivalently: ``:line:`` is not in
+    ``prefix + ":"``): the readers find a lease's sibling keys by the first ``:line:`` of a name
+    (``{prefix}:line:{tag}`` to ``{prefix}:waiters:{tag}``), and another prefix's ``SCAN`` (``app`` scanning
+    ``app:lease:*``) would take such a prefix's keys for its own.
+    """
+    if not isinstance(prefix, str) or not prefix:
+        raise LeaseConfigError(f"prefix must be a non-empty string, got {prefix!r}")
+    for char, why in _FORBIDDEN_IN_PREFIX.items():
+        if char in prefix:
+            raise LeaseConfigError(
+                f"prefix must be without braces, glob characters or backslashes: {prefix!r} holds {char!r}; {why}"
+            )
+    for kind in KEY_KINDS:
+        # "{prefix}:" is how every name starts: a ":kind:" in it comes before the name's own kind.
+        if f":{kind}:" in prefix + ":":
+            raise LeaseConfigError(
+                f"prefix must not contain ':{kind}:' nor end with ':{kind}': in {prefix!r} it would be taken "
+                f"for the kind of key that follows the prefix in each Redis key name ({{prefix}}:{kind}:{{...}}), "
+                "so sibling keys would be derived wrongly and other prefixes' scans would take its keys for theirs"
+            )
     return prefix
 
 
@@ -81,12 +118,15 @@ def wake_name(prefix: str, key: str, waiter: str) -> str:
 
 
 def line_pattern(prefix: str) -> str:
-    """A ``SCAN MATCH`` pattern for every line (not the wake lists)."""
+    """A ``SCAN MATCH`` pattern for every line (and the wake lists, whose names end with a waiter id).
+
+    The prefix is matched literally: :func:`validate_prefix` refused glob characters and backslashes.
+    """
     return f"{prefix}:line:{{*}}"
 
 
 def lease_pattern(prefix: str, match: str = "*") -> str:
-    """A ``SCAN MATCH`` pattern for lease hashes whose tag matches ``match``."""
+    """A ``SCAN MATCH`` pattern for lease hashes whose tag matches the glob ``match`` (the prefix, literally)."""
     return f"{prefix}:lease:{{{match}}}"
 
 
