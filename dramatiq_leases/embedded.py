@@ -50,7 +50,9 @@ class EmbeddedRedis:
     only if ``persist`` is true).
     """
 
-    def __init__(self, port: int | None = None, *, persist: bool = False, extra_args: tuple[str, ...] = ()) -> None:
+    def __init__(self, port: int | None = None, *, persist: bool = False, extra_args: tuple[str, ...] = (),
+                 binary: str | None = None) -> None:
+        self.binary = binary  # a redis-server (or valkey-server) of one's choice; default redis_server_binary()
         self._auto_port = port is None
         self.port = port or free_port()
         self.persist = persist
@@ -80,7 +82,7 @@ class EmbeddedRedis:
     def _start_once(self, timeout: float) -> bool:
         persistence = ["--appendonly", "yes"] if self.persist else ["--save", "", "--appendonly", "no"]
         self.process = subprocess.Popen(
-            [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
+            [self.binary or redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
              "--daemonize", "no", "--loglevel", "warning", *persistence, *self.extra_args],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,

