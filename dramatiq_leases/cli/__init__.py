@@ -33,7 +33,7 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
-from typing import TextIO
+from typing import TextIO, cast
 
 from ..core import Leases
 from ..core.errors import LeaseError, LeaseUnavailableError
@@ -55,7 +55,7 @@ from .commands import (
     cmd_release,
     cmd_show,
 )
-from .render import format_duration
+from .render import PrintableWriter, format_duration, printable
 
 # What `dramatiq_leases.cli` offered as one module, still importable from here.
 __all__ = [
@@ -199,7 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _fail(err: TextIO, text: str) -> None:
-    err.write("dramatiq-leases: " + " ".join(text.split()) + "\n")
+    # One line (newlines and tabs folded), its control characters escaped: messages quote keys and holders.
+    err.write("dramatiq-leases: " + printable(" ".join(text.split())) + "\n")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -212,6 +213,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.redis_url = getattr(args, "redis_url", None)
     args.prefix = getattr(args, "prefix", None)
     out, err = sys.stdout, sys.stderr
+    if not getattr(args, "json", False):
+        # Behind the escaping of each field (render.py): no raw control character reaches the terminal.
+        out = cast(TextIO, PrintableWriter(out))
     try:
         if args.command == "demo":
             try:

@@ -1,12 +1,61 @@
-"""How ``dramatiq-leases`` puts leases into words: durations, times, tables, states and verdicts."""
+"""How ``dramatiq-leases`` puts leases into words: durations, times, tables, states and verdicts.
+
+Keys and holder metadata are whatever was written to Redis, by anyone who can write there or send a message:
+every human-readable output shows their control characters as escapes (:func:`printable`), so that a key
+holding ``ESC[1A ESC[2K`` cannot erase the row above it and forge another on the operator's screen.
+``--json`` needs none of this: :func:`json.dump` escapes them (and, with its default ``ensure_ascii``, every
+character outside ASCII).
+"""
 
 from __future__ import annotations
 
 from datetime import datetime, timezone
-from typing import Any, TextIO
+from typing import IO, Any, TextIO
 
 from ..core import DeadRelease, LeaseInfo, State, stale_after
 from ..core.reading import LineInfo
+
+
+def _escape(char: str) -> str:
+    code = ord(char)
+    if code <= 0xFF:
+        return f"\\x{code:02x}"
+    return f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}"
+
+
+def printable(text: str) -> str:
+    """``text`` with every character a terminal may act on or hide shown as an escape, as ``repr`` does.
+
+    C0 controls (newline and tab included), DEL, C1 controls, the format characters (bidirectional overrides
+    such as U+202E, zero-width characters), separators other than the space, surrogates, private-use and
+    unassigned code points: whatever :meth:`str.isprintable` refuses becomes ``\\x1b``, ``\\u202e`` or
+    ``\\U000e0001``. A backslash is left as it is, so the text of a key stays copyable and escaping twice
+    changes nothing (a key spelling ``\\x1b`` out reads as one holding ESC would: neither moves the cursor).
+    """
+    if text.isprintable():  # the common case: nothing to do
+        return text
+    return "".join(c if c.isprintable() else _escape(c) for c in text)
+
+
+class PrintableWriter:
+    """A text stream's ``write`` that shows control characters as escapes (:func:`printable`), newlines apart.
+
+    The CLI's human output goes through one, as a second guard behind the escaping of each field: a line added
+    later that prints a field raw still cannot move the cursor or recolour the screen (though a newline in
+    that field would start a line of its own: fields must still be escaped). JSON passes through unchanged.
+    """
+
+    def __init__(self, stream: IO[str]) -> None:
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        """Write ``text`` escaped, keeping its newlines; returns ``len(text)``, as a stream's ``write`` does."""
+        self.stream.write("\n".join(map(printable, text.split("\n"))))
+        return len(text)
+
+    def flush(self) -> None:
+        """Flush the stream."""
+        self.stream.flush()
 
 
 def format_duration(seconds: float | None) -> str:
@@ -33,10 +82,14 @@ def is_lease(info: LeaseInfo) -> bool:
     return bool(info.token)
 
 
-def holder(info: LeaseInfo) -> str:
-    """The holder as ``host:pid``, or ``-``."""
+def _holder(info: LeaseInfo) -> str:
     host, pid = info.meta.get("host", ""), info.meta.get("pid", "")
     return f"{host}:{pid}" if host or pid else "-"
+
+
+def holder(info: LeaseInfo) -> str:
+    """The holder as ``host:pid``, or ``-``, for a terminal (:func:`printable`; ``--json`` has it as written)."""
+    return printable(_holder(info))
 
 
 def ttl_left(info: LeaseInfo) -> str:
@@ -91,13 +144,14 @@ def _by_max_hold(info: LeaseInfo) -> bool:
 def lease_dict(info: LeaseInfo, problem: str | None) -> dict[str, Any]:
     """The JSON object of a lease, or of a key that is not a lease (``problem`` says why)."""
     if problem is None:
-        return {**info.as_dict(), "leaked": info.state.leaked, "holder": holder(info)}
+        return {**info.as_dict(), "leaked": info.state.leaked, "holder": _holder(info)}
     # Not a lease hash: its timestamps are absent, so report only what is real.
     return {"key": info.key, "redis_key": info.redis_key, "state": info.state.value,
             "leaked": info.state.leaked, "ttl_left": info.ttl_left, "problem": problem}
 
 
 def _table(rows: list[list[str]], out: TextIO) -> None:
+    rows = [[printable(cell) for cell in row] for row in rows]  # escaped before measuring: escapes take room
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         out.write("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() + "\n")
@@ -119,7 +173,7 @@ def write_list(found: list[LeaseInfo], problems: dict[str, str | None], out: Tex
     for info in found:
         problem = problems[info.redis_key]
         if problem is not None:
-            out.write(f"note: {info.redis_key} is {problem}; no dramatiq-leases code wrote it.\n")
+            out.write(f"note: {printable(info.redis_key)} is {problem}; no dramatiq-leases code wrote it.\n")
     states = {info.state for info in found}
     if State.HEARTBEAT_OVERDUE in states:
         out.write("note: heartbeat_overdue: renewals are late, but the holder may still be running until its "
@@ -164,7 +218,9 @@ def describe_line(line: LineInfo) -> str:
     if not line.length:
         return "empty"
     states = ", ".join(f"{n} {state}" for state, n in sorted(line.states.items()))
-    return f"{line.length} waiting ({states}); head {line.head}; oldest waiting {format_duration(line.oldest_wait)}"
+    # Escaped whole: the head and the states are as the waiters' entries spell them.
+    return printable(f"{line.length} waiting ({states}); head {line.head}; oldest waiting "
+                     f"{format_duration(line.oldest_wait)}")
 
 
 def line_dict(line: LineInfo) -> dict[str, Any]:
@@ -198,6 +254,8 @@ def write_show(info: LeaseInfo, token: str | None, fences: dict[str, int], line:
          or "none"),
         ("line", describe_line(line)),
     ]
+    # Field names too: the metadata's come from whoever wrote the hash.
+    lines = [(printable(name), printable(value)) for name, value in lines]
     width = max(len(name) for name, _ in lines)
     for name, value in lines:
         out.write(f"{name.ljust(width)}  {value}\n")
