@@ -200,6 +200,14 @@ def evalsha(client: Any, script: Any, keys: list[str], args: list[Any]) -> Any:
         return client.evalsha(script.sha, len(keys), *keys, *args)
 
 
+def pool_connection(pool: Any) -> Any:
+    """A connection taken from a redis-py connection pool (release it with ``pool.release``)."""
+    try:
+        return pool.get_connection()
+    except TypeError:  # redis-py before 5.3 wants a command name
+        return pool.get_connection("EVALSHA")
+
+
 def pipelined(client: Any, commands: Sequence[Sequence[Any]]) -> list[Any]:
     """Send ``commands`` on one connection in one write, then read their replies in order: one round trip.
 

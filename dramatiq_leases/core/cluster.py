@@ -16,6 +16,8 @@ from typing import Any, NamedTuple
 
 import redis
 
+from .client import pool_connection
+
 #: One script call: its keys (all in one slot) and its arguments.
 Call = tuple[list[str], list[Any]]
 
@@ -151,7 +153,7 @@ def _fan_out(todo: list[tuple[int, Any, bool]], script: Any, calls: list[Call]) 
                 commands.append(("EVALSHA", script.sha, len(keys), *keys, *args))
             conn = None
             try:
-                conn = _connection(pool)  # connects, and greets the node, if it must: may time out too
+                conn = pool_connection(pool)  # connects, and greets the node, if it must: may time out too
                 conn.send_packed_command(conn.pack_commands(commands))
             except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
                 if conn is not None:
@@ -187,13 +189,6 @@ def _read(conn: Any) -> Any:
         return conn.read_response()
     except redis.ResponseError as e:
         return e
-
-
-def _connection(pool: Any) -> Any:
-    try:
-        return pool.get_connection()
-    except TypeError:  # redis-py before 5.3 wants a command name
-        return pool.get_connection("EVALSHA")
 
 
 def _refresh(client: Any) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 
 from redis.cluster import RedisCluster
 
-from .client import MAX_BLOCK_S, RedisClient, ThreadConnections, connection_kwargs, unavailable
+from .client import MAX_BLOCK_S, RedisClient, ThreadConnections, connection_kwargs, pool_connection, unavailable
 from .keys import lease_name, validate_key, wake_name
 
 #: How many waiters of one key may wait in place (holding a thread) by default.
@@ -98,10 +98,30 @@ class LeaseLine:
                 return self._threads.blpop(name, block_ms)
             limit = (connection_kwargs(self.client).get("socket_timeout") or MAX_BLOCK_S + 1) - 0.5
             timeout = max(0.05, min(block_ms / 1000, limit))
-            return self._node_of(name).blpop([name], timeout=timeout) is not None
+            return _blpop(self._node_of(name), name, timeout)
 
     def _node_of(self, name: str) -> Any:
         """The client for the Redis key ``name``: the master of its slot, on a Cluster (without retries)."""
         if isinstance(self.client, RedisCluster):
             return self.client.get_node_from_key(name).redis_connection  # type: ignore[no-untyped-call]
         return self.client
+
+
+def _blpop(client: Any, name: str, timeout: float) -> bool:
+    """``BLPOP name timeout`` on a connection of ``client``'s pool; ``True`` if popped.
+
+    Not ``client.blpop``: redis-py returns its connection to the pool whatever interrupts the call, and an
+    asynchronous exception between sending the command and reading its reply would leave the reply for
+    the connection's next user to take as its own. Here such a connection is closed first.
+    """
+    pool = client.connection_pool
+    conn = pool_connection(pool)
+    try:
+        conn.send_command("BLPOP", name, timeout)
+        reply = conn.read_response()
+    except BaseException:
+        conn.disconnect()
+        raise
+    finally:
+        pool.release(conn)
+    return reply is not None

@@ -25,6 +25,10 @@ SKIP_MARK = "lease_skipped"
 #: Set too when the skipped message comes back (sent back or parked): it is not done yet.
 REQUEUED_MARK = "lease_requeued"
 
+#: How many interruptions a send-back absorbs (each costs one more enqueue). Dramatiq's sources raise once
+#: per delivery each (TimeLimit, Shutdown); the bound keeps a misbehaving one from holding the thread.
+MAX_INTERRUPTIONS = 4
+
 
 class RoutineSkipFilter(logging.Filter):
     """Drops Dramatiq's WARNING for deliveries this middleware skipped on purpose (it logs its own)."""
@@ -133,16 +137,25 @@ def send_back(
 
 
 def _hand_back(broker: dramatiq.Broker, message: Any, copy: Any, delay: int, deadline: float) -> None:
-    """Skip this delivery once ``copy`` is in the broker; fail it if the copy cannot get there (see :mod:`.requeue`)."""
-    try:
-        sent = enqueue_back(broker, copy, delay, deadline)
-    except Interrupt:
-        # Dramatiq would acknowledge an interrupted delivery (its retry cannot be sent either): lost.
-        message.fail()
-        raise
-    except Exception:
-        logger.exception("Could not send message %s back to the queue; failing it instead.", message.message_id)
-        sent = False
+    """Skip this delivery once ``copy`` is in the broker; fail it if the copy cannot get there (see :mod:`.requeue`).
+
+    An interruption (``Shutdown``, ``TimeLimitExceeded``) while the broker is asked does not end this: the
+    enqueue it cut short may have been applied all the same, so the copy is sent again and the delivery is
+    skipped. A second copy never runs (its run is remembered by its waiter id, see ``SENT_BACK_OPTION``);
+    failing the delivery instead would dead-letter a message whose copy runs, and raising the interruption
+    on would make Retries send a retry (a new waiter id) beside the copy: a double run.
+    """
+    sent = False
+    for _ in range(MAX_INTERRUPTIONS + 1):
+        try:
+            sent = enqueue_back(broker, copy, delay, deadline)
+            break
+        except Interrupt as e:
+            logger.info("Sending message %s back was interrupted (%s); sending it again.", message.message_id,
+                        type(e).__name__)
+        except Exception:
+            logger.exception("Could not send message %s back to the queue; failing it instead.", message.message_id)
+            break
     if not sent:
         message.fail()  # not acknowledged as skipped: that would lose it
         return

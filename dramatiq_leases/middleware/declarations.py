@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import string
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -10,11 +11,45 @@ import dramatiq
 from dramatiq.middleware.time_limit import TimeLimit
 
 from ..core.errors import LeaseConfigError, LeaseKeyError
-from ..core.keys import KeyTemplate
+from ..core.keys import MAX_KEY_LENGTH, KeyTemplate
 from ..core.lease import Lease
 from ..core.scripts import MAX_MS
 from .errors import LeaseKeyRenderError, LeaseOptionError
 from .options import ACTOR_OPTIONS, LEASE_MESSAGE_OPTIONS, LEASE_OPTION, TIME_LIMIT_GRACE, Options, optional_ms, resolve
+
+#: How many distinct message-level ``lock_key`` templates are kept prepared (then the cache starts again):
+#: a producer sending one template per invoice must not grow a worker without bound.
+MESSAGE_TEMPLATE_CACHE = 256
+
+
+def check_message_template(spec: object, actor: str) -> str:
+    """``spec`` if a message may carry it as ``lock_key``, else :class:`LeaseOptionError`.
+
+    A message is input from whoever can write to the broker, so its template is checked before any
+    work, and may hold only literal text and plain ``{parameter}`` fields: no format spec
+    (``{x:>300000000}`` would allocate gigabytes), no conversion, no attribute or index access
+    (``{x.__class__}`` walks objects). Rendering it then costs about the size of the arguments.
+    """
+    owner = f"actor {actor!r}"
+    if not isinstance(spec, str):
+        raise LeaseOptionError(f"{owner}: a message's lock_key must be a template string, got {spec!r}",
+                               actor=actor)
+    if len(spec) > MAX_KEY_LENGTH:
+        raise LeaseOptionError(f"{owner}: a message's lock_key is {len(spec)} characters long; the limit is "
+                               f"{MAX_KEY_LENGTH}: {spec[:64]!r}...", actor=actor)
+    try:
+        fields = [(name, conversion, fmt) for _, name, fmt, conversion in string.Formatter().parse(spec)
+                  if name is not None]
+    except ValueError as e:
+        raise LeaseOptionError(f"{owner}: a message's lock_key {spec!r} is not a valid template: {e}",
+                               actor=actor) from None
+    for name, conversion, fmt in fields:
+        if conversion is not None or fmt or not name.isidentifier():
+            raise LeaseOptionError(
+                f"{owner}: a message's lock_key {spec!r} may only use plain {{parameter}} fields, got "
+                f"{{{name}{'!' + conversion if conversion else ''}{':' + fmt if fmt else ''}}} (format specs, "
+                "conversions and attribute or index access are for the actor's own lock_key)", actor=actor)
+    return spec
 
 
 class Declarations:
@@ -83,14 +118,13 @@ class Declarations:
             return template
         cached = self._message_templates.get((actor_name, spec)) if isinstance(spec, str) else None
         if cached is None:
-            owner = f"actor {actor_name!r}"
-            if not isinstance(spec, str):
-                raise LeaseOptionError(f"{owner}: a message's lock_key must be a template string, got {spec!r}",
-                                       actor=actor_name)
+            check_message_template(spec, actor_name)
             try:
-                cached = KeyTemplate(spec, self._fns[actor_name], owner=owner)
+                cached = KeyTemplate(spec, self._fns[actor_name], owner=f"actor {actor_name!r}")
             except LeaseConfigError as e:
                 raise LeaseOptionError(str(e), actor=actor_name) from None
+            if len(self._message_templates) >= MESSAGE_TEMPLATE_CACHE:
+                self._message_templates.clear()
             self._message_templates[(actor_name, spec)] = cached
         return cached
 

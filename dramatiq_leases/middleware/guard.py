@@ -78,7 +78,7 @@ class Run:
     """
 
     __slots__ = ("coroutine_running", "end_deferred", "injected", "key", "lease", "lock", "lost_reason",
-                 "release_tried", "released", "state", "thread_id", "token", "waiter")
+                 "release_tried", "released", "returned", "state", "thread_id", "token", "waiter")
 
     def __init__(self, key: str, token: str, thread_id: int) -> None:
         self.key = key
@@ -87,6 +87,9 @@ class Run:
         self.lease: Lease | None = None
         # Its id in the key's line, if it waited there (see dramatiq_leases.core.line).
         self.waiter: str | None = None
+        # What the actor returned, stored by C code the instant it returns: empty if it never did
+        # (it raised, was interrupted, or never ran). Only a run that returned is remembered as done.
+        self.returned: list[Any] = []
         self.lock = threading.Lock()
         self.state = READY
         self.lost_reason: LostReason | None = None
@@ -159,7 +162,7 @@ def call_under(run: Run, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: 
     in it. An interruption that lands after ``fn`` returned never fails the
     call; one raised inside ``fn`` propagates as ``fn``'s own exception.
     """
-    out: list[Any] = []
+    out = run.returned
     error: BaseException | None = None
     try:
         run.begin()

@@ -14,7 +14,7 @@ from typing import Any, NoReturn
 
 import dramatiq
 from dramatiq.asyncio import async_to_sync
-from dramatiq.middleware import Middleware, SkipMessage
+from dramatiq.middleware import Interrupt, Middleware, SkipMessage
 
 from ..core.client import client_from_url, connection_kwargs
 from ..core.errors import LeaseConfigError, LeaseKeyError, LeaseUnavailableError
@@ -28,7 +28,7 @@ from ..exposition import WorkerExposition
 from ..metrics import LeaseMetrics, PrometheusMetrics
 from ..tracing import record_keys
 from .backoff import DEFAULT_MAX_BACKOFF, DEFAULT_MIN_BACKOFF
-from .busy import SKIP_MARK, RoutineSkipFilter, gives_up, on_busy, send_back
+from .busy import REQUEUED_MARK, SKIP_MARK, RoutineSkipFilter, gives_up, on_busy, send_back
 from .declarations import Declarations
 from .dramatiq_metrics import DramatiqPrometheus
 from .errors import LeaseOptionError
@@ -249,6 +249,32 @@ class LeaseMiddleware(Middleware):
         except SkipMessage:
             message.options[SKIP_MARK] = True  # whose skip it is, for Dramatiq's Prometheus middleware and logs
             raise
+        except Interrupt as e:
+            self._interrupted(broker, message, e)
+
+    def _interrupted(self, broker: dramatiq.Broker, message: Any, error: Interrupt) -> NoReturn:
+        """``Shutdown`` or ``TimeLimitExceeded`` before the actor started: the message goes back, keeping its place.
+
+        Raised on, the interruption would reach Retries, which sends a retry with a new retry count: a new
+        waiter that has lost its place, and beside a copy already sent back, a double run. A lease the
+        interrupted call may have been granted is released by the after-hooks (by this delivery's token).
+        """
+        if message.actor_name not in self.declarations.actors:
+            raise error  # not a leased actor: Dramatiq's usual handling
+        if not (message.options.get(REQUEUED_MARK) or message.failed):  # else: settled before the interruption
+            logger.info("Message %s was interrupted (%s) before its actor started; sending it back.",
+                        message.message_id, type(error).__name__)
+            try:
+                actor = broker.get_actor(message.actor_name)
+                opts = self.declarations.message_options(message, actor)
+                limit = self.declarations.time_limit(message, actor)
+            except Exception as e:  # options the interruption came before checking: refused, as they would be
+                self._refuse(message, e)
+            first = int(message.options.get(FIRST_ATTEMPT_OPTION) or 0)
+            send_back(broker, message, opts, time.monotonic() + (math.inf if limit is None else limit / 2000),
+                      count_attempt=True, first_ms=first or None, now_ms=int(time.time() * 1000), remember=True)
+        message.options[SKIP_MARK] = True
+        raise SkipMessage(f"interrupted ({type(error).__name__}) before the actor started") from None
 
     def _acquire_or_skip(self, broker: dramatiq.Broker, message: Any) -> None:
         hook_started = time.monotonic()
@@ -300,10 +326,13 @@ class LeaseMiddleware(Middleware):
                 # Fail closed: no lease, no run.
                 self.metrics.acquire(meta, "error", time.monotonic() - started)
                 self.metrics.redis_error("acquire")
-                logger.warning("Could not acquire lease %r for message %s: %s. Retrying later.", key,
-                               message.message_id, e)
+                # One WARNING per message, not per round: an outage would otherwise log one every backoff.
+                repeated = bool(message.options.get(SENT_BACK_OPTION))
+                logger.log(logging.DEBUG if repeated else logging.WARNING,
+                           "Could not acquire lease %r for message %s: %s. Retrying later%s.", key,
+                           message.message_id, e, " (again)" if repeated else ", with growing backoff")
                 self.waiting.forget_thread()
-                send_back(broker, message, opts, hand_back_by, count_attempt=False, remember=True)
+                send_back(broker, message, opts, hand_back_by, count_attempt=True, remember=True)
                 raise SkipMessage(f"lease {key!r} unavailable: {e}") from None
             if isinstance(result, Lease):
                 self.waiting.forget_thread()
@@ -312,6 +341,7 @@ class LeaseMiddleware(Middleware):
             if not first:
                 first = result.now_ms
                 meta["first_attempt_ms"] = str(first)  # stored with the lease it gets: how long it waited
+                message.options[FIRST_ATTEMPT_OPTION] = first  # its place, if it is interrupted and sent back
             if result.wait is Wait.IN_PLACE and not gives_up(opts, first, result.now_ms) and not self.waiting.stopping:
                 block_ms = min(result.block_ms, max(1, int((budget - in_place) * 1000)))
                 if opts.max_wait is not None:  # wake up in time to give up
@@ -364,9 +394,13 @@ class LeaseMiddleware(Middleware):
         if isinstance(handed, dict) and handed.get("key") == key and handed.get("token"):
             adopted = self.leases.adopt(key, handed["token"], opts.ttl, interval=opts.renew_interval,
                                         max_hold=max_hold, meta=meta, new_token=run.token)
-            if adopted is not None:
+            if isinstance(adopted, Lease):
                 return adopted
-            logger.info("Lease %r handed over with the message has ended; acquiring anew.", key)
+            # Ended, or held by another token (an earlier adopter: a token replaced never holds again). Its
+            # copies must not carry it: the message waits in the key's line like any other.
+            options.pop(LEASE_OPTION, None)
+            logger.info("Lease %r handed over with message %s has %s; acquiring anew.", key, meta["message_id"],
+                        "ended" if adopted is None else "been adopted or taken by another holder")
         return self.leases.try_acquire(key, opts.ttl, interval=opts.renew_interval, max_hold=max_hold, meta=meta,
                                        token=run.token, waiter=waiter, first_ms=first, may_wait=may_wait,
                                        ready=READY_PER_KEY, park_ms=PARK_MS)

@@ -10,6 +10,7 @@ from typing import Any
 from ..core.errors import LeaseConfigError
 from ..core.lease import default_interval
 from ..core.numbers import whole_ms
+from ..core.scripts import MAX_MS
 from .errors import LeaseOptionError
 
 #: Actor options, each also accepted as a message option (``send_with_options``).
@@ -54,6 +55,10 @@ DEFAULT_GIVE_UP = "fail"
 #: margin (a tenth) must exceed a scheduler tick.
 MIN_TTL = 100
 
+#: The longest backoff (ms): a message sent back is a delayed message, and Dramatiq's brokers take
+#: delays of less than 7 days.
+MAX_DELAY = 7 * 24 * 3600 * 1000 - 1
+
 #: Added to the actor's ``time_limit`` (and TimeLimit's check interval) to make
 #: the default ``lock_max_hold``: the time limit, the real reason, fires first.
 TIME_LIMIT_GRACE = 1_000
@@ -72,10 +77,10 @@ class Options:
     give_up: str
 
 
-def ms(owner: str, name: str, value: Any, *, minimum: int = 1) -> int:
+def ms(owner: str, name: str, value: Any, *, minimum: int = 1, maximum: int = MAX_MS) -> int:
     """``value`` as whole milliseconds, else :class:`LeaseOptionError` naming ``owner`` and ``name``."""
     try:
-        return whole_ms(value, name, minimum=minimum, owner=owner)
+        return whole_ms(value, name, minimum=minimum, maximum=maximum, owner=owner)
     except LeaseConfigError as e:
         raise LeaseOptionError(str(e)) from None
 
@@ -105,8 +110,8 @@ def resolve(owner: str, defaults: Mapping[str, Any], *sources: Mapping[str, Any]
             f"{owner}: lock_renew_interval={interval} must be at most half of lock_ttl={ttl}, "
             "so that a failed renewal is retried before the lease expires"
         )
-    min_backoff = ms(owner, "lock_min_backoff", get("lock_min_backoff"))
-    max_backoff = ms(owner, "lock_max_backoff", get("lock_max_backoff"))
+    min_backoff = ms(owner, "lock_min_backoff", get("lock_min_backoff"), maximum=MAX_DELAY)
+    max_backoff = ms(owner, "lock_max_backoff", get("lock_max_backoff"), maximum=MAX_DELAY)
     if max_backoff < min_backoff:
         raise LeaseOptionError(f"{owner}: lock_max_backoff={max_backoff} is below lock_min_backoff={min_backoff}")
     give_up = get("lock_give_up")

@@ -143,8 +143,10 @@ class Runs:
         first_try = not run.release_tried
         run.release_tried = True
         try:
+            # Only a run whose actor returned is remembered as done: a message that failed may be
+            # re-driven from the dead-letter queue (same id, same retry count), and must then run.
             released = self.leases.release_token(run.key, run.token, fence=lease.fence if lease else None,
-                                                 waiter=run.waiter)
+                                                 waiter=run.waiter if run.returned else None)
         except Exception as e:
             run.released = True
             self.metrics.redis_error("release")

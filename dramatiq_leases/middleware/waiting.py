@@ -57,13 +57,19 @@ def waiter_id(message: Any) -> str:
     return f"{message.message_id}:{message.options.get('retries', 0)}"
 
 
+#: How many times a parked copy is looked for in its delay queue, once per promotion or check, before its
+#: registration is dropped: a promotion can arrive between the copy's registration and Dramatiq's put.
+MAX_MISSES = 3
+
+
 class _Parked:
-    __slots__ = ("consumer", "key", "proxy")
+    __slots__ = ("consumer", "key", "misses", "proxy")
 
     def __init__(self, consumer: Any, proxy: Any, key: str) -> None:
         self.consumer = consumer
         self.proxy = proxy
         self.key = key
+        self.misses = 0
 
 
 class Waiting:
@@ -224,7 +230,12 @@ class Waiting:
                 break
             time.sleep(0.002)
         if item is None:
-            return False  # already on its way back
+            # Not yet put there (registered in before_delay_message, put just after), or already on its way
+            # back (then on_enqueue forgets it): kept for the next check, a bounded number of times.
+            parked.misses += 1
+            if parked.misses < MAX_MISSES:
+                self._parked.setdefault(waiter, parked)
+            return False
         if drop:
             if self.on_drop is not None:
                 self.on_drop(parked.proxy)
