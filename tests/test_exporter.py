@@ -376,3 +376,57 @@ def test_a_stale_scan_stops_serving_the_lease_gauges(leases: Leases) -> None:
         assert not any(name in {"dramatiq_lease_present", "dramatiq_lease_leaked_waiting"} for name, _ in stale)
     finally:
         exporter.close()
+
+
+# --- expiries, with fence counters that expire ---------------------------------------------------------------
+
+EXPIRED = ("dramatiq_lease_expired_total", (("actor_name", WORK["actor"]), ("queue_name", WORK["queue"])))
+UNKNOWN = ("dramatiq_lease_ended_unknown_total", (("actor_name", WORK["actor"]), ("queue_name", WORK["queue"])))
+
+
+def test_a_fence_retention_shorter_than_the_scan_interval_counts_no_release_as_an_expiry(
+    redis_server: EmbeddedRedis,
+) -> None:
+    """Counters kept 300 ms, scans 2 s apart: a released lease's counter is gone when the next scan looks for it.
+    That grant's end is unknown, not an expiry (the safety SLO reads dramatiq_lease_expired_total); a grant that
+    does end by TTL on a key whose counter is still there is still counted."""
+    retention_ms = 300
+    short = Leases.from_url(redis_server.url(1), prefix=PREFIX, fence_retention_ms=retention_ms)
+    kept = Leases.from_url(redis_server.url(1), prefix=PREFIX)  # no retention: counters kept for ever
+    exporter = Exporter(short, host="127.0.0.1", port=0, interval=2.0)
+    try:
+        released = acquire(short, "invoice:released", meta=WORK)
+        acquire(kept, "invoice:expires", 1_000, meta=WORK)
+        exporter.observer.scan()  # sees both grants
+        assert short.release(released)
+        # The scan interval outlasts the retention: by the next scan the released grant's counter is gone.
+        wait_for(lambda: not short.client.exists(short.fence_name("invoice:released")), timeout=5,
+                 what="the fence counter to expire")
+        wait_for(lambda: kept.inspect("invoice:expires") is None, timeout=5, what="the short lease to expire")
+        exporter.observer.scan()
+        samples = scrape(exporter)
+        assert samples[EXPIRED] == 1, "a release was counted as an expiry, or the expiry was missed"
+        assert samples[UNKNOWN] == 1
+    finally:
+        exporter.close()
+        short.client.close()
+        kept.client.close()
+
+
+@pytest.mark.parametrize(("state", "ending"), [
+    ({}, "unknown"),                                              # the counter is gone
+    ({"released": 7}, "released"),                                # gone during the hold, made again by the release
+    ({"fence": 7, "released": 7}, "released"),
+    ({"fence": 7}, "expired"),                                    # never released, nothing granted since
+    ({"fence": 7, "released": 5}, "expired"),
+    ({"fence": 9, "released": 5, "expired": 8}, "expired"),       # the next grant's record was overwritten since
+    ({"fence": 8, "expired": 7}, "expired"),
+    ({"fence": 9, "released": 8, "expired": 5}, "released"),      # released since, no expiry since
+    ({"fence": 9, "released": 9, "expired": 8}, "unknown"),       # an expiry since, then a release: cannot tell
+    ({"fence": 1_767_225_600_000_000}, "unknown"),                # made again by a later grant (a retention)
+    ({"fence": 1_767_225_600_000_000, "expired": 1_767_225_500_000_000}, "unknown"),
+])
+def test_how_a_grant_ended_is_told_from_its_fence_counter_or_said_unknown(state: dict[str, int], ending: str) -> None:
+    from dramatiq_leases.exporter.observer import grant_ending
+
+    assert grant_ending(7, state).value == ending

@@ -29,7 +29,15 @@ Prometheus instead of keeping a resolved leak paging, and
   ``no_ttl`` lasts until someone acts.
 * ``dramatiq_lease_leaked_waiting`` (+ ``reason``): messages waiting in the
   lines of the keys of those leaked leases: users are waiting on the leak.
-* ``dramatiq_lease_expired_total``: grants that ended by TTL instead of release.
+* ``dramatiq_lease_expired_total``: grants that ended by TTL instead of release,
+  as the key's fence counter says when the next scan finds the grant gone
+  (:func:`.observer.grant_ending`).
+* ``dramatiq_lease_ended_unknown_total``: grants that ended while their fence
+  counter no longer said how: it was gone (a ``fence_retention`` shorter than
+  the scan interval expires a released key's counter before the scan reads
+  it), or later grants had rewritten its record. Never counted as expired, so
+  the safety SLO is not fed false expiries; a steady rate says the retention is
+  too short for the exporter to see expiries.
 * ``dramatiq_lease_oldest_acquired_timestamp_seconds``: when the oldest
   present lease was granted.
 * ``dramatiq_lease_waiting`` (label ``actor_name`` only): messages waiting in

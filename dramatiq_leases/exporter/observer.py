@@ -8,6 +8,7 @@ import time
 from collections import Counter as Tally
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -42,17 +43,46 @@ class Snapshot:
     page: BusyPage = field(default_factory=BusyPage)
 
 
-def ended_by_ttl(fence: int, state: dict[str, int]) -> bool:
-    """Whether grant ``fence`` of a key ended by TTL, judged from the key's fence counter.
+class Ending(str, Enum):
+    """How a grant the exporter saw has ended, as its key's fence counter tells."""
 
-    ``released`` is the highest fence released by its owner, ``expired`` the
-    last fence a later acquirer found unreleased, ``fence`` the last granted.
+    RELEASED = "released"
+    EXPIRED = "expired"
+    #: The counter does not say: it is gone (a ``fence_retention`` shorter than the scan interval expired
+    #: it), or later grants rewrote the record. Never counted as an expiry: it would feed the safety SLO
+    #: false alarms.
+    UNKNOWN = "unknown"
+
+
+def grant_ending(fence: int, state: dict[str, int]) -> Ending:
+    """How grant ``fence`` of a key ended, judged from the key's fence counter ``state``.
+
+    ``released`` is the highest fence released by its owner, ``expired`` the last fence a later acquirer
+    found unreleased, ``fence`` the last granted. A counter that is gone, or made again since (with a
+    retention, an idle counter expires; the next grant or release starts a new one), cannot tell:
+    :attr:`Ending.UNKNOWN`.
     """
-    released = state.get("released", 0)
+    released, expired, last = state.get("released"), state.get("expired"), state.get("fence")
     if released == fence:
-        return False
-    # When later grants overwrote the record, say no rather than raise a false alarm.
-    return state.get("expired", 0) == fence or released < fence
+        return Ending.RELEASED
+    if expired == fence:
+        return Ending.EXPIRED
+    if last is None:  # gone, or made again by a later release: nothing says what became of this grant
+        return Ending.UNKNOWN
+    # The counter that granted it still counts (one made again starts above it, and its releases too), and
+    # says it was never released: nothing granted since, or a release older than it.
+    if last == fence or (released is not None and released < fence):
+        return Ending.EXPIRED
+    if released is not None and (expired is None or expired < fence):
+        return Ending.RELEASED  # released since, and no expiry since, so not one of this grant
+    # Later grants rewrote the record (an expiry since, or a counter made again): say so rather than alarm.
+    return Ending.UNKNOWN
+
+
+def ended_by_ttl(fence: int, state: dict[str, int]) -> bool:
+    """Whether grant ``fence`` of a key is known to have ended by TTL (:func:`grant_ending`)."""
+    return grant_ending(fence, state) is Ending.EXPIRED
+
 
 
 class LeaseObserver(Collector):
@@ -79,7 +109,10 @@ class LeaseObserver(Collector):
         self.started_at = time.time()
         self.snapshot = Snapshot()
         self.expired: Tally[Labels] = Tally()
+        #: Grants seen that ended while their fence counter could not tell how (:attr:`Ending.UNKNOWN`).
+        self.ended_unknown: Tally[Labels] = Tally()
         self.scan_errors = 0
+        self._told_unknown = False
         self._labels_seen: set[Labels] = set()
         self._actors_waiting: set[str] = set()
         self._previous: dict[str, LeaseInfo] = {}
@@ -90,7 +123,7 @@ class LeaseObserver(Collector):
         started = time.monotonic()
         try:
             infos = list(self.leases.scan(self.match))
-            ended = self._ended_grants(infos)
+            endings = self._ended_grants(infos)
             lines = list(self.leases.scan_lines())
         except LeaseUnavailableError:
             with self._lock:
@@ -124,24 +157,36 @@ class LeaseObserver(Collector):
                     waiting_on.get(tag, 0))
         snap.duration = time.monotonic() - started
         with self._lock:
-            for info in ended:
+            for info, ending in endings:
                 labels = (info.meta.get("actor", ""), info.meta.get("queue", ""))
-                self.expired[labels] += 1
-                logger.warning("Lease %r (fence %d) of %s ended by TTL, not released.", info.key, info.fence, labels[0])
+                if ending is Ending.EXPIRED:
+                    self.expired[labels] += 1
+                    logger.warning("Lease %r (fence %d) of %s ended by TTL, not released.",
+                                   info.key, info.fence, labels[0])
+                elif ending is Ending.UNKNOWN:
+                    self.ended_unknown[labels] += 1
             self._labels_seen.update(snap.present)
             self._actors_waiting.update(snap.waiting)
             self.snapshot = snap
             self._previous = {info.redis_key: info for info in infos}
+        unknown = next((info for info, ending in endings if ending is Ending.UNKNOWN), None)
+        if unknown is not None and not self._told_unknown:
+            self._told_unknown = True  # every release may be one, with a short retention: said once
+            logger.warning(
+                "Lease %r (fence %d) ended, but its fence counter no longer says whether by release or by TTL "
+                "(gone: a fence_retention shorter than the scan interval?, or rewritten by later grants): counted "
+                "in dramatiq_lease_ended_unknown_total, not as an expiry. Said once.", unknown.key, unknown.fence)
         return snap
 
-    def _ended_grants(self, infos: list[LeaseInfo]) -> list[LeaseInfo]:
-        """Grants seen last scan that have ended since and ended by TTL."""
+    def _ended_grants(self, infos: list[LeaseInfo]) -> list[tuple[LeaseInfo, Ending]]:
+        """How each grant seen last scan that has ended since ended."""
         now = {info.redis_key: info.fence for info in infos}
-        gone = [old for name, old in self._previous.items() if now.get(name) != old.fence]
+        # A key that was no grant (debris, fence 0) has nothing to judge.
+        gone = [old for name, old in self._previous.items() if now.get(name) != old.fence and old.fence]
         if not gone:
             return []
         states = self.leases.fence_states([old.key for old in gone])
-        return [old for old, state in zip(gone, states) if ended_by_ttl(old.fence, state)]
+        return [(old, grant_ending(old.fence, state)) for old, state in zip(gone, states)]
 
     def busy_json(self, limit: int | None = None) -> dict[str, Any]:
         """The Busy page of the last scan as the JSON document of ``GET /leases`` (no Redis call)."""
@@ -154,6 +199,7 @@ class LeaseObserver(Collector):
         """Prometheus collector protocol: the last scan's figures."""
         with self._lock:
             snap, expired, scan_errors = self.snapshot, Tally(self.expired), self.scan_errors
+            unknown = Tally(self.ended_unknown)
             started_at = self.started_at
             labels_seen = set(self._labels_seen)
             actors_waiting = sorted(self._actors_waiting)
@@ -179,8 +225,13 @@ class LeaseObserver(Collector):
         ended = CounterMetricFamily(
             "dramatiq_lease_expired", "Leases that ended by TTL instead of being released.", labels=names,
         )
+        ended_unknown = CounterMetricFamily(
+            "dramatiq_lease_ended_unknown",
+            "Leases that ended while their fence counter no longer said how (gone, or rewritten by later grants): "
+            "not counted as expired.", labels=names,
+        )
         # Keep every label set ever seen, at zero, so increase() sees the first event and gauges fall to 0.
-        for labels in sorted(labels_seen | set(expired)):
+        for labels in sorted(labels_seen | set(expired) | set(unknown)):
             present.add_metric(list(labels), snap.present.get(labels, 0))
             overdue.add_metric(list(labels), snap.overdue.get(labels, 0))
             for reason in LEAK_REASONS:
@@ -188,6 +239,7 @@ class LeaseObserver(Collector):
                 leaked.add_metric([*labels, reason.value], snap.leaked.get(by, 0))
                 leaked_waiting.add_metric([*labels, reason.value], snap.leaked_waiting.get(by, 0))
             ended.add_metric(list(labels), expired.get(labels, 0))
+            ended_unknown.add_metric(list(labels), unknown.get(labels, 0))
             if labels in snap.oldest:
                 oldest.add_metric(list(labels), snap.oldest[labels])
         waiting = GaugeMetricFamily(
@@ -196,6 +248,7 @@ class LeaseObserver(Collector):
         for actor in actors_waiting:
             waiting.add_metric([actor], snap.waiting.get(actor, 0))
         yield ended
+        yield ended_unknown
         if self.stale_after is None or not snap.at or time.time() - snap.at <= self.stale_after:
             yield from (present, overdue, leaked, leaked_waiting, oldest, waiting)
         # Served from the start, not from the first success: an exporter that never completes a scan must
