@@ -41,6 +41,13 @@ class LeaseRecovery:
         (written by hand). A holder whose heartbeat is merely overdue keeps
         its lease: it may still be running, and the key expires by itself at
         that same instant.
+
+        The release is recorded in the key's fence counter (so the exporter
+        does not count it as an expiry), keeping the counter's TTL; a counter
+        that a fleet's ``fence_retention`` expired during the leak is made
+        again with this store's ``fence_retention_ms``, or for an hour when
+        this store has none (the CLI's, which cannot know the fleet's): never
+        without a TTL. A counter of another type is left alone.
         """
         keys = [lease_name(self.prefix, validate_key(key)), fence_name(self.prefix, key)]
         with unavailable(f"release lease {key!r}", key):

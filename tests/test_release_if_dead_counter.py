@@ -1,0 +1,106 @@
+"""``release --if-dead`` and the fence counter: the release is recorded (the exporter tells a release from an
+expiry by it) and no key is left without a TTL, whatever the fleet's retention, which the CLI does not know.
+Real Redis, real expiry, the command through its ``main()``."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+
+from dramatiq_leases.cli import main
+from dramatiq_leases.core import Lease, Leases, State
+from dramatiq_leases.embedded import EmbeddedRedis
+from dramatiq_leases.exporter.observer import Ending, grant_ending
+
+from .support.waiting import wait_for
+
+RETENTION_MS = 300
+KEY = "invoice:7"
+META = {"actor": "send_invoice", "queue": "default", "message_id": "msg-1", "host": "web-7", "pid": "4242"}
+
+
+def leak(leases: Leases, client: redis.Redis) -> Lease:
+    """A lease of ``KEY`` whose TTL was removed by hand, once its holder's deadline (0.9 s on) has passed."""
+    lease = leases.try_acquire(KEY, 1_000, interval=300, meta=META)
+    assert isinstance(lease, Lease), lease
+    client.persist(leases.lease_name(KEY))
+    wait_for(lambda: (i := leases.inspect(KEY)) is not None and i.state is State.NO_TTL,
+             timeout=5, what="the holder's deadline to pass")
+    return lease
+
+
+def release_if_dead(capsys: pytest.CaptureFixture[str], server: EmbeddedRedis) -> tuple[int, str, str]:
+    code = main(["--redis-url", server.url(), "release", KEY, "--if-dead"])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_a_counter_expired_under_a_long_leak_is_recorded_again_with_a_ttl(
+    capsys: pytest.CaptureFixture[str], redis_server: EmbeddedRedis, redis_client: redis.Redis
+) -> None:
+    """The fleet keeps idle counters for 300 ms; the leak outlives its counter; the CLI, which has no
+    retention, releases it. The counter used to be made again without a TTL: kept for ever."""
+    fleet = Leases(redis_client, fence_retention_ms=RETENTION_MS)
+    lease = leak(fleet, redis_client)
+    counter = fleet.fence_name(KEY)
+    wait_for(lambda: not redis_client.exists(counter), what="the idle counter to expire during the leak")
+    code, out, err = release_if_dead(capsys, redis_server)
+    assert (code, err) == (0, ""), err
+    assert out.startswith(f"released {KEY!r} (fence {lease.fence}")
+    names = list(redis_client.scan_iter(match=f"{fleet.prefix}:*"))
+    assert names == [counter.encode()]
+    assert all(redis_client.pttl(name) != -1 for name in names)
+    assert 0 < redis_client.pttl(counter) <= 3_600_000
+    # Recorded as a release, as when the counter is still there: the exporter counts a release.
+    assert fleet.fence_state(KEY) == {"released": lease.fence}
+    assert grant_ending(lease.fence, fleet.fence_state(KEY)) is Ending.RELEASED
+
+
+def test_a_counter_still_there_keeps_its_own_ttl(
+    capsys: pytest.CaptureFixture[str], redis_server: EmbeddedRedis, redis_client: redis.Redis
+) -> None:
+    fleet = Leases(redis_client, fence_retention_ms=600_000)
+    lease = leak(fleet, redis_client)
+    counter = fleet.fence_name(KEY)
+    before = redis_client.pttl(counter)
+    assert 0 < before <= 600_000
+    assert release_if_dead(capsys, redis_server)[0] == 0
+    assert 0 < redis_client.pttl(counter) <= before  # neither removed nor lengthened to the hour
+    assert fleet.fence_state(KEY) == {"fence": lease.fence, "released": lease.fence}
+
+
+def test_without_a_retention_the_counter_is_kept_for_ever_as_before(
+    capsys: pytest.CaptureFixture[str], redis_server: EmbeddedRedis, redis_client: redis.Redis
+) -> None:
+    fleet = Leases(redis_client)
+    lease = leak(fleet, redis_client)
+    assert release_if_dead(capsys, redis_server)[0] == 0
+    assert redis_client.pttl(fleet.fence_name(KEY)) == -1
+    assert fleet.fence_state(KEY) == {"fence": lease.fence, "released": lease.fence}
+    assert fleet.try_acquire(KEY, 1_000).fence == lease.fence + 1  # type: ignore[union-attr]
+
+
+def test_a_store_with_the_retention_records_it_with_its_own(redis_client: redis.Redis) -> None:
+    fleet = Leases(redis_client, fence_retention_ms=RETENTION_MS)
+    lease = leak(fleet, redis_client)
+    counter = fleet.fence_name(KEY)
+    wait_for(lambda: not redis_client.exists(counter), what="the idle counter to expire during the leak")
+    assert fleet.release_if_dead(KEY).released is True
+    assert 0 < redis_client.pttl(counter) <= RETENTION_MS
+    assert fleet.fence_state(KEY) == {"released": lease.fence}
+
+
+def test_a_counter_of_another_type_is_left_alone_and_the_lease_still_released(
+    capsys: pytest.CaptureFixture[str], redis_server: EmbeddedRedis, redis_client: redis.Redis
+) -> None:
+    """It used to fail after deleting the lease: exit 4, "cannot use Redis", though the lease was gone."""
+    fleet = Leases(redis_client)
+    leak(fleet, redis_client)
+    counter = fleet.fence_name(KEY)
+    redis_client.delete(counter)
+    redis_client.set(counter, "written by hand")
+    code, out, err = release_if_dead(capsys, redis_server)
+    assert (code, err) == (0, ""), err
+    assert out.startswith(f"released {KEY!r}")
+    assert redis_client.exists(fleet.lease_name(KEY)) == 0
+    assert redis_client.get(counter) == b"written by hand"
