@@ -15,7 +15,10 @@ local WAKE_TTL_MS, MAX_MS = 12000, 1000000000000
 local op, holder = ARGV[1], ARGV[2]
 local park_ms, ready, PROMOTE_MS = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 if op ~= 'hold' and op ~= 'leave' then return redis.error_reply('ERR dramatiq-leases: invalid op ' .. tostring(op)) end
-if holder == nil or #holder > 512 then return redis.error_reply('ERR dramatiq-leases: invalid holder') end
+-- The holder is one space-separated field of each waiter's entry ("state deadline holder actor").
+if holder == nil or #holder > 512 or string.find(holder, '%s') then
+  return redis.error_reply('ERR dramatiq-leases: invalid holder')
+end
 if park_ms == nil or park_ms ~= math.floor(park_ms) or park_ms < 1 or park_ms > MAX_MS then
   return redis.error_reply('ERR dramatiq-leases: invalid park_ms ' .. tostring(ARGV[3]))
 end

@@ -21,6 +21,11 @@ end
 if #ARGV ~= #KEYS + 1 then return bad('argument count', #ARGV) end
 local ttl = whole(ARGV[1], 1, MAX_MS)
 if ttl == nil then return bad('ttl', ARGV[1]) end
+-- Every token before the first write (Lua is not a transaction): an empty one would renew a hash written
+-- by hand with an empty token field.
+for i = 2, #ARGV do
+  if ARGV[i] == '' then return bad('token', "''") end
+end
 local now = server_now()
 local out = {}
 for i, key in ipairs(KEYS) do
