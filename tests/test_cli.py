@@ -221,6 +221,38 @@ def test_show_missing_lease_exits_3(
     assert "the last grant had fence 1" in err
 
 
+def test_show_says_what_is_wrong_with_a_key_of_the_wrong_type_rather_than_blame_redis(
+    capsys: pytest.CaptureFixture[str], redis_server: EmbeddedRedis, leases: Leases, redis_client: redis.Redis
+) -> None:
+    """A string where a key's line should be, a string where a held lease's fence counter should be, a list
+    where a lease should be: ``show`` names the key and what it is (exit 0), never "cannot use Redis" (exit 4)."""
+    line = "dramatiq-leases:line:{broken}"
+    redis_client.set(line, "hand-written")
+    code, out, err = cli(capsys, redis_server, "show", "broken")
+    assert (code, err) == (0, ""), err
+    assert "no lease on 'broken' right now" in out
+    assert f"note: {line} is a string key, not a line of waiters (a sorted set)" in out
+    code, out, err = cli(capsys, redis_server, "show", "broken", "--json")
+    assert code == 0 and json.loads(out)["unreadable"] == {line: "a string key, not a line of waiters (a sorted set)"}
+
+    acquire(leases, "invoice:7", meta=META)
+    fence = leases.fence_name("invoice:7")
+    redis_client.delete(fence)
+    redis_client.set(fence, "not a counter")
+    code, out, err = cli(capsys, redis_server, "show", "invoice:7")
+    assert (code, err) == (0, ""), err
+    assert "send_invoice" in out and re.search(r"state\s+alive", out)
+    assert f"note: {fence} is a string key, not a fence counter (a hash)" in out
+    code, out, _ = cli(capsys, redis_server, "show", "invoice:7", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["fence_state"] == {} and list(data["unreadable"]) == [fence]
+
+    redis_client.rpush(leases.lease_name("stray"), "x")
+    code, out, err = cli(capsys, redis_server, "show", "stray")
+    assert (code, err) == (0, "")
+    assert out.startswith("dramatiq-leases:lease:{stray} is a list key, not a lease hash (TTL left: none)")
+
+
 # release ------------------------------------------------------------------
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import logging
 import shlex
 import subprocess
 import sys
@@ -430,3 +431,63 @@ def test_how_a_grant_ended_is_told_from_its_fence_counter_or_said_unknown(state:
     from dramatiq_leases.exporter.observer import grant_ending
 
     assert grant_ending(7, state).value == ending
+
+
+# --- keys of the wrong type ----------------------------------------------------------------------------------
+
+
+def test_keys_of_the_wrong_type_are_counted_and_told_once_and_hide_nothing_else(
+    leases: Leases, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A string at a line's name, a list at a lease's, a string at an ended grant's fence counter, and a waiter's
+    wake list that the lines' SCAN pattern matches (its waiter id ends with ``}``): the scan goes on past each;
+    the leak beside them is reported, and each bad key is counted by kind and logged once."""
+    caplog.set_level(logging.WARNING, logger="dramatiq_leases.exporter.observer")
+    acquire(leases, LEAKED, 1_000, meta=WORK)
+    leases.client.persist(leases.lease_name(LEAKED))  # leaked (no_ttl) once its holder's deadline passes
+    wait_in_line(leases, LEAKED, 2, server_ms(leases), WORK)
+    leases.wake(LEAKED, "crafted}")  # a wake list: {prefix}:line:{invoice:1}:w:crafted}
+    wake_list = f"{PREFIX}:line:{{{LEAKED}}}:w:crafted}}"
+    assert leases.client.type(wake_list) == b"list"
+    broken_line = f"{PREFIX}:line:{{broken}}"
+    leases.client.set(broken_line, "hand-written")
+    broken_lease = leases.lease_name("stray")
+    leases.client.rpush(broken_lease, "x")
+    ending = acquire(leases, "invoice:ends", meta=WORK)
+    exporter = Exporter(leases, host="127.0.0.1", port=0)
+    try:
+        exporter.observer.scan()
+        # That grant ends (its lease key goes), and someone wrote a string where its fence counter was.
+        leases.client.delete(leases.lease_name(ending.key), leases.fence_name(ending.key))
+        leases.client.set(leases.fence_name(ending.key), "not a counter")
+
+        def leak_reported() -> dict[Any, float] | None:
+            exporter.observer.scan()
+            samples = scrape(exporter)
+            return samples if samples.get(("dramatiq_lease_leaked", LEAK)) == 1 else None
+
+        samples = wait_for(leak_reported, what="the leak reported beside the bad keys")
+        assert samples[("dramatiq_lease_leaked_waiting", LEAK)] == 2
+        assert samples[("dramatiq_lease_waiting", (("actor_name", WORK["actor"]),))] == 2
+        unreadable = {dict(labels)["kind"]: value for (name, labels), value in samples.items()
+                      if name == "dramatiq_lease_exporter_unreadable_keys"}
+        assert unreadable == {"lease": 1, "line": 1, "waiters": 0, "fence": 0}  # the fence: read once, when it ended
+        assert samples[EXPIRED] == 0 and samples[UNKNOWN] == 1  # a counter that is not one says nothing
+        assert samples[("dramatiq_lease_exporter_unreachable_nodes", ())] == 0
+        doc = page(exporter)
+        assert doc["unreadable_keys"] == unreadable and doc["unreachable_nodes"] == []
+        # The list at a lease's name blocks that key as a lease would: shown as one, leaked (no TTL) like the leak.
+        assert {row["key"] for row in doc["leases"][:2]} == {LEAKED, "t:lease:{stray}"}
+        assert {row["state"] for row in doc["leases"][:2]} == {"no_ttl"}
+        exporter.observer.scan()
+        told = [r.getMessage() for r in caplog.records if "no dramatiq-leases code wrote it" in r.getMessage()]
+        assert len(told) == 3, told  # each bad key once, however many scans
+        assert {bad for bad in (broken_line, broken_lease, leases.fence_name(ending.key))
+                if any(bad in message for message in told)} == {broken_line, broken_lease,
+                                                                 leases.fence_name(ending.key)}
+        assert not any(wake_list in message for message in told)
+    finally:
+        exporter.close()
+
+
+LEAK = (("actor_name", WORK["actor"]), ("queue_name", WORK["queue"]), ("reason", "no_ttl"))

@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import json
-from typing import TextIO
+from typing import Any, TextIO
 
 import redis
 
 from ..core import LeaseInfo, Leases
 from ..core.errors import LeaseUnavailableError
 from ..core.keys import DEFAULT_PREFIX, validate_key
+from ..core.reading import ReadGaps
 from ..urls import redact_url
 from .render import (
     deadline_in,
@@ -47,23 +48,23 @@ class NotFoundError(Exception):
     """The lease named on the command line does not exist (exit 3)."""
 
 
-def _problem(leases: Leases, info: LeaseInfo) -> str | None:
-    """Why this key is not a usable lease, or ``None`` if it is one."""
+def _problem(info: LeaseInfo, gaps: ReadGaps) -> str | None:
+    """Why this key is not a usable lease, or ``None`` if it is one (``gaps``: the read that found it)."""
     if is_lease(info):
         return None
-    try:
-        kind = leases.client.type(info.redis_key)
-    except redis.RedisError as e:
-        raise LeaseUnavailableError(f"could not read {info.redis_key!r}: {type(e).__name__}: {e}") from e
-    kind = kind.decode() if isinstance(kind, bytes) else str(kind)
-    return "hash without an owner token" if kind == "hash" else f"a {kind} key, not a lease hash"
+    bad = gaps.keys.get(info.redis_key)  # a key that is not a hash, as the read found it
+    return bad.problem if bad is not None else "hash without an owner token"
 
 
 def cmd_list(leases: Leases, args: argparse.Namespace, out: TextIO) -> int:
     """``list``: every lease under the prefix (and debris), as a table or JSON."""
-    found = [info for info in leases.scan(count=SCAN_COUNT) if fnmatch.fnmatchcase(info.key, args.match)]
+    gaps = ReadGaps()
+    found = [info for info in leases.scan(count=SCAN_COUNT, gaps=gaps) if fnmatch.fnmatchcase(info.key, args.match)]
+    if gaps.nodes:
+        which = "; ".join(f"{node} ({error})" for node, error in sorted(gaps.nodes.items()))
+        raise LeaseUnavailableError(f"could not scan leases: master(s) did not answer: {which}")
     found.sort(key=lambda i: i.key)
-    problems = {info.redis_key: _problem(leases, info) for info in found}
+    problems = {info.redis_key: _problem(info, gaps) for info in found}
     if args.json:
         json.dump([lease_dict(i, problems[i.redis_key]) for i in found], out, indent=2)
         out.write("\n")
@@ -76,36 +77,52 @@ def cmd_list(leases: Leases, args: argparse.Namespace, out: TextIO) -> int:
     return EXIT_OK
 
 
+def _unreadable_notes(key: str, gaps: ReadGaps, out: TextIO) -> None:
+    """A note on each of ``key``'s Redis keys found of the wrong type (the lease's own has its line already)."""
+    for name, bad in sorted(gaps.keys.items()):
+        if bad.kind != "lease":
+            out.write(f"note: {name} is {bad.problem}; no dramatiq-leases code wrote it, and the scripts of "
+                      f"{key!r} fail on it until it is removed.\n")
+
+
 def cmd_show(leases: Leases, args: argparse.Namespace, out: TextIO) -> int:
     """``show KEY``: every field of one lease plus its fence counter."""
     key = validate_key(args.key)
-    info = leases.inspect(key)
-    fences = leases.fence_state(key)
-    line = leases.inspect_line(key)
-    if info is None and not line.length:
+    # A key of the wrong type among the lease's (its line, its fence counter...) is told, not taken for an
+    # unreachable Redis: the read goes on past it.
+    gaps = ReadGaps()
+    info = leases.inspect(key, gaps=gaps)
+    fences = leases.fence_state(key, gaps=gaps)
+    line = leases.inspect_line(key, gaps=gaps)
+    unreadable = {name: bad.problem for name, bad in sorted(gaps.keys.items())}
+    if info is None and not line.length and not unreadable:
         last = f" (the last grant had fence {fences['fence']})" if fences.get("fence") else ""
         raise NotFoundError(f"no lease on {key!r} under prefix {leases.prefix!r}{last}")
+    extra: dict[str, Any] = {"unreadable": unreadable} if unreadable else {}
     if info is None:
-        # Free for a moment: its line's head is on its way to take it.
+        # Free for a moment (its line's head is on its way to take it), or its keys cannot be read.
         if args.json:
-            json.dump({"key": key, "lease": None, "line": line_dict(line), "fence_state": fences}, out, indent=2)
+            json.dump({"key": key, "lease": None, "line": line_dict(line), "fence_state": fences, **extra}, out,
+                      indent=2)
             out.write("\n")
         else:
             out.write(f"no lease on {key!r} right now; line: {describe_line(line)}\n")
+            _unreadable_notes(key, gaps, out)
         return EXIT_OK
-    problem = _problem(leases, info)
+    problem = _problem(info, gaps)
     token = info.token if args.show_token else None
     if args.json:
         data = lease_dict(info, problem)
         data.update(token=token, overdue_after=overdue_after(info), deadline_in=deadline_in(info),
-                    fence_state=fences, line=line_dict(line))
+                    fence_state=fences, line=line_dict(line), **extra)
         json.dump(data, out, indent=2)
         out.write("\n")
         return EXIT_OK
     if problem is not None:
         out.write(f"{info.redis_key} is {problem} (TTL left: {ttl_left(info)}).\n")
-        return EXIT_OK
-    write_show(info, token, fences, line, out)
+    else:
+        write_show(info, token, fences, line, out)
+    _unreadable_notes(key, gaps, out)
     return EXIT_OK
 
 

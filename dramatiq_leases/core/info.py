@@ -196,3 +196,36 @@ def _meta(raw: Mapping[str, str]) -> dict[str, str]:
         else:
             meta["meta"] = packed  # not ours: shown as written
     return meta
+
+
+#: What each kind of key must be, by the kind its name says (``{prefix}:{kind}:{tag}``): its Redis type, in words.
+_EXPECTED = {
+    "lease": ("hash", "lease hash"),
+    "line": ("zset", "line of waiters (a sorted set)"),
+    "waiters": ("hash", "waiters hash"),
+    "fence": ("hash", "fence counter (a hash)"),
+}
+
+#: The kinds of key a reader may find of the wrong type (``dramatiq_lease_exporter_unreadable_keys``'s ``kind``).
+UNREADABLE_KINDS = tuple(_EXPECTED)
+
+
+@dataclass(frozen=True)
+class UnreadableKey:
+    """A Redis key whose name says one kind of key and whose type is another (written by hand, or by other code).
+
+    Attributes:
+      name: the Redis key.
+      kind: what its name says it is: ``lease``, ``line``, ``waiters`` or ``fence``.
+      found: its Redis type (``string``, ``list``, ...); ``""`` if it was not asked.
+    """
+
+    name: str
+    kind: str
+    found: str = ""
+
+    @property
+    def problem(self) -> str:
+        """What is wrong with it, as in ``a string key, not a line of waiters (a sorted set)``."""
+        found = f"a {self.found} key" if self.found else "a key of another type"
+        return f"{found}, not a {_EXPECTED[self.kind][1]}"

@@ -48,6 +48,17 @@ Prometheus instead of keeping a resolved leak paging, and
   two minutes after a start with no successful scan, as it does two minutes
   after the last one.
 * ``dramatiq_lease_exporter_scan_duration_seconds`` (no labels; 0 until a scan completes).
+* ``dramatiq_lease_exporter_unreadable_keys`` (label ``kind`` = lease | line |
+  waiters | fence only): keys the last scan found of another type than their
+  name says (a string at ``{prefix}:line:{...}``, written by hand or by other
+  code), each logged once with its name. The scan goes on past them: one such
+  key never hides the others. A line, waiters hash or fence counter of the
+  wrong type is left out (a fence counter is read only when a grant the
+  exporter saw has ended: that grant's end is then unknown); a lease key that
+  is not a hash still counts as a lease without holder, since it blocks its
+  key as one (leaked ``no_ttl`` if it has no TTL: ``release --if-dead`` ends
+  it). A waiter's wake list whose name the lines' ``SCAN`` pattern matches (a
+  waiter id ending with ``}``) is recognised by its name and skipped.
 * ``dramatiq_lease_redis_errors_total{operation="scan"}``: failed scans.
 
 The Busy page, ``GET /leases`` on the same port
@@ -55,8 +66,13 @@ The Busy page, ``GET /leases`` on the same port
 
 Which job holds what right now, for Grafana (the Infinity data source, type
 JSON, root selector ``leases`` or ``hot_keys``). Lease keys appear here, never
-in metric labels; they may carry user ids, so keep the port as private as the
-Redis it reads. Served from the last scan (no Redis call per request); ages
+in metric labels; they may carry user ids, so the page is safe by default
+(:mod:`.server` has the rules): without a token it is served on a loopback
+bind only, and answers 403 on any other unless ``--busy-view open``;
+``--busy-token-file FILE`` serves it only to requests sending ``Authorization:
+Bearer <token>``, on any bind; ``--busy-keys hashed`` shows keys as
+``sha256:<16 hex digits>`` with a null ``inspect_command``; ``/metrics`` is
+served to all. Served from the last scan (no Redis call per request); ages
 are as of ``scanned_at``. Each table holds at most ``--top`` rows (default
 50; ``--top 0`` turns the page off, 404); ``?limit=N`` asks for fewer
 (capped by ``--top``; anything but a non-negative integer is a 400). The
@@ -84,7 +100,8 @@ field names are an API::
        "actor": "send_invoice",           # the actor with the most waiters in the line
        "held": true, "state": "no_ttl",   # the lease's state; "free" between holders
        "inspect_command": "dramatiq-leases show 'invoice:42'"}
-    ]
+    ],
+    "unreadable_keys": {"lease": 0, "line": 1, "waiters": 0, "fence": 0}   # as the gauge; names in the log
   }
 
 ``state`` is one of ``alive``, ``heartbeat_overdue``, ``holder_dead``,

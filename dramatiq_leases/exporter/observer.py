@@ -16,6 +16,9 @@ from prometheus_client.registry import Collector
 
 from ..core import LeaseInfo, Leases, State
 from ..core.errors import LeaseUnavailableError
+from ..core.info import UNREADABLE_KINDS, UnreadableKey
+from ..core.keys import fence_name
+from ..core.reading import ReadGaps
 from . import busy_page
 from .busy_page import DEFAULT_TOP, BusyPage
 
@@ -41,6 +44,10 @@ class Snapshot:
     waiting: Tally[str] = field(default_factory=Tally)
     leases: list[LeaseInfo] = field(default_factory=list)
     page: BusyPage = field(default_factory=BusyPage)
+    #: Cluster masters that did not answer this scan (``host:port`` -> error): what they hold is not counted.
+    unreachable: dict[str, str] = field(default_factory=dict)
+    #: Keys this scan found of the wrong type and left out, by name.
+    unreadable: dict[str, UnreadableKey] = field(default_factory=dict)
 
 
 class Ending(str, Enum):
@@ -84,6 +91,9 @@ def ended_by_ttl(fence: int, state: dict[str, int]) -> bool:
     return grant_ending(fence, state) is Ending.EXPIRED
 
 
+#: Unreadable keys named in the log per scan at most; the rest are counted.
+_LOGGED_PER_SCAN = 20
+
 
 class LeaseObserver(Collector):
     """Scans the leases of one store and exposes what it saw as Prometheus metrics.
@@ -113,6 +123,8 @@ class LeaseObserver(Collector):
         self.ended_unknown: Tally[Labels] = Tally()
         self.scan_errors = 0
         self._told_unknown = False
+        self._unreadable_logged: set[str] = set()
+        self._unreachable_logged: set[str] = set()
         self._labels_seen: set[Labels] = set()
         self._actors_waiting: set[str] = set()
         self._previous: dict[str, LeaseInfo] = {}
@@ -121,15 +133,18 @@ class LeaseObserver(Collector):
     def scan(self) -> Snapshot:
         """Scan Redis once, update the figures and return them. Raises :class:`LeaseUnavailableError`."""
         started = time.monotonic()
+        # One master that does not answer, or one key of the wrong type, must not hide the others: the scan
+        # goes on past them and says so (it fails only if no master answered).
+        gaps = ReadGaps()
         try:
-            infos = list(self.leases.scan(self.match))
-            endings = self._ended_grants(infos)
-            lines = list(self.leases.scan_lines())
+            infos = list(self.leases.scan(self.match, gaps=gaps))
+            endings, unseen = self._ended_grants(infos, gaps)
+            lines = list(self.leases.scan_lines(gaps=gaps))
         except LeaseUnavailableError:
             with self._lock:
                 self.scan_errors += 1
             raise
-        snap = Snapshot(at=time.time(), leases=infos)
+        snap = Snapshot(at=time.time(), leases=infos, unreachable=dict(gaps.nodes), unreadable=dict(gaps.keys))
         snap.page = busy_page.build(infos, lines, prefix=self.leases.prefix, top=self.top,
                                     cli_options=self.cli_options, match=self.match)
         for info in infos:
@@ -156,6 +171,7 @@ class LeaseObserver(Collector):
                 snap.leaked_waiting[(info.meta.get("actor", ""), info.meta.get("queue", ""), state.value)] += (
                     waiting_on.get(tag, 0))
         snap.duration = time.monotonic() - started
+        self._tell_gaps(gaps)
         with self._lock:
             for info, ending in endings:
                 labels = (info.meta.get("actor", ""), info.meta.get("queue", ""))
@@ -168,7 +184,8 @@ class LeaseObserver(Collector):
             self._labels_seen.update(snap.present)
             self._actors_waiting.update(snap.waiting)
             self.snapshot = snap
-            self._previous = {info.redis_key: info for info in infos}
+            # Leases on a master that did not answer are judged when it answers again.
+            self._previous = {**{old.redis_key: old for old in unseen}, **{info.redis_key: info for info in infos}}
         unknown = next((info for info, ending in endings if ending is Ending.UNKNOWN), None)
         if unknown is not None and not self._told_unknown:
             self._told_unknown = True  # every release may be one, with a short retention: said once
@@ -178,22 +195,64 @@ class LeaseObserver(Collector):
                 "in dramatiq_lease_ended_unknown_total, not as an expiry. Said once.", unknown.key, unknown.fence)
         return snap
 
-    def _ended_grants(self, infos: list[LeaseInfo]) -> list[tuple[LeaseInfo, Ending]]:
-        """How each grant seen last scan that has ended since ended."""
+    def _ended_grants(self, infos: list[LeaseInfo],
+                      gaps: ReadGaps) -> tuple[list[tuple[LeaseInfo, Ending]], list[LeaseInfo]]:
+        """How each grant seen last scan that has ended since ended; and the grants not seen this scan because
+        their master did not answer (not known to have ended)."""
         now = {info.redis_key: info.fence for info in infos}
+        gone = [old for name, old in self._previous.items() if now.get(name) != old.fence]
+        unseen = [old for old in gone
+                  if old.redis_key not in now and self.leases.node_name(old.redis_key) in gaps.nodes]
+        blind = {old.redis_key for old in unseen}
         # A key that was no grant (debris, fence 0) has nothing to judge.
-        gone = [old for name, old in self._previous.items() if now.get(name) != old.fence and old.fence]
+        gone = [old for old in gone if old.fence and old.redis_key not in blind]
         if not gone:
-            return []
-        states = self.leases.fence_states([old.key for old in gone])
-        return [(old, grant_ending(old.fence, state)) for old, state in zip(gone, states)]
+            return [], unseen
+        states = self.leases.fence_states([old.key for old in gone], gaps=gaps)
+        endings = []
+        for old, state in zip(gone, states):
+            if self.leases.node_name(old.redis_key) in gaps.nodes:  # its master failed meanwhile
+                unseen.append(old)
+            elif fence_name(self.leases.prefix, old.key) in gaps.keys:  # not a counter: it says nothing
+                endings.append((old, Ending.UNKNOWN))
+            else:
+                endings.append((old, grant_ending(old.fence, state)))
+        return endings, unseen
+
+    def _tell_gaps(self, gaps: ReadGaps) -> None:
+        """Log each master that stops (or starts again) answering, and each key of the wrong type, once."""
+        for node in sorted(gaps.nodes.keys() - self._unreachable_logged):
+            logger.warning("Redis master %s did not answer the scan (%s): what it holds is not counted until it "
+                           "does (dramatiq_lease_exporter_unreachable_nodes).", node, gaps.nodes[node])
+        for node in sorted(self._unreachable_logged - gaps.nodes.keys()):
+            logger.info("Redis master %s answers the scan again.", node)
+        self._unreachable_logged = set(gaps.nodes)
+        new = sorted(gaps.keys.keys() - self._unreadable_logged)
+        for name in new[:_LOGGED_PER_SCAN]:
+            bad = gaps.keys[name]
+            # A lease key of another type still blocks its key as a lease does: it stays in the lease figures.
+            what = ("counted as a lease without holder (it blocks its key as one)" if bad.kind == "lease"
+                    else "left out of the scan")
+            logger.warning("Key %r is %s: %s (dramatiq_lease_exporter_unreadable_keys); no dramatiq-leases code "
+                           "wrote it.", name, bad.problem, what)
+        if len(new) > _LOGGED_PER_SCAN:
+            logger.warning("%d more keys of the wrong type left out of the scan.", len(new) - _LOGGED_PER_SCAN)
+        # Only the keys still there are remembered: the memory is bounded by the keys, and one that comes back
+        # after a fix is told again.
+        self._unreadable_logged = set(gaps.keys)
 
     def busy_json(self, limit: int | None = None) -> dict[str, Any]:
         """The Busy page of the last scan as the JSON document of ``GET /leases`` (no Redis call)."""
         with self._lock:
             snap = self.snapshot
-        return busy_page.as_json(snap.page, scanned_at=snap.at or None, scan_duration=snap.duration,
-                                 top=self.top, limit=limit)
+        doc = busy_page.as_json(snap.page, scanned_at=snap.at or None, scan_duration=snap.duration,
+                                top=self.top, limit=limit)
+        # The blind spots of that scan: what the tables cannot show. Counts only for the keys, whose names the
+        # log has: the page may be served with its keys hashed.
+        doc["unreachable_nodes"] = [{"node": node, "error": error} for node, error in sorted(snap.unreachable.items())]
+        kinds = Tally(bad.kind for bad in snap.unreadable.values())
+        doc["unreadable_keys"] = {kind: kinds.get(kind, 0) for kind in UNREADABLE_KINDS}
+        return doc
 
     def collect(self) -> Iterator[Any]:
         """Prometheus collector protocol: the last scan's figures."""
@@ -247,10 +306,23 @@ class LeaseObserver(Collector):
         )
         for actor in actors_waiting:
             waiting.add_metric([actor], snap.waiting.get(actor, 0))
+        unreachable = GaugeMetricFamily(
+            "dramatiq_lease_exporter_unreachable_nodes",
+            "Redis Cluster masters that did not answer the last scan: what they hold is not in the lease figures.",
+            value=len(snap.unreachable),
+        )
+        unreadable = GaugeMetricFamily(
+            "dramatiq_lease_exporter_unreadable_keys",
+            "Keys the last scan found of the wrong type for their name and left out, by the kind the name says.",
+            labels=["kind"],
+        )
+        kinds = Tally(bad.kind for bad in snap.unreadable.values())
+        for kind in UNREADABLE_KINDS:
+            unreadable.add_metric([kind], kinds.get(kind, 0))
         yield ended
         yield ended_unknown
         if self.stale_after is None or not snap.at or time.time() - snap.at <= self.stale_after:
-            yield from (present, overdue, leaked, leaked_waiting, oldest, waiting)
+            yield from (present, overdue, leaked, leaked_waiting, oldest, waiting, unreachable, unreadable)
         # Served from the start, not from the first success: an exporter that never completes a scan must
         # still age this gauge, or `time() - it > 120` has nothing to fire on.
         yield GaugeMetricFamily(
