@@ -24,6 +24,8 @@ Exit codes (an API: scripts rely on them):
 * 2: usage error (bad or missing arguments).
 * 3: not found: there is no lease on KEY.
 * 4: Redis unreachable or failing; one line on stderr names the URL.
+* 5: the exporter cannot listen on HOST:PORT (unknown host, address in use, port
+  not permitted); one line on stderr names HOST:PORT and the system's reason.
 * 130: interrupted (Ctrl-C); 143: the demo was stopped by SIGTERM (after cleaning up).
 """
 
@@ -60,6 +62,7 @@ from .render import PrintableWriter, format_duration, printable
 # What `dramatiq_leases.cli` offered as one module, still importable from here.
 __all__ = [
     "DEFAULT_REDIS_URL",
+    "EXIT_CANNOT_LISTEN",
     "EXIT_CODES_HELP",
     "EXIT_INTERRUPTED",
     "EXIT_NOT_FOUND",
@@ -78,6 +81,9 @@ __all__ = [
     "main",
 ]
 
+#: Exit code of ``exporter`` when it cannot listen on HOST:PORT (unknown host, address in use, not permitted).
+EXIT_CANNOT_LISTEN = 5
+
 #: The Redis URL used when neither ``--redis-url`` nor ``$REDIS_URL`` is set.
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
@@ -89,6 +95,7 @@ exit codes:
   2    usage error
   3    not found: no lease on KEY
   4    Redis unreachable or failing (one line on stderr names the URL)
+  5    exporter: cannot listen on HOST:PORT (one line on stderr says why)
   130  interrupted (Ctrl-C)
   143  demo stopped by SIGTERM (after cleaning up)
 """
@@ -115,6 +122,22 @@ def _positive_int(text: str) -> int:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
     return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number from 0 to 65535 (0: any free port), got {text!r}")
+    return value
+
+
+def _host(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty (0.0.0.0: every IPv4 interface; ::, every interface)")
+    return text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -175,8 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "and, on /leases, the leases held now, worst first, and the keys with the\n"
                                    "longest lines (JSON, for Grafana's Infinity data source).",
                        epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--host", default="0.0.0.0", help="address to listen on (default: 0.0.0.0)")
-    p.add_argument("--port", type=int, default=9808, help="port to listen on (default: 9808)")
+    p.add_argument("--host", type=_host, default="0.0.0.0", help="address to listen on (default: 0.0.0.0)")
+    p.add_argument("--port", type=_port, default=9808, help="port to listen on, 0 to 65535 (default: 9808)")
     p.add_argument("--interval", type=_positive_float, default=5.0, metavar="SECONDS",
                    help="seconds between scans of the leases (default: 5)")
     # The exporter's modules (prometheus_client) are imported only to run it: its defaults are repeated here.
@@ -201,6 +224,17 @@ def build_parser() -> argparse.ArgumentParser:
 def _fail(err: TextIO, text: str) -> None:
     # One line (newlines and tabs folded), its control characters escaped: messages quote keys and holders.
     err.write("dramatiq-leases: " + printable(" ".join(text.split())) + "\n")
+
+
+def _exporter(leases: Leases, args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    """``exporter``: a bind that fails ends in one line and exit 5."""
+    from ..exporter.server import ListenError  # imports prometheus_client: only for the exporter
+
+    try:
+        return cmd_exporter(leases, args, out)
+    except ListenError as e:  # an environment error, not a usage one: the same flags may work elsewhere
+        _fail(err, str(e))
+        return EXIT_CANNOT_LISTEN
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -238,6 +272,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return EXIT_USAGE
         try:
             args.url = url  # for the exporter's `show` commands
+            if args.command == "exporter":
+                return _exporter(leases, args, out, err)
             command = {"list": cmd_list, "ls": cmd_list, "show": cmd_show, "release": cmd_release,
                        "exporter": cmd_exporter}[args.command]
             return command(leases, args, out)

@@ -26,6 +26,22 @@ if TYPE_CHECKING:
 LEASES_PATH = "/leases"
 
 
+class ListenError(Exception):
+    """The endpoint cannot listen on ``host:port``: an unknown host, an address in use, a port not permitted.
+
+    The message is one line naming ``host:port`` and the operating system's reason.
+    """
+
+    def __init__(self, host: str, port: int, reason: str) -> None:
+        self.host, self.port, self.reason = host, port, reason
+        super().__init__(f"cannot listen on {host_port(host, port)}: {reason}")
+
+
+def host_port(host: str, port: int) -> str:
+    """``host:port``, an IPv6 address in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 class _ThreadingServer(ThreadingMixIn, WSGIServer):
     """One thread per request, none of which keeps the process alive."""
 
@@ -84,13 +100,31 @@ def _json(start_response: StartResponse, status: str, doc: dict[str, Any],
 
 
 def start_server(app: ExporterApp, host: str, port: int) -> tuple[WSGIServer, threading.Thread]:
-    """Serve ``app`` on ``host:port`` (``port`` 0: any free port) from a daemon thread, as prometheus_client does."""
-    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+    """Serve ``app`` on ``host:port`` (``port`` 0: any free port) from a daemon thread, as prometheus_client does.
+
+    Raises:
+      ValueError: ``port`` is not from 0 to 65535.
+      ListenError: ``host`` does not resolve, or the address cannot be bound (in use, not permitted).
+    """
+    if not 0 <= port <= 65535:
+        raise ValueError(f"port must be from 0 to 65535, got {port}")
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+    except (OSError, UnicodeError) as e:  # socket.gaierror is an OSError; an IDNA-invalid name a UnicodeError
+        raise ListenError(host, port, _reason(e)) from e
 
     class Server(_ThreadingServer):
         address_family = family  # "::" listens on IPv6, "0.0.0.0" on IPv4
 
-    server = make_server(host, port, app, Server, handler_class=_QuietHandler)
+    try:
+        server = make_server(host, port, app, Server, handler_class=_QuietHandler)
+    except OSError as e:
+        raise ListenError(host, port, _reason(e)) from e
     thread = threading.Thread(target=server.serve_forever, name="lease-exporter-http", daemon=True)
     thread.start()
     return server, thread
+
+
+def _reason(error: BaseException) -> str:
+    """The operating system's words for ``error`` ("Address already in use"), else its message."""
+    return str(getattr(error, "strerror", None) or error)
