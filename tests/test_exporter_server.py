@@ -1,26 +1,106 @@
-"""``dramatiq-leases exporter`` as an operator runs it: its bind errors.
+"""``dramatiq-leases exporter`` as an operator runs it: bind errors, and who may read the Busy view.
 
 Each test runs the real command (``python -m dramatiq_leases.cli``, a
 subprocess) against a private Redis: a port out of range is a usage error
 found before anything starts; an unknown host or a port in use ends in one
-line naming ``HOST:PORT`` and the system's reason, and exit 5.
+line and exit 5; ``/metrics`` is served on every bind, while ``/leases``, which
+shows lease keys, is refused on a non-loopback bind unless the operator opts in
+(``--busy-view open``) or sets a token (``--busy-token-file``).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import socket
 import subprocess
 import sys
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
 
 import pytest
 
+from dramatiq_leases.core import Lease, Leases
 from dramatiq_leases.embedded import EmbeddedRedis, free_port
+from dramatiq_leases.exporter import Exporter
+
+from .support.waiting import wait_for
 
 CLI = [sys.executable, "-m", "dramatiq_leases.cli"]
+# A key as real ones look: it names a person. It must never reach a reader who was not let in.
+PERSONAL = "gdpr-export:user:alice@example.com"
+META = {"actor": "gdpr_export", "queue": "exports", "host": "worker-3", "pid": "4242", "message_id": "msg-9"}
+TOKEN = "s3cr3t-busy-token-0123456789"
+
+
+@pytest.fixture
+def leases(redis_server: EmbeddedRedis) -> Iterator[Leases]:
+    store = Leases.from_url(redis_server.url())
+    lease = store.try_acquire(PERSONAL, 60_000, interval=20_000, meta=META)
+    assert isinstance(lease, Lease)
+    yield store
+    store.client.close()
 
 
 def run_cli(*argv: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*CLI, *argv], capture_output=True, text=True, timeout=60)
+
+
+def get(port: int, path: str, headers: dict[str, str] | None = None,
+        method: str = "GET") -> tuple[int, dict[str, str], bytes]:
+    """Status, headers and body of a request to the exporter on this host (errors included)."""
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", headers=headers or {}, method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=5) as response:
+            return response.status, dict(response.headers), response.read()
+    except urllib.error.HTTPError as e:
+        with e:
+            return e.code, dict(e.headers), e.read()
+
+
+class Running:
+    """A running ``dramatiq-leases exporter`` and where it logs."""
+
+    def __init__(self, port: int, log: Path) -> None:
+        self.port, self.log = port, log
+
+    def page(self, headers: dict[str, str] | None = None) -> dict[str, Any]:
+        """The Busy page once a scan has seen the lease (the reader being let in)."""
+        def scanned() -> dict[str, Any] | None:
+            status, _, body = get(self.port, "/leases", headers)
+            assert status == 200, body
+            doc: dict[str, Any] = json.loads(body)
+            return doc if doc["leases_total"] == 1 else None
+
+        return wait_for(scanned, timeout=20, what="a scan that saw the lease")
+
+
+@contextmanager
+def exporter(redis_server: EmbeddedRedis, tmp_path: Path, *flags: str, host: str = "127.0.0.1") -> Iterator[Running]:
+    """``dramatiq-leases exporter`` on a free port of ``host``, serving /metrics, stopped on exit."""
+    port = free_port()
+    log = tmp_path / f"exporter-{port}.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([*CLI, "--redis-url", redis_server.url(), "exporter", "--host", host,
+                                 "--port", str(port), "--interval", "0.2", *flags],
+                                stdout=out, stderr=subprocess.STDOUT)
+    try:
+        def serving() -> bool:
+            assert proc.poll() is None, log.read_text()
+            try:
+                return get(port, "/metrics")[0] == 200
+            except OSError:
+                return False
+
+        wait_for(serving, timeout=30, interval=0.05, what="the exporter to serve /metrics")
+        yield Running(port, log)
+    finally:
+        proc.terminate()
+        proc.wait(10)
 
 
 # --- bind errors -------------------------------------------------------------------------------------------
@@ -60,3 +140,145 @@ def test_the_help_documents_exit_5() -> None:
     done = run_cli("exporter", "--help")
     assert done.returncode == 0
     assert "5    exporter: cannot listen on HOST:PORT" in done.stdout
+    for flag in ("--busy-view {local,open}", "--busy-token-file FILE", "--busy-keys {plain,hashed}"):
+        assert flag in done.stdout
+
+
+# --- who may read /leases --------------------------------------------------------------------------------------
+
+
+def test_on_every_interface_metrics_are_served_and_the_busy_view_is_refused_saying_how_to_enable_it(
+        redis_server: EmbeddedRedis, leases: Leases, tmp_path: Path) -> None:
+    with exporter(redis_server, tmp_path, host="0.0.0.0") as running:
+        metrics = wait_for(lambda: (b := get(running.port, "/metrics")[2]) and b"dramatiq_lease_present{" in b and b,
+                           what="a scan's gauges")
+        assert PERSONAL.encode() not in metrics, "keys never become labels"
+        for method in ("GET", "HEAD", "POST"):
+            status, headers, body = get(running.port, "/leases?limit=5", method=method)
+            assert status == 403, (method, body)
+            assert headers["Content-Type"] == "application/json"
+            if method == "HEAD":
+                assert body == b""
+            else:
+                doc = json.loads(body)
+                assert doc["error"] == "forbidden"
+                assert "--busy-token-file" in doc["detail"] and "--busy-view open" in doc["detail"]
+                assert f"0.0.0.0:{running.port}" in doc["detail"]
+            for leak in (PERSONAL, META["message_id"], META["host"]):
+                assert leak.encode() not in body
+    # The operator is told at start, on stderr.
+    assert f"The Busy view (/leases) is refused (403) on the non-loopback bind 0.0.0.0:{running.port}" in (
+        running.log.read_text())
+
+
+def test_the_library_exporter_on_every_interface_refuses_the_busy_view_too(leases: Leases) -> None:
+    exporter = Exporter(leases, host="0.0.0.0", port=0)  # its default host
+    try:
+        status, _, body = get(exporter.port, "/leases")
+        assert status == 403 and json.loads(body)["error"] == "forbidden"
+    finally:
+        exporter.close()
+
+
+def test_busy_view_open_serves_it_to_anyone_who_reaches_the_port(redis_server: EmbeddedRedis, leases: Leases,
+                                                                  tmp_path: Path) -> None:
+    with exporter(redis_server, tmp_path, "--busy-view", "open", host="0.0.0.0") as running:
+        (row,) = running.page()["leases"]
+        assert row["key"] == PERSONAL and row["host"] == META["host"]
+    assert f"is served to anyone who reaches 0.0.0.0:{running.port} (--busy-view open)" in running.log.read_text()
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "127.0.0.1"])
+def test_a_token_file_guards_the_busy_view_on_any_bind(redis_server: EmbeddedRedis, leases: Leases,
+                                                       tmp_path: Path, host: str) -> None:
+    token_file = tmp_path / "busy-token"
+    token_file.write_text(TOKEN + "\n")  # as `echo` writes it: the newline is not part of the token
+    with exporter(redis_server, tmp_path, "--busy-token-file", str(token_file), host=host) as running:
+        assert get(running.port, "/metrics")[0] == 200, "metrics need no token"
+        for headers, error in (({}, "unauthorized"), ({"Authorization": f"Basic {TOKEN}"}, "unauthorized"),
+                               ({"Authorization": f"Bearer {TOKEN[:-1]}"}, "invalid_token"),
+                               ({"Authorization": f"Bearer {TOKEN}x"}, "invalid_token"),
+                               ({"Authorization": "Bearer "}, "unauthorized")):
+            status, response_headers, body = get(running.port, "/leases", headers)
+            assert (status, json.loads(body)["error"]) == (401, error), headers
+            assert response_headers["WWW-Authenticate"].startswith('Bearer realm="dramatiq-leases"')
+            assert PERSONAL.encode() not in body and TOKEN.encode() not in body
+        (row,) = running.page({"Authorization": f"bearer {TOKEN}"})["leases"]  # the scheme is case-insensitive
+        assert row["key"] == PERSONAL
+    assert TOKEN not in running.log.read_text()
+
+
+def test_hashed_keys_show_a_digest_and_no_inspect_command(redis_server: EmbeddedRedis, leases: Leases,
+                                                          tmp_path: Path) -> None:
+    with exporter(redis_server, tmp_path, "--busy-keys", "hashed") as running:
+        doc = running.page()
+    (row,) = doc["leases"]
+    assert row["key"] == "sha256:" + hashlib.sha256(PERSONAL.encode()).hexdigest()[:16]
+    assert row["inspect_command"] is None and row["actor"] == META["actor"]
+    assert PERSONAL not in json.dumps(doc)
+
+
+@pytest.mark.parametrize(("content", "why"), [
+    (None, "cannot read"), ("", "at least 16 characters"), ("short-token", "at least 16 characters"),
+    ("a token with spaces in it", "visible ASCII characters without spaces"),
+])
+def test_a_bad_token_file_is_a_usage_error_found_before_anything_starts(tmp_path: Path, content: str | None,
+                                                                        why: str) -> None:
+    path = tmp_path / "token"
+    if content is not None:
+        path.write_text(content)
+    done = run_cli("--redis-url", f"redis://127.0.0.1:{free_port()}/0", "exporter", "--busy-token-file", str(path))
+    assert done.returncode == 2, done.stderr
+    last = done.stderr.splitlines()[-1]
+    assert last.startswith(f"dramatiq-leases exporter: error: argument --busy-token-file: {str(path)!r}"
+                           if content is not None else
+                           f"dramatiq-leases exporter: error: argument --busy-token-file: cannot read {str(path)!r}")
+    assert why in last and "Traceback" not in done.stderr
+    if content:
+        assert content not in done.stderr, "the token is never printed"
+
+
+def test_an_open_busy_view_takes_no_token(tmp_path: Path) -> None:
+    path = tmp_path / "token"
+    path.write_text(TOKEN)
+    done = run_cli("exporter", "--busy-view", "open", "--busy-token-file", str(path))
+    assert done.returncode == 2
+    assert "argument --busy-token-file: not allowed with argument --busy-view" in done.stderr
+
+
+@pytest.mark.parametrize(("address", "loopback"), [
+    ("127.0.0.1", True), ("127.1.2.3", True), ("::1", True), ("::ffff:127.0.0.1", True),
+    ("0.0.0.0", False), ("::", False), ("10.0.0.7", False), ("fe80::1%eth0", False), ("", False),
+])
+def test_what_counts_as_a_loopback_bind(address: str, loopback: bool) -> None:
+    from dramatiq_leases.exporter.server import is_loopback
+
+    assert is_loopback(address) is loopback
+
+
+# --- the compose bundle ------------------------------------------------------------------------------------
+
+
+def test_the_compose_exporter_serves_the_busy_view_to_grafanas_datasource(redis_server: EmbeddedRedis,
+                                                                          leases: Leases, tmp_path: Path) -> None:
+    """Grafana reads /leases over the compose network (a non-loopback bind), as its provisioning says."""
+    import yaml
+
+    from dramatiq_leases.cli import build_parser
+
+    root = Path(__file__).resolve().parents[1]
+    command = yaml.safe_load((root / "docker-compose.yml").read_text())["services"]["exporter"]["command"]
+    (datasource,) = yaml.safe_load(
+        (root / "deploy/grafana/provisioning/datasources/exporter.yml").read_text())["datasources"]
+    assert command[:2] == ["dramatiq-leases", "exporter"]
+    args = build_parser().parse_args(command[1:])
+    assert args.host == "0.0.0.0", "in its container, the exporter must listen where Grafana reaches it"
+    assert datasource.get("jsonData", {}).get("auth_method") is None, "the datasource sends no token"
+    # The compose command as is, but for this test's Redis and a free port.
+    flags = list(command[2:])
+    for option in ("--redis-url", "--port"):
+        at = flags.index(option)
+        del flags[at:at + 2]
+    with exporter(redis_server, tmp_path, *flags, host="0.0.0.0") as running:
+        (row,) = running.page()["leases"]  # what the Infinity datasource asks, without a token
+        assert row["key"] == PERSONAL

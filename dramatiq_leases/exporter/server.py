@@ -4,14 +4,43 @@ A small WSGI app on a threading ``wsgiref`` server, as prometheus_client's own
 ``start_http_server`` is: every path but ``/leases`` goes to its
 ``make_wsgi_app``, so ``/metrics`` answers exactly as before (content
 negotiation, gzip, ``name[]`` filters).
+
+Who may read ``/leases``
+------------------------
+
+Metrics carry no lease key and are served to anyone who reaches the port, as
+Prometheus exporters do. The Busy view shows lease keys (which often carry
+user ids or e-mail addresses), message ids, hosts and pids, so it is safe by
+default (:class:`BusyAccess`):
+
+* with a token (``--busy-token-file FILE``): only to requests that send
+  ``Authorization: Bearer <token>``, on every bind, loopback included; 401
+  otherwise. The token is compared in constant time.
+* else, on a loopback bind (``127.0.0.1``, ``::1``, ``localhost``): to anyone
+  who reaches the port, that is, to this host.
+* else (``0.0.0.0``, ``::``, any other address) only if the operator opts in
+  with ``--busy-view open``; 403 otherwise, with a body saying how.
+
+``--busy-keys hashed`` shows each key as ``sha256:`` and the first 16 hex
+digits of its SHA-256 (``printf %s KEY | sha256sum`` gives it) and leaves
+``inspect_command`` null: a pseudonym that still tells rows apart, not
+anonymity (whoever can guess a key can confirm it), so it adds to the rules
+above and replaces none.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import ipaddress
 import json
+import logging
 import socket
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
 from socketserver import ThreadingMixIn
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs
@@ -22,8 +51,19 @@ from prometheus_client import CollectorRegistry, make_wsgi_app
 if TYPE_CHECKING:
     from _typeshed.wsgi import StartResponse, WSGIEnvironment
 
+logger = logging.getLogger(__name__)
+
 #: The path of the Busy page.
 LEASES_PATH = "/leases"
+
+#: The shortest token ``--busy-token-file`` accepts (characters).
+MIN_TOKEN_LENGTH = 16
+
+#: The realm of the ``WWW-Authenticate`` challenge of a 401.
+REALM = "dramatiq-leases"
+
+#: Hex digits of the SHA-256 shown for a key with ``--busy-keys hashed`` (64 bits: rows never collide).
+HASH_DIGITS = 16
 
 
 class ListenError(Exception):
@@ -37,9 +77,112 @@ class ListenError(Exception):
         super().__init__(f"cannot listen on {host_port(host, port)}: {reason}")
 
 
+@dataclass(frozen=True)
+class BusyAccess:
+    """Who may read the Busy view (``/leases``), and how it shows keys.
+
+    Attributes:
+      open: serve it without a token on any bind (``--busy-view open``); by
+        default it is served without a token on a loopback bind only.
+      token: the bearer token every request for it must send
+        (``--busy-token-file``), whatever the bind; excludes ``open``.
+      hash_keys: show keys as ``sha256:<16 hex digits>`` and no
+        ``inspect_command`` (``--busy-keys hashed``).
+    """
+
+    open: bool = False
+    token: str | None = field(default=None, repr=False)  # never in a repr or a log line
+    hash_keys: bool = False
+
+    def __post_init__(self) -> None:
+        if self.open and self.token is not None:
+            raise ValueError("an open Busy view takes no token: choose one of --busy-view open, --busy-token-file")
+        if self.token is not None:
+            check_token(self.token)
+
+    def describe(self, bound: str, loopback: bool) -> str:
+        """Who gets the Busy view on the address ``bound``, in words (for the start-up log line)."""
+        if self.token is not None:
+            rule = "served only to requests bearing the token of --busy-token-file"
+        elif self.open:
+            rule = f"served to anyone who reaches {bound} (--busy-view open)"
+        elif loopback:
+            rule = f"served without a token on the loopback bind {bound}"
+        else:
+            rule = (f"refused (403) on the non-loopback bind {bound}: start the exporter with --busy-token-file "
+                    "FILE or --busy-view open to serve it there")
+        return rule + (", keys hashed" if self.hash_keys else "")
+
+
+def check_token(token: str) -> str:
+    """``token`` if it can be a bearer token here: visible ASCII, no spaces, ``MIN_TOKEN_LENGTH`` long at least.
+
+    Raises:
+      ValueError: it cannot (the message says why, never the token).
+    """
+    if len(token) < MIN_TOKEN_LENGTH:
+        raise ValueError(f"the token must be at least {MIN_TOKEN_LENGTH} characters long, got {len(token)}")
+    if not all("!" <= c <= "~" for c in token):
+        raise ValueError("the token must be visible ASCII characters without spaces (it goes into an HTTP header)")
+    return token
+
+
+def read_token_file(path: str) -> str:
+    """The bearer token stored in the file ``path`` (surrounding whitespace, such as a final newline, dropped).
+
+    Raises:
+      ValueError: the file cannot be read, or holds no usable token.
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read(4096)
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read {path!r}: {getattr(e, 'strerror', None) or e}") from e
+    try:
+        return check_token(text.strip())
+    except ValueError as e:
+        raise ValueError(f"{path!r}: {e}") from None
+
+
+def hashed_key(key: str) -> str:
+    """The pseudonym shown for ``key`` with ``--busy-keys hashed``: ``sha256:`` and 16 hex digits of its SHA-256."""
+    return "sha256:" + hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:HASH_DIGITS]
+
+
 def host_port(host: str, port: int) -> str:
     """``host:port``, an IPv6 address in brackets."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def is_loopback(address: str) -> bool:
+    """Whether a bound address (as ``server_address[0]`` gives it) accepts connections from this host only."""
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])  # no IPv6 zone
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped.is_loopback
+    return ip.is_loopback
+
+
+# The exporter (``Exporter``, ``serve``) builds its app itself and takes no access argument yet: the
+# command line hands its flags over through this context variable, read when an app is created.
+_ACCESS: ContextVar[BusyAccess | None] = ContextVar("dramatiq_leases_busy_access", default=None)
+
+
+@contextmanager
+def busy_access(access: BusyAccess) -> Iterator[BusyAccess]:
+    """Every :class:`ExporterApp` created inside this block (in this thread) applies ``access``.
+
+    How ``dramatiq-leases exporter`` passes its ``--busy-*`` flags to
+    :class:`~dramatiq_leases.exporter.Exporter`; outside any block, apps get
+    the default :class:`BusyAccess`.
+    """
+    reset = _ACCESS.set(access)
+    try:
+        yield access
+    finally:
+        _ACCESS.reset(reset)
 
 
 class _ThreadingServer(ThreadingMixIn, WSGIServer):
@@ -55,6 +198,9 @@ class _QuietHandler(WSGIRequestHandler):
         pass
 
 
+Refusal = tuple[str, dict[str, Any], list[tuple[str, str]]]
+
+
 class ExporterApp:
     """The WSGI app: ``GET /leases`` from ``busy_json``, anything else from the registry's exposition.
 
@@ -62,12 +208,25 @@ class ExporterApp:
       registry: what ``/metrics`` exposes.
       busy_json: the Busy page for a ``limit`` (``None``: the default), without any Redis call;
         ``None`` turns ``/leases`` off (404).
+      access: who may read ``/leases``; default: the one of the enclosing :func:`busy_access` block,
+        else :class:`BusyAccess()`.
+
+    Attributes:
+      bound: the address the endpoint listens on, set by :func:`start_server`; until then (an app
+        served by some other server) the Busy view counts as served on a non-loopback bind.
+      loopback: whether ``bound`` is a loopback address.
     """
 
     def __init__(self, registry: CollectorRegistry,
-                 busy_json: Callable[[int | None], dict[str, Any]] | None) -> None:
+                 busy_json: Callable[[int | None], dict[str, Any]] | None,
+                 access: BusyAccess | None = None) -> None:
         self.metrics = make_wsgi_app(registry)
         self.busy_json = busy_json
+        self.access = access or _ACCESS.get() or BusyAccess()
+        self.bound = "an unknown address"
+        self.loopback = False
+        # Digests of equal length: compare_digest then reveals neither the token nor its length.
+        self._token_digest = None if self.access.token is None else _digest(self.access.token)
 
     def __call__(self, environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
         """WSGI entry point."""
@@ -75,6 +234,11 @@ class ExporterApp:
             return self.metrics(environ, start_response)  # type: ignore[no-any-return]
         if self.busy_json is None:
             return _json(start_response, "404 Not Found", {"error": "the Busy page is off (--top 0)"})
+        refusal = self._refusal(environ)
+        head = environ.get("REQUEST_METHOD") == "HEAD"
+        if refusal is not None:  # before anything else: a refused caller learns nothing about the page
+            body = _json(start_response, *refusal)
+            return [] if head else body
         if environ.get("REQUEST_METHOD", "GET") not in ("GET", "HEAD"):
             return _json(start_response, "405 Method Not Allowed", {"error": "use GET"}, [("Allow", "GET, HEAD")])
         values = parse_qs(environ.get("QUERY_STRING", "")).get("limit")
@@ -87,8 +251,50 @@ class ExporterApp:
             except ValueError:
                 return _json(start_response, "400 Bad Request",
                              {"error": f"limit must be a non-negative integer, got {values[-1]!r}"})
-        body = _json(start_response, "200 OK", self.busy_json(limit))
-        return [] if environ.get("REQUEST_METHOD") == "HEAD" else body
+        doc = self.busy_json(limit)
+        if self.access.hash_keys:
+            doc = _hash_keys(doc)
+        body = _json(start_response, "200 OK", doc)
+        return [] if head else body
+
+    def _refusal(self, environ: WSGIEnvironment) -> Refusal | None:
+        """Why this request may not read the Busy view (status, body, headers), or ``None`` if it may."""
+        if self._token_digest is not None:
+            scheme, _, given = str(environ.get("HTTP_AUTHORIZATION", "")).strip().partition(" ")
+            if scheme.lower() != "bearer" or not given.strip():
+                return ("401 Unauthorized",
+                        {"error": "unauthorized",
+                         "detail": "The Busy view needs the exporter's token: send 'Authorization: Bearer <token>', "
+                                   "the token being the content of the exporter's --busy-token-file."},
+                        [("WWW-Authenticate", f'Bearer realm="{REALM}"')])
+            if not hmac.compare_digest(_digest(given.strip()), self._token_digest):
+                return ("401 Unauthorized", {"error": "invalid_token", "detail": "The bearer token is not the "
+                                             "exporter's (the content of its --busy-token-file)."},
+                        [("WWW-Authenticate", f'Bearer realm="{REALM}", error="invalid_token"')])
+            return None
+        if self.access.open or self.loopback:
+            return None
+        return ("403 Forbidden",
+                {"error": "forbidden",
+                 "detail": f"The Busy view shows lease keys, which may carry personal data, so without a token it "
+                           f"is served only on a loopback bind, and this exporter listens on {self.bound}. To serve "
+                           "it here, start the exporter with --busy-token-file FILE (clients then send "
+                           "'Authorization: Bearer <token>') or, on a network only trusted readers reach, "
+                           "--busy-view open. --busy-keys hashed shows keys as digests. /metrics needs neither."},
+                [])
+
+
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode()).digest()
+
+
+def _hash_keys(doc: dict[str, Any]) -> dict[str, Any]:
+    """``doc`` with every row's key replaced by its digest and no ``inspect_command`` (which would name it)."""
+    out = dict(doc)
+    for table in ("leases", "hot_keys"):
+        if isinstance(doc.get(table), list):
+            out[table] = [{**row, "key": hashed_key(str(row["key"])), "inspect_command": None} for row in doc[table]]
+    return out
 
 
 def _json(start_response: StartResponse, status: str, doc: dict[str, Any],
@@ -101,6 +307,9 @@ def _json(start_response: StartResponse, status: str, doc: dict[str, Any],
 
 def start_server(app: ExporterApp, host: str, port: int) -> tuple[WSGIServer, threading.Thread]:
     """Serve ``app`` on ``host:port`` (``port`` 0: any free port) from a daemon thread, as prometheus_client does.
+
+    Sets ``app.bound`` and ``app.loopback`` from the address actually bound,
+    which the Busy view's access rule reads, and logs that rule.
 
     Raises:
       ValueError: ``port`` is not from 0 to 65535.
@@ -120,6 +329,11 @@ def start_server(app: ExporterApp, host: str, port: int) -> tuple[WSGIServer, th
         server = make_server(host, port, app, Server, handler_class=_QuietHandler)
     except OSError as e:
         raise ListenError(host, port, _reason(e)) from e
+    address = str(server.server_address[0])
+    app.bound, app.loopback = host_port(address, int(server.server_address[1])), is_loopback(address)
+    if app.busy_json is not None:
+        level = logging.INFO if app.loopback or app.access.token is not None else logging.WARNING
+        logger.log(level, "The Busy view (%s) is %s.", LEASES_PATH, app.access.describe(app.bound, app.loopback))
     thread = threading.Thread(target=server.serve_forever, name="lease-exporter-http", daemon=True)
     thread.start()
     return server, thread
