@@ -642,3 +642,85 @@ def test_leases_on_a_master_that_fails_over_go_on_being_renewed_by_its_replica()
         assert Renewal.ERROR in itertools.chain(*rounds), "the failure was never seen: the test proves nothing"
         assert all(r in (Renewal.OK, Renewal.ERROR) for r in itertools.chain(*rounds)), rounds  # never gone/stolen
         client.close()
+
+
+# --- (e) a hung master blinds the CLI and the exporter to its own keys only ----------------------------------
+
+
+def test_a_hung_master_hides_only_its_own_leases_from_list_and_the_exporter_and_is_named() -> None:
+    """One master SIGSTOPped (no replica to replace it). ``list`` shows what the others hold, names the hung
+    master on stderr and exits 6; the exporter goes on reporting a no-TTL leak on a healthy master, says one
+    master did not answer (``dramatiq_lease_exporter_unreachable_nodes``, and by name on ``/leases``), and
+    does not take the hung master's leases for ended. Each costs about a socket timeout, not redis-py's
+    cluster retries (``list`` exited 4 after 22 s; the exporter withheld every gauge)."""
+    from dramatiq_leases.exporter import Exporter
+
+    timeout = 0.5
+    prefix = "blind"
+    with RedisClusterNodes(masters=3, replicas=0) as nodes:
+        for port in nodes.masters():  # the other masters keep serving their slots once the hung one is FAIL
+            nodes.node(port).config_set("cluster-require-full-coverage", "no")
+        client = nodes.client(socket_timeout=timeout, socket_connect_timeout=timeout)
+        leases = Leases(client, prefix=prefix)
+        by_master = nodes.spread(leases.lease_name, 2, (f"blind:{i}" for i in itertools.count()))
+        victim = next(port for port in nodes.masters() if port != nodes.nodes[0].port)  # not the CLI's seed
+        healthy = [port for port in by_master if port != victim]
+        held = {}
+        for keys in by_master.values():
+            lease = leases.try_acquire(keys[0], 60_000, interval=10_000, meta=META)
+            assert isinstance(lease, Lease)
+            held[keys[0]] = lease
+        leak = by_master[healthy[0]][1]  # a lease hash written by hand without TTL, on a healthy master
+        client.hset(leases.lease_name(leak), mapping={"token": "t", "fence": 3, "key": leak, "meta": '{"actor":"a"}'})
+        visible = {keys[0] for port, keys in by_master.items() if port != victim} | {leak}
+        exporter = Exporter(leases, host="127.0.0.1", port=0)
+        labels = (("actor_name", "send_invoice"), ("queue_name", "default"))
+        no_ttl = (("actor_name", "a"), ("queue_name", ""), ("reason", "no_ttl"))
+        url = f"{nodes.url}?socket_timeout={timeout}&socket_connect_timeout={timeout}"
+        assert exporter.observer.scan().present[("send_invoice", "default")] == len(held)  # before the hang
+        resume = stop_master(nodes, victim, "hung")
+        try:
+            for moment in ("at once", "once the cluster marks it failed"):
+                if moment != "at once":
+                    wait_for(lambda: all(b"fail" in line for line in nodes.node(healthy[0]).execute_command(
+                        "CLUSTER", "NODES").encode().splitlines() if str(victim).encode() in line),
+                        timeout=20, interval=0.2, what="the cluster to mark the hung master failed")
+                started = time.monotonic()
+                snap = exporter.observer.scan()
+                took = time.monotonic() - started
+                assert took < 4 * timeout, f"the scan took {took:.1f}s {moment}"
+                assert list(snap.unreachable) == [f"127.0.0.1:{victim}"], (moment, snap.unreachable)
+                figures = samples(fetch(exporter.port, "/metrics") or b"")
+                assert figures[("dramatiq_lease_exporter_unreachable_nodes", ())] == 1
+                assert figures[("dramatiq_lease_leaked", no_ttl)] == 1, moment
+                assert figures[("dramatiq_lease_present", labels)] == len(healthy)
+                assert figures[("dramatiq_lease_expired_total", labels)] == 0  # not seen is not ended
+                assert figures[("dramatiq_lease_ended_unknown_total", labels)] == 0
+                page = json.loads(fetch(exporter.port, "/leases") or b"{}")
+                assert [row["node"] for row in page["unreachable_nodes"]] == [f"127.0.0.1:{victim}"]
+
+                started = time.monotonic()
+                code, out, err = cli(["--redis-url", url, "--prefix", prefix, "list", "--json"])
+                took = time.monotonic() - started
+                assert code == 6, (moment, code, err)
+                assert {row["key"] for row in json.loads(out)} == visible
+                assert err.startswith("dramatiq-leases: 1 Redis Cluster master(s) did not answer")
+                assert f"127.0.0.1:{victim}" in err and err.count("\n") == 1
+                assert took < 8 * timeout, f"list took {took:.1f}s {moment}"
+                code, out, err = cli(["--redis-url", url, "--prefix", prefix, "list"])
+                assert code == 6 and all(key in out for key in visible) and f"127.0.0.1:{victim}" in err
+                # show: a key on a healthy master as ever; one on the hung master, Redis unreachable (exit 4), soon.
+                assert cli(["--redis-url", url, "--prefix", prefix, "show", leak])[0] == 0
+                started = time.monotonic()
+                code, _, err = cli(["--redis-url", url, "--prefix", prefix, "show", by_master[victim][0]])
+                assert code == 4 and f"127.0.0.1:{victim}" in err, err
+                assert time.monotonic() - started < 8 * timeout
+        finally:
+            resume()
+            exporter.close()
+        # Back: nothing was lost meanwhile, and the figures are whole again.
+        snap = wait_for(lambda: s if not (s := exporter.observer.scan()).unreachable else None, timeout=10,
+                        what="the master to answer again")
+        assert snap.present[("send_invoice", "default")] == len(held)
+        assert exporter.observer.expired == Counter() and exporter.observer.ended_unknown == Counter()
+        client.close()

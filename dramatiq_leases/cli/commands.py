@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import json
+import sys
 from typing import Any, TextIO
 
 import redis
@@ -22,6 +23,7 @@ from .render import (
     lease_dict,
     line_dict,
     overdue_after,
+    printable,
     ttl_left,
     why_refused,
     why_released,
@@ -34,6 +36,8 @@ EXIT_REFUSED = 1
 EXIT_USAGE = 2
 EXIT_NOT_FOUND = 3
 EXIT_UNREACHABLE = 4
+#: ``list`` printed what the Redis Cluster masters that answered hold, and some did not answer (named on stderr).
+EXIT_PARTIAL = 6
 EXIT_INTERRUPTED = 130
 
 #: Keys read per SCAN step and per inspect round trip.
@@ -56,25 +60,37 @@ def _problem(info: LeaseInfo, gaps: ReadGaps) -> str | None:
     return bad.problem if bad is not None else "hash without an owner token"
 
 
-def cmd_list(leases: Leases, args: argparse.Namespace, out: TextIO) -> int:
-    """``list``: every lease under the prefix (and debris), as a table or JSON."""
+def _warn_unanswered(gaps: ReadGaps, err: TextIO | None) -> int:
+    """Say on stderr, in one line, which Cluster masters did not answer; the exit code that says so too."""
+    if not gaps.nodes:
+        return EXIT_OK
+    which = "; ".join(f"{node} ({error})" for node, error in sorted(gaps.nodes.items()))
+    (err or sys.stderr).write(printable(
+        f"dramatiq-leases: {len(gaps.nodes)} Redis Cluster master(s) did not answer, so what they hold is not "
+        f"listed: {which}") + "\n")
+    return EXIT_PARTIAL
+
+
+def cmd_list(leases: Leases, args: argparse.Namespace, out: TextIO, err: TextIO | None = None) -> int:
+    """``list``: every lease under the prefix (and debris), as a table or JSON.
+
+    On a Redis Cluster, master by master: the leases of those that answer are listed, and those that do not
+    are named on ``err`` (default stderr), with exit code :data:`EXIT_PARTIAL`.
+    """
     gaps = ReadGaps()
     found = [info for info in leases.scan(count=SCAN_COUNT, gaps=gaps) if fnmatch.fnmatchcase(info.key, args.match)]
-    if gaps.nodes:
-        which = "; ".join(f"{node} ({error})" for node, error in sorted(gaps.nodes.items()))
-        raise LeaseUnavailableError(f"could not scan leases: master(s) did not answer: {which}")
     found.sort(key=lambda i: i.key)
     problems = {info.redis_key: _problem(info, gaps) for info in found}
     if args.json:
         json.dump([lease_dict(i, problems[i.redis_key]) for i in found], out, indent=2)
         out.write("\n")
-        return EXIT_OK
-    if not found:
+    elif not found:
         where = f"matching {args.match!r} " if args.match != "*" else ""
-        out.write(f"no leases {where}under prefix {leases.prefix!r}\n")
-        return EXIT_OK
-    write_list(found, problems, out)
-    return EXIT_OK
+        masters = " on the masters that answered" if gaps.nodes else ""
+        out.write(f"no leases {where}under prefix {leases.prefix!r}{masters}\n")
+    else:
+        write_list(found, problems, out)
+    return _warn_unanswered(gaps, err)
 
 
 def _unreadable_notes(key: str, gaps: ReadGaps, out: TextIO) -> None:

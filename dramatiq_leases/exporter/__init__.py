@@ -48,6 +48,14 @@ Prometheus instead of keeping a resolved leak paging, and
   two minutes after a start with no successful scan, as it does two minutes
   after the last one.
 * ``dramatiq_lease_exporter_scan_duration_seconds`` (no labels; 0 until a scan completes).
+* ``dramatiq_lease_exporter_unreachable_nodes`` (no labels): Redis Cluster
+  masters that did not answer the last scan. Each master is scanned on its own
+  connection, so one that hangs costs its socket timeout and hides only what
+  it holds: the lease figures are those of the masters that answered, the
+  grants seen on the silent one are not judged ended until it answers, and
+  each master that stops or starts answering is logged by name (and listed on
+  ``/leases``). A single server, or every master, not answering fails the
+  scan instead (``dramatiq_lease_redis_errors_total{operation="scan"}``).
 * ``dramatiq_lease_exporter_unreadable_keys`` (label ``kind`` = lease | line |
   waiters | fence only): keys the last scan found of another type than their
   name says (a string at ``{prefix}:line:{...}``, written by hand or by other
@@ -100,6 +108,9 @@ field names are an API::
        "actor": "send_invoice",           # the actor with the most waiters in the line
        "held": true, "state": "no_ttl",   # the lease's state; "free" between holders
        "inspect_command": "dramatiq-leases show 'invoice:42'"}
+    ],
+    "unreachable_nodes": [                # Cluster masters that did not answer that scan: their leases are missing
+      {"node": "10.0.0.7:6379", "error": "TimeoutError: Timeout reading from socket"}
     ],
     "unreadable_keys": {"lease": 0, "line": 1, "waiters": 0, "fence": 0}   # as the gauge; names in the log
   }
