@@ -6,6 +6,7 @@ Commands::
   dramatiq-leases show KEY [--json] [--show-token]
   dramatiq-leases release KEY (--owner TOKEN | --if-dead)
   dramatiq-leases exporter [--host HOST] [--port PORT] [--interval SECONDS] [--top N]
+                           [--busy-view {local,open} | --busy-token-file FILE] [--busy-keys {plain,hashed}]
   dramatiq-leases demo [--invoices N] [--per-invoice N] [--job-seconds S]
 
 Global flags, accepted before or after the command: ``--redis-url`` (default:
@@ -144,6 +145,16 @@ def _host(text: str) -> str:
     return text
 
 
+def _token_file(path: str) -> str:
+    """The token in the file ``path``, read at parse time: a bad file is a usage error before anything starts."""
+    from ..exporter.server import read_token_file  # imports prometheus_client: only for the exporter
+
+    try:
+        return read_token_file(path)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``dramatiq-leases``."""
     # The global flags work before or after the command; SUPPRESS keeps a
@@ -202,7 +213,11 @@ def build_parser() -> argparse.ArgumentParser:
                                    "and, on /leases, the leases held now, worst first, and the keys with the\n"
                                    "longest lines (JSON, for Grafana's Infinity data source).",
                        epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--host", type=_host, default="0.0.0.0", help="address to listen on (default: 0.0.0.0)")
+    # Every interface by default, as Prometheus exporters do: /metrics carries no lease key; the Busy view is
+    # what needs guarding, and --busy-view / --busy-token-file guard it.
+    p.add_argument("--host", type=_host, default="0.0.0.0",
+                   help="address to listen on (default: 0.0.0.0; /leases is then refused unless --busy-view open "
+                        "or --busy-token-file)")
     p.add_argument("--port", type=_port, default=9808, help="port to listen on, 0 to 65535 (default: 9808)")
     p.add_argument("--interval", type=_positive_float, default=5.0, metavar="SECONDS",
                    help="seconds between scans of the leases (default: 5)")
@@ -210,6 +225,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top", type=_non_negative_int, default=50, metavar="N",
                    help="rows of each table of /leases, which shows lease keys (default: 50; "
                         "?limit= asks for fewer; 0 turns /leases off)")
+    who = p.add_mutually_exclusive_group()
+    who.add_argument("--busy-view", choices=("local", "open"), default="local",
+                     help="who may read /leases without a token: local (default) serves it on a loopback bind only "
+                          "and answers 403 on any other; open serves it to anyone who reaches the port (it shows "
+                          "lease keys, message ids, hosts and pids)")
+    who.add_argument("--busy-token-file", type=_token_file, metavar="FILE", dest="busy_token",
+                     help="serve /leases only to requests sending 'Authorization: Bearer TOKEN', TOKEN being the "
+                          "content of FILE (at least 16 visible characters; read at start), on any bind")
+    p.add_argument("--busy-keys", choices=("plain", "hashed"), default="plain",
+                   help="hashed shows each key of /leases as sha256:<16 hex digits> and no inspect command "
+                        "(default: plain)")
 
     p = sub.add_parser(
         "demo", parents=[common], help="watch workers contend, one die, and its lease expire",
@@ -231,11 +257,13 @@ def _fail(err: TextIO, text: str) -> None:
 
 
 def _exporter(leases: Leases, args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    """``exporter``: a bind that fails ends in one line and exit 5."""
-    from ..exporter.server import ListenError  # imports prometheus_client: only for the exporter
+    """``exporter``: its ``--busy-*`` flags reach the exporter's HTTP app; a bind that fails ends in one line."""
+    from ..exporter.server import BusyAccess, ListenError, busy_access  # prometheus_client: only for the exporter
 
+    access = BusyAccess(open=args.busy_view == "open", token=args.busy_token, hash_keys=args.busy_keys == "hashed")
     try:
-        return cmd_exporter(leases, args, out)
+        with busy_access(access):  # serve() takes no access argument: the app reads it from this block
+            return cmd_exporter(leases, args, out)
     except ListenError as e:  # an environment error, not a usage one: the same flags may work elsewhere
         _fail(err, str(e))
         return EXIT_CANNOT_LISTEN
