@@ -358,8 +358,10 @@ def test_redis_down_during_renewal_interrupts_before_expiry(make_stack: Any, lea
 # Fail closed and release -------------------------------------------------------------
 
 
-def test_redis_down_at_acquire_means_no_run_until_it_is_back(make_stack: Any, lease_server: EmbeddedRedis) -> None:
-    stack = make_stack(lock_min_backoff=50, lock_max_backoff=200)
+def test_redis_down_at_acquire_means_no_run_until_it_is_back(make_stack: Any, lease_server: EmbeddedRedis,
+                                                             caplog: Any) -> None:
+    """Fail closed, with the options table's growing backoff and one WARNING per message, not one per round."""
+    stack = make_stack(lock_min_backoff=20, lock_max_backoff=400)
     runs = Runs()
 
     @stack.actor(lock_key="bill:{n}")
@@ -368,9 +370,16 @@ def test_redis_down_at_acquire_means_no_run_until_it_is_back(make_stack: Any, le
 
     stack.start()
     lease_server.stop()
-    message = bill.send(1)
-    wait_for(lambda: len(stack.recorder.delays(message.message_id)) >= 3, what="three acquire failures")
+    with caplog.at_level("DEBUG", logger="dramatiq_leases"):
+        message = bill.send(1)
+        wait_for(lambda: len(stack.recorder.delays(message.message_id)) >= 8, what="eight acquire failures")
     assert runs.count() == 0  # never ran unprotected
+    delays = stack.recorder.delays(message.message_id)
+    # Attempt n waits in [20, min(400, 20 * 2**n)]: the backoff grows (it stayed at [20, 20] for ever).
+    assert max(delays[:8]) > 20, delays
+    assert all(d <= min(400, 20 << n) for n, d in enumerate(delays)), delays
+    warnings = [r for r in caplog.records if r.levelname == "WARNING" and "Could not acquire lease" in r.getMessage()]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
     lease_server.start()
     assert stack.recorder.wait_settled(message.message_id) == "acked"
     assert runs.count(n=1) == 1

@@ -11,7 +11,6 @@ as in a restart), or refusing writes (out of memory, too few replicas). It start
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import signal
@@ -30,6 +29,7 @@ from dramatiq_leases import LeaseMiddleware
 from dramatiq_leases.embedded import EmbeddedRedis
 from dramatiq_leases.middleware.requeue import enqueue_back
 
+from .support.brokers import pending, redis_dead_letters
 from .support.stack import Stack
 from .support.waiting import wait_for
 
@@ -87,24 +87,6 @@ def said(text: str) -> Iterator[threading.Event]:
         yield handler.event
     finally:
         logging.getLogger("dramatiq_leases").removeHandler(handler)
-
-
-def pending(server: EmbeddedRedis) -> int:
-    """Messages the broker holds for the default queue (queued, delayed or being processed)."""
-    client = redis.Redis.from_url(server.url(0))
-    try:
-        return int(client.hlen("dramatiq:default.msgs")) + int(client.hlen("dramatiq:default.DQ.msgs"))
-    finally:
-        client.close()
-
-
-def dead_letters(server: EmbeddedRedis) -> list[str]:
-    """Message ids in the broker's dead-letter queue of the default queue."""
-    client = redis.Redis.from_url(server.url(0))
-    try:
-        return [json.loads(payload)["message_id"] for payload in client.hvals("dramatiq:default.XQ.msgs")]
-    finally:
-        client.close()
 
 
 @pytest.fixture
@@ -192,7 +174,7 @@ def test_a_worker_stopping_during_the_outage_still_sends_the_message_back(server
         second.stop()
         first.broker.close()
     assert runs == [7]
-    assert dead_letters(server) == []
+    assert [m.message_id for m in redis_dead_letters(server)] == []
 
 
 def test_the_send_back_gives_up_at_half_the_time_limit(server: EmbeddedRedis) -> None:
@@ -214,28 +196,41 @@ def test_the_send_back_gives_up_at_half_the_time_limit(server: EmbeddedRedis) ->
         assert stack.recorder.wait_settled(message.message_id, timeout=30) == "nacked"
     finally:
         stack.stop()
-    assert dead_letters(server) == [message.message_id]
+    assert [m.message_id for m in redis_dead_letters(server)] == [message.message_id]
     assert runs == []
 
 
-def test_an_interrupted_send_back_dead_letters_the_message_rather_than_lose_it(server: EmbeddedRedis) -> None:
-    """Dramatiq interrupts the waiting thread (Shutdown): the message is failed, and dead-lettered once Redis is back."""
-    stack = one_redis_stack(server, OutageOnFirstDelivery(server.stop))
-    runs: list[int] = []
+def test_an_interrupted_send_back_still_sends_the_message_back_once(server: EmbeddedRedis) -> None:
+    """Dramatiq interrupts the waiting thread (Shutdown) mid-outage: the thread keeps trying, the message goes
+    back once Redis is back and runs once: not dead-lettered, and no Retries retry beside it."""
+    first = one_redis_stack(server, OutageOnFirstDelivery(server.stop))
+    runs: list[tuple[int, int]] = []
 
-    # With retries left, Dramatiq's Retries would send a retry (impossible: Redis is down) and acknowledge.
-    @stack.actor(lock_key="export:{n}", max_retries=3, notify_shutdown=True)
-    def export(n: int) -> None:
-        runs.append(n)
+    def declare(stack: Stack) -> None:
+        # With retries left, Dramatiq's Retries would send a retry if the interruption reached it.
+        @stack.actor(lock_key="export:{n}", max_retries=3, notify_shutdown=True, actor_name="export")
+        def export(n: int) -> None:
+            current = dramatiq.middleware.CurrentMessage.get_current_message()
+            runs.append((n, current.options.get("retries", 0) if current else -1))
 
-    message = export.send(8)
-    stop_while_sending_back(stack)  # ShutdownNotifications raises Shutdown into the thread
+        stack.broker.add_middleware(dramatiq.middleware.CurrentMessage())
+
+    declare(first)
+    first.broker.enqueue(dramatiq.Message(queue_name="default", actor_name="export", args=(8,), kwargs={},
+                                          options={}))
+    stop_while_sending_back(first)  # ShutdownNotifications raises Shutdown into the thread
     server.start()
-    # Dramatiq retries the nack every 5 s until Redis answers.
-    assert stack.recorder.wait_settled(message.message_id, timeout=30) == "nacked"
-    stack.broker.close()
-    assert dead_letters(server) == [message.message_id]
-    assert runs == []
+    second = one_redis_stack(server)
+    declare(second)
+    second.start()
+    try:
+        wait_for(lambda: runs, timeout=30, what="the message to run on the second worker")
+        wait_for(lambda: pending(server) == 0, timeout=20, what="every copy to be delivered and acknowledged")
+    finally:
+        second.stop()
+        first.broker.close()
+    assert runs == [(8, 0)]
+    assert redis_dead_letters(server) == []
 
 
 def test_enqueue_back_stops_at_its_deadline_and_not_for_other_errors(server: EmbeddedRedis) -> None:

@@ -85,7 +85,8 @@ class Waiting:
         self.on_drop = on_drop
         self.channel = ""
         self.cap = 1
-        self._parked: dict[str, _Parked] = {}
+        # Waiter -> its parked copies held here: usually one; two when an enqueue was tried again.
+        self._parked: dict[str, list[_Parked]] = {}
         self._in_place: dict[int, tuple[str, str]] = {}
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -137,7 +138,7 @@ class Waiting:
     @property
     def parked(self) -> int:
         """How many parked copies this process's delay queues hold (registered with their lines)."""
-        return len(self._parked)
+        return sum(len(copies) for copies in list(self._parked.values()))
 
     @property
     def stopping(self) -> bool:
@@ -197,7 +198,7 @@ class Waiting:
                            message.message_id, e)
             return
         if state in ("p", "r"):
-            self._parked[waiter] = _Parked(threading.current_thread(), message, key)
+            self._parked.setdefault(waiter, []).append(_Parked(threading.current_thread(), message, key))
         else:
             message.options["eta"] = current_millis()  # read by Dramatiq right after this hook: back at once
 
@@ -207,41 +208,42 @@ class Waiting:
             self._parked.pop(waiter_id(message), None)
 
     def unpark(self, waiter: str, *, drop: bool = False) -> bool:
-        """Send the parked copy of ``waiter`` held here to its queue now; ``False`` if it is not here.
+        """Send a parked copy of ``waiter`` held here to its queue now; ``False`` if none was sent.
 
-        With ``drop`` (the waiter already ran) the copy is only acknowledged: sent on, it would be
-        dropped as a duplicate anyway, at the cost of an enqueue and a delivery.
+        Any other copy of it held here is a spare (an enqueue tried again after an interruption or a
+        timeout): it is only acknowledged. With ``drop`` (the waiter already ran) every copy is: sent
+        on, it would be dropped as a duplicate anyway, at the cost of an enqueue and a delivery.
         """
-        parked = self._parked.pop(waiter, None)
-        if parked is None or self._broker is None:
+        copies = self._parked.pop(waiter, None)
+        if not copies or self._broker is None:
             return False
-        delay_queue = getattr(parked.consumer, "delay_queue", None)
-        if delay_queue is None:
-            return False
-        item = None
-        for _ in range(5):  # Dramatiq takes an item out for a moment to look at its eta
-            with delay_queue.mutex:
-                for i, candidate in enumerate(delay_queue.queue):
-                    if getattr(candidate, "message", None) is parked.proxy:
-                        item = delay_queue.queue.pop(i)
-                        heapq.heapify(delay_queue.queue)
-                        break
-            if item is not None:
-                break
-            time.sleep(0.002)
-        if item is None:
-            # Not yet put there (registered in before_delay_message, put just after), or already on its way
-            # back (then on_enqueue forgets it): kept for the next check, a bounded number of times.
-            parked.misses += 1
-            if parked.misses < MAX_MISSES:
-                self._parked.setdefault(waiter, parked)
-            return False
-        if drop:
-            if self.on_drop is not None:
-                self.on_drop(parked.proxy)
-            parked.consumer.post_process_message(parked.proxy)
-            delay_queue.task_done()
-            return True
+        sent = False
+        kept: list[_Parked] = []
+        for parked in copies:
+            delay_queue = getattr(parked.consumer, "delay_queue", None)
+            item = None if delay_queue is None else _take(delay_queue, parked.proxy)
+            if delay_queue is None or item is None:
+                # Not yet put there (registered in before_delay_message, put just after), or already on its
+                # way back (then on_enqueue forgets it): kept for the next check, a bounded number of times.
+                parked.misses += 1
+                if delay_queue is not None and parked.misses < MAX_MISSES:
+                    kept.append(parked)
+            elif drop or sent:
+                if self.on_drop is not None:
+                    self.on_drop(parked.proxy)
+                parked.consumer.post_process_message(parked.proxy)
+                delay_queue.task_done()
+            elif self._send_on(parked, item, delay_queue):
+                sent = True
+            else:
+                kept.append(parked)
+        if kept:
+            self._parked.setdefault(waiter, []).extend(kept)
+        return sent
+
+    def _send_on(self, parked: _Parked, item: Any, delay_queue: Any) -> bool:
+        """Enqueue a parked copy taken out of its delay queue, then acknowledge it, as Dramatiq does at its eta."""
+        assert self._broker is not None
         fresh = parked.proxy.copy(queue_name=q_name(parked.proxy.queue_name))
         fresh.options.pop("eta", None)
         try:
@@ -251,9 +253,8 @@ class Waiting:
                            parked.proxy.message_id, e)
             delay_queue.put(item)
             delay_queue.task_done()
-            self._parked[waiter] = parked
             return False
-        parked.consumer.post_process_message(parked.proxy)  # acknowledge the delayed copy, as Dramatiq does
+        parked.consumer.post_process_message(parked.proxy)
         delay_queue.task_done()
         return True
 
@@ -290,10 +291,23 @@ class Waiting:
     def tend(self) -> None:
         """Check every parked copy held here; send back those whose turn came, that ran, or that lost their place."""
         by_key: dict[str, list[str]] = defaultdict(list)
-        for waiter, parked in list(self._parked.items()):
-            by_key[parked.key].append(waiter)
+        for waiter, copies in list(self._parked.items()):
+            by_key[copies[0].key].append(waiter)
         for key, waiters in by_key.items():
             states = self.leases.hold(key, waiters, self.channel, park_ms=PARK_MS, ready=READY_PER_KEY)
             for waiter, state in zip(waiters, states):
                 if state in ("m", "x", "d"):
                     self.unpark(waiter, drop=state == "d")
+
+
+def _take(delay_queue: Any, proxy: Any) -> Any:
+    """Take the item holding ``proxy`` out of a consumer's delay queue; ``None`` if it is not there."""
+    for _ in range(5):  # Dramatiq takes an item out for a moment to look at its eta
+        with delay_queue.mutex:
+            for i, candidate in enumerate(delay_queue.queue):
+                if getattr(candidate, "message", None) is proxy:
+                    item = delay_queue.queue.pop(i)
+                    heapq.heapify(delay_queue.queue)
+                    return item
+        time.sleep(0.002)
+    return None

@@ -83,3 +83,27 @@ def delete_rabbitmq_queues(*queues: str) -> None:
             channel.queue_delete(name)
     finally:
         connection.close()
+
+
+def pending(server: Any, queue: str = "default") -> int:
+    """Messages a Redis broker (an ``EmbeddedRedis``, database 0) holds for ``queue``: queued, delayed or
+    being processed."""
+    import redis
+
+    client = redis.Redis.from_url(server.url(0))
+    try:
+        return int(client.hlen(f"dramatiq:{queue}.msgs")) + int(client.hlen(f"dramatiq:{queue}.DQ.msgs"))
+    finally:
+        client.close()
+
+
+def redis_dead_letters(server: Any, queue: str = "default") -> list[Any]:
+    """The messages in a Redis broker's dead-letter queue of ``queue`` (an ``EmbeddedRedis``, database 0)."""
+    import dramatiq
+    import redis
+
+    client = redis.Redis.from_url(server.url(0))
+    try:
+        return [dramatiq.Message.decode(data) for data in client.hvals(f"dramatiq:{queue}.XQ.msgs")]
+    finally:
+        client.close()
