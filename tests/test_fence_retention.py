@@ -146,3 +146,19 @@ def test_a_retention_of_a_day_costs_one_more_command_per_grant(redis_client: red
     plain = commands(Leases(redis_client, prefix="plain"))
     kept = commands(Leases(redis_client, prefix="kept", fence_retention_ms=86_400_000))
     assert kept - plain == 10 * 3, (plain, kept)
+
+
+@pytest.mark.parametrize("waited", [False, True], ids=["uncontended", "after-a-line"])
+def test_a_release_by_a_caller_without_the_retention_leaves_no_counter_without_ttl(
+        leases: Leases, redis_client: redis.Redis, waited: bool) -> None:
+    """The CLI's ``release --owner`` knows no retention: a counter the fleet's retention expired during a long
+    hold is made again to record the release, but with a TTL, never kept for ever."""
+    without = Leases(redis_client)
+    lease = grant(leases, "invoice:9", ttl=60_000)
+    if waited:
+        assert not isinstance(leases.try_acquire("invoice:9", ttl=5_000, waiter="m:0", may_wait=False), Lease)
+    counter = f"{leases.prefix}:fence:{{invoice:9}}"
+    wait_for(lambda: redis_client.exists(counter) == 0, what="the idle counter to expire during the hold")
+    assert without.release(lease)
+    assert redis_client.pttl(counter) > 0, "the counter was made again without a TTL"
+    assert [k for k in redis_client.scan_iter(f"{leases.prefix}:*") if redis_client.pttl(k) == -1] == []

@@ -5,8 +5,9 @@
 -- 0 for ever). Returns 1 if released, 0 if the token did
 -- not hold the lease (nothing is touched then). The holder always has the
 -- newest fence of its key, so it is recorded as the last one released. A
--- waiter that ran is remembered for an hour, so a stray copy of it never runs
--- again; the head of the line is woken, or asked to come back.
+-- waiter that ran (the caller passes it only if its actor returned) is
+-- remembered for an hour, so a stray copy of it never runs again; the head of
+-- the line is woken, or asked to come back.
 local DONE_MS, WAKE_TTL_MS = 3600000, 12000
 local ready, PROMOTE_MS = tonumber(ARGV[3]), tonumber(ARGV[4])
 if ready == nil or ready ~= math.floor(ready) or ready < 0 or ready > 1000 then
@@ -22,12 +23,21 @@ local retention = tonumber(ARGV[5] or '0')
 if retention == nil or retention ~= math.floor(retention) or retention < 0 or retention > 1000000000000 then
   return redis.error_reply('ERR dramatiq-leases: invalid retention_ms ' .. tostring(ARGV[5]))
 end
-local fence_of = 0
--- Records the released fence; a counter kept for a retention stays bounded (the HSET may recreate one
--- that expired during a long hold).
+local fence_of, counter = 0, 'hash'
+-- How long a counter made again to record a release is kept when the caller knows no retention.
+local RECORD_MS = 3600000
+-- Records the released fence (how the exporter tells a release from an expiry). A counter that expired
+-- during a long hold (a fleet's retention) is made again only with a TTL: this caller's retention, else
+-- RECORD_MS (a caller without the setting, such as the CLI, would otherwise keep it for ever). A counter
+-- of another type is left alone: read before the first write, so nothing fails after the lease is gone.
 local function released(...)
+  if counter ~= 'hash' and counter ~= 'none' then return end
   redis.call('HSET', KEYS[2], 'released', string.format('%d', fence_of), ...)
-  if retention > 0 then redis.call('PEXPIRE', KEYS[2], retention) end
+  if retention > 0 then
+    redis.call('PEXPIRE', KEYS[2], retention)
+  elseif counter == 'none' then
+    redis.call('PEXPIRE', KEYS[2], RECORD_MS)
+  end
 end
 -- The line's keys share the lease's hash tag (one slot, so Cluster runs this as is): derived here
 -- rather than passed, to keep the hot path's arguments few.
@@ -38,8 +48,9 @@ if cur.err or not cur[1] or cur[1] ~= ARGV[1] then return 0 end
 -- Read before the first write: on a Cluster slot half migrated, a sibling key may be elsewhere, and
 -- the script must fail before it deletes anything (Lua is not a transaction).
 local lined = redis.call('EXISTS', LINE) == 1
-redis.call('DEL', KEYS[1])
 fence_of = tonumber(cur[2]) or 0
+if fence_of > 0 then counter = redis.call('TYPE', KEYS[2]).ok end
+redis.call('DEL', KEYS[1])
 if ARGV[2] == '' and not lined then
   -- The uncontended path: no line to wake, no waiter to remember.
   if fence_of > 0 then released() end
