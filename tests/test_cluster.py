@@ -724,3 +724,39 @@ def test_a_hung_master_hides_only_its_own_leases_from_list_and_the_exporter_and_
         assert snap.present[("send_invoice", "default")] == len(held)
         assert exporter.observer.expired == Counter() and exporter.observer.ended_unknown == Counter()
         client.close()
+
+
+def test_a_line_in_a_slot_half_moved_is_read_at_its_new_master_and_no_master_is_called_silent(
+    cluster: RedisClusterNodes,
+) -> None:
+    """A reshard moves a busy key's line and waiters to another master while its lease stays behind: the
+    exporter's and ``show``'s reads follow ``ASK`` to the importing master, and name no master as silent."""
+    from dramatiq_leases.core.reading import ReadGaps
+
+    prefix = "asked"
+    leases = Leases.from_url(cluster.url, prefix=prefix)
+    masters = cluster.masters()
+    source, target = masters[0], masters[1]
+    owners = cluster.slot_owners(source)
+    slot = sorted(s for s, port in owners.items() if port == source)[200]
+    [key] = cluster.in_slot(leases.lease_name, slot, 1, (f"invoice:{i}" for i in itertools.count()))
+    assert isinstance(leases.try_acquire(key, 60_000, meta=META), Lease)
+    for n in range(2):
+        assert isinstance(leases.try_acquire(key, 60_000, meta=WAITER_META, waiter=f"m{n}:0"), Busy)
+    move = SlotMove(cluster, slot, target)
+    move.begin()
+    try:
+        line = f"{prefix}:line:{{{key}}}"
+        move.migrate([line, line.replace(":line:", ":waiters:")])
+        gaps = ReadGaps()
+        lines = {info.name: info for info in leases.scan_lines(gaps=gaps)}
+        assert gaps.nodes == {} and gaps.keys == {}, gaps
+        assert lines[line].length == 2 and lines[line].actors == {"export_report": 2}
+        assert [info.key for info in leases.scan(gaps=gaps)] == [key] and gaps.nodes == {}
+        code, out, err = cli(["--redis-url", cluster.url, "--prefix", prefix, "show", key, "--json"])
+        assert code == 0, err
+        assert json.loads(out)["line"]["length"] == 2
+    finally:
+        move.finish()
+    assert leases.inspect_line(key).length == 2
+    leases.client.close()

@@ -192,54 +192,99 @@ class LeaseReading:
             gaps.keys[name] = UnreadableKey(name, kind, types.get(name, ""))
 
     def _pipelined(self, names: Sequence[str], gaps: ReadGaps | None, what: str,
-                   commands: Callable[[Any, str], None], *, clock: bool = False,
-                   again: bool = True) -> tuple[dict[int, tuple[list[Any], int]], set[str]]:
+                   commands: Callable[[Any, str], None], *,
+                   clock: bool = False) -> tuple[dict[int, tuple[list[Any], int]], set[str]]:
         """The replies of ``commands(pipe, name)`` for each of ``names``, by position, with the server clock in
         ms if ``clock`` (else 0), and the nodes asked: each node's names on one pipeline of that node's
-        connection. A name whose node did not answer is left out (:meth:`_failed`); one whose slot moved
-        meanwhile is read again (``again``), once the slot map is."""
+        connection. A name whose node did not answer is left out (:meth:`_failed`). One whose slot is moving
+        goes again once: answered ``ASK``, to the importing master with ``ASKING``; ``MOVED``, to its new
+        master once the slot map is read again."""
         out: dict[int, tuple[list[Any], int]] = {}
-        moved: list[int] = []
         groups = self._by_node(names, gaps)
+        asked = set(groups)
+        moved: list[int] = []
+        again: dict[str, tuple[Any, list[int]]] = {}
         for node, (client, positions) in groups.items():
-            pipe = client.pipeline(transaction=False)
-            counts = []
-            for i in positions:
-                before = len(pipe)
-                commands(pipe, names[i])
-                counts.append(len(pipe) - before)
-            if clock:
-                pipe.time()
-            try:
-                replies = pipe.execute(raise_on_error=False)
-                now_ms = 0
-                if clock:
-                    if isinstance(replies[-1], Exception):
-                        raise replies[-1]
-                    seconds, micros = replies[-1]
-                    now_ms = int(seconds) * 1000 + int(micros) // 1000
-            except _NODE_ERRORS as e:
-                self._failed(gaps, node, e, what)
-                continue
-            start = 0
-            for i, n in zip(positions, counts):
-                mine = list(replies[start:start + n])
-                start += n
-                redirect = next((r for r in mine if _redirected(r)), None)
+            for i, reply in self._send(node, client, positions, names, gaps, what, commands, clock, False).items():
+                redirect = next((r for r in reply[0] if _redirected(r)), None)
                 if redirect is None:
-                    out[i] = (mine, now_ms)
-                elif again:
+                    out[i] = reply
+                elif isinstance(redirect, redis.exceptions.MovedError):
                     moved.append(i)
+                elif isinstance(redirect, redis.exceptions.AskError):
+                    target = f"{redirect.host}:{redirect.port}"
+                    if target not in again:
+                        again[target] = (self._node_client(redirect.host, redirect.port), [])
+                    again[target][1].append(i)
                 else:
                     self._failed(gaps, node, redirect, what)
-        asked = set(groups)
+        for target, (client, positions) in again.items():
+            asked.add(target)
+            if client is None:
+                self._failed(gaps, target, "not in the slot map", what)
+                continue
+            out.update(self._settled(target, client, positions, names, gaps, what, commands, clock, True))
         if moved:
             self._refresh()
-            replies_again, asked_again = self._pipelined([names[i] for i in moved], gaps, what, commands,
-                                                         clock=clock, again=False)
-            out.update({moved[j]: r for j, r in replies_again.items()})
-            asked |= asked_again
+            for node, (client, positions) in self._by_node([names[i] for i in moved], gaps).items():
+                asked.add(node)
+                replies = self._settled(node, client, list(range(len(positions))),
+                                        [names[moved[j]] for j in positions], gaps, what, commands, clock, False)
+                out.update({moved[positions[j]]: reply for j, reply in replies.items()})
         return out, asked
+
+    def _node_client(self, host: str, port: int) -> Any:
+        """The client of the Cluster node at ``host:port`` (its own connection), or ``None`` if the map lacks it."""
+        client: Any = self.client
+        node = client.get_node(host=host, port=port)
+        return None if node is None else client.get_redis_connection(node)
+
+    def _settled(self, node: str, client: Any, positions: list[int], names: Sequence[str], gaps: ReadGaps | None,
+                 what: str, commands: Callable[[Any, str], None], clock: bool,
+                 asking: bool) -> dict[int, tuple[list[Any], int]]:
+        """:meth:`_send`, for names sent again: one still redirected (its slot still moving) fails as its node's."""
+        out = {}
+        for i, reply in self._send(node, client, positions, names, gaps, what, commands, clock, asking).items():
+            redirect = next((r for r in reply[0] if _redirected(r)), None)
+            if redirect is not None:
+                self._failed(gaps, node, redirect, what)
+            else:
+                out[i] = reply
+        return out
+
+    def _send(self, node: str, client: Any, positions: list[int], names: Sequence[str], gaps: ReadGaps | None,
+              what: str, commands: Callable[[Any, str], None], clock: bool,
+              asking: bool) -> dict[int, tuple[list[Any], int]]:
+        """The replies of ``names[i]``'s commands for each of ``positions``, on one pipeline of ``client``
+        (``asking``: each name's commands after ``ASKING``), with that node's clock if ``clock``; ``{}`` if the
+        node did not answer (:meth:`_failed`)."""
+        pipe = client.pipeline(transaction=False)
+        staged = _Asking(pipe) if asking else pipe
+        counts = []
+        for i in positions:
+            before = len(pipe)
+            commands(staged, names[i])
+            counts.append(len(pipe) - before)
+        if clock:
+            pipe.time()
+        try:
+            replies = pipe.execute(raise_on_error=False)
+            now_ms = 0
+            if clock:
+                if isinstance(replies[-1], Exception):
+                    raise replies[-1]
+                seconds, micros = replies[-1]
+                now_ms = int(seconds) * 1000 + int(micros) // 1000
+        except _NODE_ERRORS as e:
+            self._failed(gaps, node, e, what)
+            return {}
+        out = {}
+        start = 0
+        for i, n in zip(positions, counts):
+            mine = list(replies[start:start + n])
+            out[i] = (mine[1::2] if asking else mine, now_ms)  # without ASKING's OKs
+            start += n
+        return out
 
     # Leases -----------------------------------------------------------------
 
@@ -429,6 +474,23 @@ class LeaseReading:
         self._unreadable(gaps, bad)
         self._none_answered(asked, gaps, "read fence counters")
         return out
+
+
+class _Asking:
+    """A pipeline whose every command is sent after ``ASKING`` (which lets one command through a slot being
+    imported: a name answered ``ASK`` is read at the importing master)."""
+
+    def __init__(self, pipe: Any) -> None:
+        self._pipe = pipe
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._pipe, name)
+
+        def asking(*args: Any, **kwargs: Any) -> Any:
+            self._pipe.execute_command("ASKING")
+            return method(*args, **kwargs)
+
+        return asking
 
 
 def _line_info(name: str, head: Any, length: Any, entries: Any, now_ms: int) -> LineInfo:
