@@ -7,7 +7,8 @@ import pytest
 import redis
 
 from dramatiq_leases.core import Busy, Lease, Leases, scripts
-from dramatiq_leases.core.keys import waiters_name
+from dramatiq_leases.core.errors import LeaseUnavailableError
+from dramatiq_leases.core.keys import waiters_name, wake_name
 
 
 @pytest.fixture
@@ -41,3 +42,35 @@ def test_the_line_refuses_a_holder_that_would_split_a_waiters_entry(
         redis_client.eval(scripts.LINE, 1, leases.lease_name("k"), "hold", holder, "1000", "2", "1000", "w1")
     assert redis_client.hget(waiters_name("t", "k"), "w1") == entry
     assert leases.hold("k", ["w1"], "channel", park_ms=1_000, ready=0) == ["p"]
+
+
+def no_ttl(redis_client: redis.Redis, prefix: str = "t") -> list[bytes]:
+    """Keys of the prefix without a TTL, but the fence counters (kept for ever without a retention)."""
+    return [k for k in redis_client.scan_iter(f"{prefix}:*") if redis_client.pttl(k) == -1 and b":fence:" not in k]
+
+
+def test_acquire_refuses_a_line_key_of_another_type_before_its_first_write(
+    leases: Leases, redis_client: redis.Redis
+) -> None:
+    """A hand-written waiters key failed the script after it had added the waiter to a new line: a line
+    key without TTL for ever, and the key's messages failing on every attempt."""
+    assert isinstance(leases.try_acquire("k", 60_000), Lease)
+    redis_client.set(waiters_name("t", "k"), "written by hand")
+    with pytest.raises(LeaseUnavailableError, match="invalid waiters"):
+        leases.try_acquire("k", 60_000, waiter="w1", first_ms=1)
+    assert no_ttl(redis_client) == [waiters_name("t", "k").encode()]  # only the hand-written key
+
+
+def test_a_wake_list_of_another_type_does_not_stop_the_release_waking_its_waiter(
+    leases: Leases, redis_client: redis.Redis
+) -> None:
+    holder = leases.try_acquire("k", 60_000)
+    assert isinstance(holder, Lease)
+    busy = leases.try_acquire("k", 60_000, waiter="w1", first_ms=1, may_wait=True)
+    assert isinstance(busy, Busy)
+    wake_list = wake_name("t", "k", "w1")
+    redis_client.set(wake_list, "written by hand")
+    assert leases.release(holder)
+    assert redis_client.type(wake_list) == b"list" and redis_client.pttl(wake_list) > 0
+    assert leases.wait_turn("k", "w1", 100)  # woken
+    assert no_ttl(redis_client) == []

@@ -119,6 +119,11 @@ if not held and not lined then
 end
 
 local WAITERS = sibling('waiters')
+-- Keys of another type (written by hand) would fail a command below after earlier writes, leaving a line
+-- without TTL: refused before the first write.
+if lined and redis.call('TYPE', LINE).ok ~= 'zset' then return bad('line (not a sorted set)', LINE) end
+local waiters_type = redis.call('TYPE', WAITERS).ok
+if waiters_type ~= 'hash' and waiters_type ~= 'none' then return bad('waiters (not a hash)', WAITERS) end
 local pttl, holder_fence = 0, 0
 if held then
   if redis.call('TYPE', KEYS[1]).ok == 'hash' then
@@ -168,7 +173,11 @@ end
 local function wake(w, e)
   if e.state == 'r' then
     local list = LINE .. ':w:' .. w
-    redis.call('LPUSH', list, 1)
+    local pushed = redis.pcall('LPUSH', list, 1)
+    if type(pushed) == 'table' and pushed.err then  -- not a list (written by hand): ours to replace
+      redis.call('DEL', list)
+      redis.call('LPUSH', list, 1)
+    end
     redis.call('PEXPIRE', list, BLOCK_MAX_MS + READY_SLACK_MS)
   end
 end

@@ -85,7 +85,11 @@ if redis.call('EXISTS', LINE) == 1 then
       local e = entry(w)
       if e and i == 1 and e.state == 'r' then
         local list = LINE .. ':w:' .. w
-        redis.call('LPUSH', list, 1)
+        local pushed = redis.pcall('LPUSH', list, 1)
+        if type(pushed) == 'table' and pushed.err then  -- not a list (written by hand): ours to replace
+          redis.call('DEL', list)
+          redis.call('LPUSH', list, 1)
+        end
         redis.call('PEXPIRE', list, WAKE_TTL_MS)
       elseif e and e.state == 'p' then
         redis.call('HSET', WAITERS, w, 'm ' .. (now + PROMOTE_MS) .. ' ' .. e.holder .. ' ' .. e.actor)

@@ -87,7 +87,11 @@ for i, w in ipairs(redis.call('ZRANGE', LINE, 0, math.max(ready, 1) - 1)) do
   local e = entry(w)
   if e and i == 1 and e.state == 'r' then
     local list = LINE .. ':w:' .. w
-    redis.call('LPUSH', list, 1)
+    local pushed = redis.pcall('LPUSH', list, 1)
+    if type(pushed) == 'table' and pushed.err then  -- not a list (written by hand): ours to replace
+      redis.call('DEL', list)
+      redis.call('LPUSH', list, 1)
+    end
     redis.call('PEXPIRE', list, WAKE_TTL_MS)
   elseif e and e.state == 'p' then
     redis.call('HSET', WAITERS, w, 'm ' .. (now + PROMOTE_MS) .. ' ' .. e.holder .. ' ' .. e.actor)
