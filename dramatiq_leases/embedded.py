@@ -82,8 +82,8 @@ class EmbeddedRedis:
     def _start_once(self, timeout: float) -> bool:
         persistence = ["--appendonly", "yes"] if self.persist else ["--save", "", "--appendonly", "no"]
         self.process = subprocess.Popen(
-            [self.binary or redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
-             "--daemonize", "no", "--loglevel", "warning", *persistence, *self.extra_args],
+            [self.binary or redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1",
+             "--dir", str(self.dir), "--daemonize", "no", "--loglevel", "warning", *persistence, *self.extra_args],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
