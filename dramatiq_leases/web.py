@@ -1,19 +1,50 @@
 """Helpers for web handlers that start a job only if none is running for the same key.
 
-The flow: the handler calls :meth:`Leases.try_acquire` on the job's key. If
-it gets :class:`Busy`, it answers ``423 Locked`` at once, with
-``Retry-After``; otherwise it sends the message with
+The flow: the handler calls :func:`try_acquire` on the job's key, with the
+ticket the client sent back, if any (header :data:`TICKET_HEADER`). If it
+gets :class:`Locked`, it answers ``423 Locked`` at once, with
+``Retry-After`` and the ticket; otherwise it sends the message with
 ``send_with_options(lease=lease)``, so the worker adopts that very lease,
 and answers ``202 Accepted``. These helpers build the parts of those
 answers; they use no web framework, so any of them can use them (see
 ``examples/flask_app.py`` and ``examples/fastapi_app.py``).
+
+Why a ticket: a free key goes to the head of its line only, so a caller
+that holds no place in it (``Leases.try_acquire`` without a waiter) is
+answered busy for as long as workers queue on the key, for ever under steady
+contention. A ticket is such a place for a web client: the first busy answer
+hands one out (and takes no place, so a client that never sends it back
+leaves nothing behind); asked with it, the client joins the line, ordered by
+the time it first came with the ticket, keeps its place by asking again
+within ``Retry-After`` (at most :data:`KEEP_PLACE_S` seconds), and is granted
+the key when its turn comes, before the workers that queued after it. A
+ticket not sent back for 10 s (13 s far back in the line) loses its place,
+as a vanished waiter does, after holding the key free for the workers behind
+it for at most that long; a client that comes back later joins at the end.
+
+``Retry-After`` says when asking again can change the answer:
+
+* no place, nobody waiting: when the holder's lease ends at the latest
+  (its TTL left, which a heartbeat may extend);
+* no place, waiters in the line: 1 s, to come back with the ticket and take
+  a place (without one, the key is never this caller's while the line is
+  non-empty);
+* a place in the line: the holder's TTL left, at most :data:`KEEP_PLACE_S`
+  (the key may be released, and go to this caller, at any moment; it must
+  ask again within ten seconds of its turn to keep it).
 """
 
 from __future__ import annotations
 
+import re
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Final
 
-from .core import Busy, Lease
+from .core import Busy, Lease, Leases
+from .core.lease import Wait
+from .core.line import DEFAULT_READY, PROMOTE_MS
 
 #: ``423 Locked`` (RFC 4918): the resource is locked; here, a job for it is running.
 HTTP_423_LOCKED: Final = 423
@@ -21,20 +52,168 @@ HTTP_423_LOCKED: Final = 423
 #: ``202 Accepted``: the job was queued.
 HTTP_202_ACCEPTED: Final = 202
 
+#: The header of a 423 answer carrying the caller's ticket, and of the request that sends it back.
+TICKET_HEADER: Final = "Lease-Ticket"
 
-def locked_response_headers(busy: Busy) -> dict[str, str]:
-    """Headers of a 423 answer: ``Retry-After``, whole seconds until the holder's lease ends at the latest."""
-    return {"Retry-After": str(busy.retry_after)}
+#: The longest ``Retry-After`` (s) of a caller with a place in the line: well inside the time a waiter
+#: whose turn came has to show up (``PROMOTE_MS``, 10 s), so a slow request still keeps its place.
+KEEP_PLACE_S: Final = 3
+
+#: How long a web caller's place far back in the line stays parked between two of its asks (ms): it
+#: comes back within ``KEEP_PLACE_S``; the line keeps the place this long plus ``PROMOTE_MS``.
+WEB_PARK_MS: Final = KEEP_PLACE_S * 1000
+
+# A ticket is ours (32 hex digits) and its waiter id has a prefix no message's waiter id has
+# ("<message id>:<retries>"): a client can neither forge a worker's place nor send anything odd to Redis.
+_TICKET = re.compile(r"[0-9a-f]{32}")
+_WAITER_PREFIX = "web:"
 
 
-def locked_body(busy: Busy, detail: str | None = None) -> dict[str, Any]:
-    """A JSON-ready body for a 423 answer: what is locked and when to retry."""
-    return {
+def new_ticket() -> str:
+    """A fresh ticket: 128 random bits, as 32 lowercase hex digits."""
+    return secrets.token_hex(16)
+
+
+def valid_ticket(ticket: str | None) -> str | None:
+    """The ticket a client sent, if it is one of ours (surrounding spaces dropped), else ``None``."""
+    if ticket is None or not _TICKET.fullmatch(ticket.strip()):
+        return None
+    return ticket.strip()
+
+
+def waiter_of(ticket: str) -> str:
+    """The waiter id of a (valid) ticket in the key's line."""
+    return _WAITER_PREFIX + ticket
+
+
+@dataclass(frozen=True)
+class Locked:
+    """The busy answer of :func:`try_acquire`: the key is taken, and the ticket to send back.
+
+    Attributes:
+      busy: the :class:`Busy` answer of the acquire (``place`` >= 0: the ticket holds that place).
+      ticket: what the client sends back in :data:`TICKET_HEADER` (the same one while it keeps its place).
+    """
+
+    busy: Busy
+    ticket: str
+
+    @property
+    def key(self) -> str:
+        """The lease key."""
+        return self.busy.key
+
+    def __bool__(self) -> bool:
+        return False  # as Busy: ``if web.try_acquire(...):`` reads as "if acquired"
+
+
+def try_acquire(
+    leases: Leases,
+    key: str,
+    ttl: int,
+    *,
+    ticket: str | None = None,
+    max_hold: int | None = None,
+    meta: Mapping[str, str] | None = None,
+    token: str | None = None,
+) -> Lease | Locked:
+    """Acquire ``key`` for a web request, with a place in its line if the client sent its ``ticket`` back.
+
+    Without a ticket (or with one that is not ours), this is
+    :meth:`Leases.try_acquire` without a waiter: it takes the key if it is
+    free and nobody waits, and changes nothing otherwise; a busy answer
+    carries a new ticket. With a ticket, the caller joins the key's line
+    (or keeps its place) and never waits in place: the key is its when free
+    and its turn has come.
+
+    Parameters:
+      leases: the lease store the workers use (same prefix).
+      key: the job's lease key.
+      ttl: the lease's TTL in ms: it must cover the time the message waits in the queue before a worker
+        adopts it (nobody renews it until then).
+      ticket: what the client sent in :data:`TICKET_HEADER`, if anything.
+      max_hold, meta, token: as :meth:`Leases.try_acquire`.
+
+    Returns:
+      the :class:`Lease` (hand it to the message), or :class:`Locked`.
+
+    Raises:
+      LeaseUnavailableError: Redis could not be asked (answer 503); as :meth:`Leases.try_acquire`.
+    """
+    mine = valid_ticket(ticket)
+    if mine is not None:
+        # Mode "join, never wait in place": a web request cannot block a thread on the wake list.
+        result = leases.try_acquire(key, ttl, max_hold=max_hold, meta=meta, token=token, waiter=waiter_of(mine),
+                                    may_wait=False, ready=DEFAULT_READY, park_ms=WEB_PARK_MS, promote_ms=PROMOTE_MS)
+        if isinstance(result, Lease):
+            return result
+        if result.wait is not Wait.DUPLICATE:
+            return Locked(result, mine)
+        # A ticket recorded as done (never the case for ours, whose grants leave the line at once): ask as a
+        # newcomer, with a new ticket.
+    result = leases.try_acquire(key, ttl, max_hold=max_hold, meta=meta, token=token)
+    return result if isinstance(result, Lease) else Locked(result, new_ticket())
+
+
+def _busy_of(answer: Busy | Locked) -> tuple[Busy, str | None]:
+    return (answer.busy, answer.ticket) if isinstance(answer, Locked) else (answer, None)
+
+
+def retry_after(answer: Busy | Locked) -> int:
+    """Whole seconds after which asking again can change the answer (``Retry-After``; see the module docstring)."""
+    busy, _ = _busy_of(answer)
+    holder = busy.retry_after  # the holder's TTL left, rounded up; 1 for a key without TTL
+    if busy.place >= 0:  # a place in the line: come back in time to keep it
+        if busy.ttl_left == 0:  # free, being handed to the head of the line
+            return 1
+        return max(1, min(KEEP_PLACE_S, holder if busy.ttl_left > 0 else KEEP_PLACE_S))
+    if busy.line > 0:  # no place, and the line goes first: take a place at once
+        return 1
+    return holder
+
+
+def locked_response_headers(answer: Busy | Locked) -> dict[str, str]:
+    """Headers of a 423 answer: ``Retry-After`` (:func:`retry_after`) and, for :class:`Locked`, the ticket."""
+    _, ticket = _busy_of(answer)
+    headers = {"Retry-After": str(retry_after(answer))}
+    if ticket is not None:
+        headers[TICKET_HEADER] = ticket
+    return headers
+
+
+def locked_body(answer: Busy | Locked, detail: str | None = None) -> dict[str, Any]:
+    """A JSON-ready body for a 423 answer: what is locked, when to retry, and the caller's place.
+
+    Fields: ``error`` ("locked"), ``key``, ``retry_after`` (as the header),
+    ``detail`` (in words), ``line_length`` (waiters in the key's line),
+    ``place`` (waiters ahead of this caller, 0: next; ``null``: it holds no
+    place) and, for :class:`Locked`, ``ticket``.
+    """
+    busy, ticket = _busy_of(answer)
+    seconds = retry_after(answer)
+    place = busy.place if busy.place >= 0 else None
+    if detail is None:
+        if place is not None:
+            ahead = "next in line" if place == 0 else f"number {place + 1} in its line of {busy.line}"
+            detail = (f"A job for {busy.key!r} is running; this request is {ahead}. Ask again with the same "
+                      f"ticket within {seconds} s to keep that place.")
+        elif busy.line > 0:
+            detail = (f"A job for {busy.key!r} is running and {busy.line} more wait for it. A request without a "
+                      "place in their line gets it only once the line is empty"
+                      + (": send the ticket back to take a place." if ticket is not None else "."))
+        else:
+            detail = f"A job for {busy.key!r} is already running; retry in {seconds} s."
+    body: dict[str, Any] = {
         "error": "locked",
-        "detail": detail or f"A job for {busy.key!r} is already running; retry in {busy.retry_after} s.",
+        "detail": detail,
         "key": busy.key,
-        "retry_after": busy.retry_after,
+        "retry_after": seconds,
+        "line_length": busy.line,
+        "place": place,
     }
+    if ticket is not None:
+        body["ticket"] = ticket
+    return body
 
 
 def accepted_body(lease: Lease, message_id: str) -> dict[str, Any]:
@@ -47,32 +226,43 @@ class LockedError(Exception):
 
     Attributes:
       busy: the :class:`Busy` answer of the acquire.
+      locked: the :class:`Locked` answer, if the handler used :func:`try_acquire` (it carries the ticket).
       status_code: always :data:`HTTP_423_LOCKED`.
     """
 
     status_code: Final = HTTP_423_LOCKED
 
-    def __init__(self, busy: Busy, detail: str | None = None) -> None:
-        self.busy = busy
+    def __init__(self, answer: Busy | Locked, detail: str | None = None) -> None:
+        self.busy, _ = _busy_of(answer)
+        self.locked = answer if isinstance(answer, Locked) else None
+        self.answer = answer
         self.detail = detail
-        super().__init__(locked_body(busy, detail)["detail"])
+        super().__init__(locked_body(answer, detail)["detail"])
 
     @property
     def headers(self) -> dict[str, str]:
-        """The response headers (``Retry-After``)."""
-        return locked_response_headers(self.busy)
+        """The response headers (``Retry-After``, and the ticket)."""
+        return locked_response_headers(self.answer)
 
     @property
     def body(self) -> dict[str, Any]:
         """The JSON-ready response body."""
-        return locked_body(self.busy, self.detail)
+        return locked_body(self.answer, self.detail)
 
 
 __all__ = [
     "HTTP_202_ACCEPTED",
     "HTTP_423_LOCKED",
+    "KEEP_PLACE_S",
+    "TICKET_HEADER",
+    "Locked",
     "LockedError",
     "accepted_body",
     "locked_body",
     "locked_response_headers",
+    "new_ticket",
+    "retry_after",
+    "try_acquire",
+    "valid_ticket",
+    "waiter_of",
 ]

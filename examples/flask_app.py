@@ -7,8 +7,12 @@ the environment variables.
 * ``202 Accepted`` with ``{"key", "fence", "message_id"}`` when the export
   was queued; the worker adopts the lease taken here, so no second export
   can start between this answer and the job.
-* ``423 Locked`` with ``Retry-After`` when an export for this user is still
-  queued or running.
+* ``423 Locked`` with ``Retry-After`` and a ``Lease-Ticket`` header when an
+  export for this user is still queued or running. A client that sends the
+  ticket back (same header) takes a place in the key's line and keeps it by
+  asking again within ``Retry-After``: its export starts when its turn
+  comes, even while workers keep queueing jobs on the same key (see
+  ``dramatiq_leases.web``).
 * ``503 Service Unavailable`` when Redis cannot be reached.
 """
 
@@ -18,8 +22,8 @@ from typing import Any
 
 from flask import Flask, jsonify, request
 
-from dramatiq_leases import Busy, LeaseUnavailableError, web
-from examples.web_tasks import EXPORT_LOCK_TTL_MS, export_report, leases
+from dramatiq_leases import LeaseUnavailableError, web
+from examples.web_tasks import EXPORT_LOCK_TTL_MS, WEB_META, export_report, leases
 
 app = Flask(__name__)
 
@@ -31,10 +35,11 @@ def start_export(user_id: int) -> Any:
     try:
         # No interval: nobody renews this lease until a worker adopts it, so observers
         # (`dramatiq-leases list`, `release --if-dead`) judge it by its TTL alone.
-        lease = leases.try_acquire(f"export:report:{user_id}", ttl=EXPORT_LOCK_TTL_MS)
+        lease = web.try_acquire(leases, f"export:report:{user_id}", EXPORT_LOCK_TTL_MS,
+                                ticket=request.headers.get(web.TICKET_HEADER), meta=WEB_META)
     except LeaseUnavailableError:
         return jsonify({"error": "unavailable", "detail": "Cannot reach Redis; try again."}), 503
-    if isinstance(lease, Busy):
+    if isinstance(lease, web.Locked):
         return jsonify(web.locked_body(lease)), web.HTTP_423_LOCKED, web.locked_response_headers(lease)
     try:
         message = export_report.send_with_options(args=(user_id, seconds), lease=lease)

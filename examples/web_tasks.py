@@ -62,3 +62,8 @@ def export_report(user_id: int, seconds: float) -> None:
     while (left := deadline - time.monotonic()) > 0:
         time.sleep(min(0.1, left))  # short naps, so that a LeaseLost interrupts promptly
     _record("finished", user_id)
+
+
+#: The holder metadata of a lease the web app takes (and of its place in the key's line): `dramatiq-leases
+#: list` and the exporter show the job's actor; the worker's metadata replaces it when it adopts the lease.
+WEB_META = {"actor": export_report.actor_name, "queue": export_report.queue_name}

@@ -137,8 +137,9 @@ def runs(client: redis.Redis, message_id: str) -> dict[str, dict[str, Any]]:
     return {r["event"]: r for r in records if r["message_id"] == message_id}
 
 
-def post(url: str, user_id: int, seconds: float) -> httpx.Response:
-    return httpx.post(f"{url}/exports/{user_id}", params={"seconds": seconds}, timeout=10)
+def post(url: str, user_id: int, seconds: float, ticket: str | None = None) -> httpx.Response:
+    headers = {"Lease-Ticket": ticket} if ticket else {}
+    return httpx.post(f"{url}/exports/{user_id}", params={"seconds": seconds}, headers=headers, timeout=10)
 
 
 @pytest.mark.parametrize("kind", sorted(APPS))
@@ -160,8 +161,10 @@ def test_one_export_per_user_the_worker_adopts_the_lease_and_releases_it(stack: 
     retry_after = int(second.headers["Retry-After"])
     # Whole seconds rounded up from the TTL left when it answered; the read after it is a little later.
     assert ttl_left - 0.1 <= retry_after <= ttl_left + 1.1
+    ticket = second.headers["Lease-Ticket"]
     assert second.json() == {"error": "locked", "key": key, "retry_after": retry_after,
-                             "detail": f"A job for {key!r} is already running; retry in {retry_after} s."}
+                             "detail": f"A job for {key!r} is already running; retry in {retry_after} s.",
+                             "line_length": 0, "place": None, "ticket": ticket}
 
     other = post(url, user + 100, 0.1)
     assert other.status_code == 202, "the lease is per user: another user's export starts at once"
@@ -213,3 +216,68 @@ def test_the_lease_expires_by_its_ttl_when_no_worker_takes_the_job(stack: Stack,
     assert third.status_code == 202, third.text
     assert third.json()["fence"] == fence + 1
     assert leases.fence_state(key)["expired"] == fence, "the fence history records that the grant expired"
+
+
+@pytest.mark.parametrize("kind", sorted(APPS))
+def test_a_web_caller_that_sends_its_ticket_back_gets_its_export_while_workers_keep_queueing(stack: Stack,
+                                                                                           kind: str) -> None:
+    """Steady contention: jobs for the same key keep arriving from elsewhere (a scheduler, a batch), so its line
+    never empties; a click on "Export" must still start an export, in its turn, not get 423 for ever."""
+    from dramatiq import Message
+    from dramatiq.brokers.redis import RedisBroker
+
+    stack.start_worker()
+    url = stack.app(kind, WORKER_DB, 30_000)
+    client, leases = stack.client(WORKER_DB), stack.leases(WORKER_DB)
+    user = {"flask": 31, "fastapi": 32}[kind]
+    key = f"export:report:{user}"
+    producer = RedisBroker(url=stack.redis.url(WORKER_DB), middleware=[])
+    sent: list[str] = []
+
+    def finished() -> int:
+        return sum(1 for m in sent if "finished" in runs(client, m))
+
+    def feed() -> None:
+        """Keep four jobs of this key sent and not finished: one runs, the others queue in its line."""
+        while len(sent) - finished() < 4:
+            message = Message(queue_name="default", actor_name="export_report", args=(user, 0.3), kwargs={},
+                              options={})
+            sent.append(producer.enqueue(message).message_id)
+
+    try:
+        feed()
+        wait_for(lambda: feed() or leases.inspect_line(key).length >= 2, timeout=30, interval=0.05,
+                 what="workers queueing on the key")
+        first = post(url, user, 0.1)
+        assert first.status_code == 423, first.text
+        body = first.json()
+        ticket = first.headers["Lease-Ticket"]
+        assert body["ticket"] == ticket and body["place"] is None and body["line_length"] >= 1
+        assert first.headers["Retry-After"] == "1", "the line goes first: take a place now, not at the TTL"
+
+        answers: list[dict[str, Any]] = []
+
+        def exported() -> httpx.Response | None:
+            feed()
+            response = post(url, user, 0.1, ticket)
+            if response.status_code == 202:
+                return response
+            assert response.status_code == 423, response.text
+            answer = response.json()
+            assert answer["ticket"] == ticket and answer["place"] is not None, "the ticket holds a place"
+            assert 1 <= int(response.headers["Retry-After"]) <= 3, "ask again in time to keep it"
+            answers.append(answer)
+            return None
+
+        accepted = wait_for(exported, timeout=60, interval=0.2, what="the web caller's turn")
+        assert answers, "its first ask with the ticket took a place behind the queued workers"
+        last = answers[-1]
+        # When it last asked, workers were queued behind it, and they still were when its turn came:
+        # a caller without a place could not have taken the key then.
+        assert last["line_length"] - last["place"] - 1 >= 1, answers
+        message_id = accepted.json()["message_id"]
+        done = wait_for(lambda: runs(client, message_id).get("finished"), timeout=30, what="the web export")
+        assert done["fence"] == accepted.json()["fence"], "the worker adopted the web request's lease"
+    finally:
+        sent.clear()  # feed no more: the jobs still queued run out by themselves
+        producer.close()
