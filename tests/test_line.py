@@ -203,3 +203,37 @@ def test_the_acquire_script_checks_its_line_arguments_before_writing(
     with pytest.raises(redis.ResponseError, match="dramatiq-leases: invalid"):
         redis_client.eval(scripts.ACQUIRE, 2, *names, *args)
     assert redis_client.keys("*") == []
+
+
+class Interrupted(BaseException):
+    """Stands for Dramatiq's asynchronous exceptions (a ``BaseException``), landing just after a send."""
+
+
+class InterruptAfterBlpop(redis.Connection):
+    """A real connection that is interrupted between sending ``BLPOP`` and reading its reply, once armed."""
+
+    armed = False
+
+    def send_command(self, *args: Any, **kwargs: Any) -> None:
+        super().send_command(*args, **kwargs)
+        if args and args[0] == "BLPOP" and InterruptAfterBlpop.armed:
+            InterruptAfterBlpop.armed = False
+            raise Interrupted
+
+
+def test_a_wait_interrupted_before_its_reply_leaves_no_reply_for_the_next_caller(redis_server: Any) -> None:
+    """Without a thread's own connection (a Cluster's client, thread_connections=False), the wait in place uses
+    a pooled connection: interrupted between the command and its reply, that connection must not go back to
+    the pool with the BLPOP reply unread, for the next caller to take as its own."""
+    pool = redis.ConnectionPool(connection_class=InterruptAfterBlpop, port=redis_server.port, socket_timeout=5)
+    client = redis.Redis(connection_pool=pool)
+    try:
+        leases = Leases(client)
+        client.set("answer", "42")
+        InterruptAfterBlpop.armed = True
+        with pytest.raises(Interrupted):
+            leases.wait_turn("k", "w1", 200)
+        assert client.get("answer") == b"42", "the next caller read the interrupted BLPOP's reply"
+    finally:
+        client.close()
+        pool.disconnect()

@@ -66,6 +66,9 @@ def make_stack(redis_server: EmbeddedRedis, lease_server: EmbeddedRedis) -> Iter
         ({"lock_key": "inv:{invoice_id}", "lock_max_hold": 2.5}, "lock_max_hold must be a whole number of milliseconds from 1"),
         ({"lock_key": "inv:{invoice_id}", "lock_max_wait": float("nan")}, "lock_max_wait must be a whole number"),
         ({"lock_key": "inv:{invoice_id}", "lock_min_backoff": 0}, "lock_min_backoff must be a whole number"),
+        # A message sent back is a delayed message, and Dramatiq's brokers take delays under 7 days.
+        ({"lock_key": "inv:{invoice_id}", "lock_max_backoff": 8 * 86_400_000},
+         "lock_max_backoff must be a whole number of milliseconds from 1 to 604799999, got 691200000"),
         ({"lock_key": "inv:{invoice_id}", "time_limit": 1500.5}, "time_limit must be a whole number of milliseconds"),
         ({"lock_key": "inv:{invoice_id}", "lock_ttl": 3000, "lock_renew_interval": 3000},
          "lock_renew_interval=3000 must be at most half of lock_ttl=3000"),
