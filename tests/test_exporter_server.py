@@ -210,12 +210,40 @@ def test_a_token_file_guards_the_busy_view_on_any_bind(redis_server: EmbeddedRed
 
 def test_hashed_keys_show_a_digest_and_no_inspect_command(redis_server: EmbeddedRedis, leases: Leases,
                                                           tmp_path: Path) -> None:
+    assert not leases.try_acquire(PERSONAL, 60_000, waiter="msg-10:0")  # a waiter: the key is a hot key too
+    digest = "sha256:" + hashlib.sha256(PERSONAL.encode()).hexdigest()[:16]
     with exporter(redis_server, tmp_path, "--busy-keys", "hashed") as running:
-        doc = running.page()
+        doc = wait_for(lambda: (d := running.page())["hot_keys"] and d, what="the hot key")
     (row,) = doc["leases"]
-    assert row["key"] == "sha256:" + hashlib.sha256(PERSONAL.encode()).hexdigest()[:16]
-    assert row["inspect_command"] is None and row["actor"] == META["actor"]
+    assert row["key"] == digest and row["inspect_command"] is None and row["actor"] == META["actor"]
+    (hot,) = doc["hot_keys"]
+    assert hot["key"] == digest and hot["inspect_command"] is None and hot["line_length"] == 1
     assert PERSONAL not in json.dumps(doc)
+
+
+def test_an_ipv6_loopback_in_brackets_is_a_loopback_bind(redis_server: EmbeddedRedis, leases: Leases,
+                                                         tmp_path: Path) -> None:
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 here")
+    port = free_port()
+    log = tmp_path / "exporter.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([*CLI, "--redis-url", redis_server.url(), "exporter", "--host", "[::1]",
+                                 "--port", str(port), "--interval", "0.2"], stdout=out, stderr=subprocess.STDOUT)
+    try:
+        def page() -> dict[str, Any] | None:
+            assert proc.poll() is None, log.read_text()
+            try:
+                with urllib.request.urlopen(f"http://[::1]:{port}/leases", timeout=5) as response:
+                    doc: dict[str, Any] = json.loads(response.read())
+            except OSError:
+                return None
+            return doc if doc["leases_total"] == 1 else None
+
+        assert wait_for(page, timeout=30, what="the Busy view on [::1]")["leases"][0]["key"] == PERSONAL
+    finally:
+        proc.terminate()
+        proc.wait(10)
 
 
 @pytest.mark.parametrize(("content", "why"), [

@@ -140,6 +140,8 @@ def _port(text: str) -> int:
 
 
 def _host(text: str) -> str:
+    if text.startswith("[") and text.endswith("]"):
+        text = text[1:-1]  # an IPv6 address as URLs write it: [::1]
     if not text.strip():
         raise argparse.ArgumentTypeError("must not be empty (0.0.0.0: every IPv4 interface; ::, every interface)")
     return text
