@@ -21,6 +21,10 @@ the key when its turn comes, before the workers that queued after it. A
 ticket not sent back for 10 s (13 s far back in the line) loses its place,
 as a vanished waiter does, after holding the key free for the workers behind
 it for at most that long; a client that comes back later joins at the end.
+A ticket is spent by its 202: the client drops it then, and sends one request
+at a time with it, since a request that comes with it after its grant (a
+double submit, a retry of a 202 that was lost) takes a new place, for a
+second job.
 
 ``Retry-After`` says when asking again can change the answer:
 
