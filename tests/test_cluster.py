@@ -760,3 +760,35 @@ def test_a_line_in_a_slot_half_moved_is_read_at_its_new_master_and_no_master_is_
         move.finish()
     assert leases.inspect_line(key).length == 2
     leases.client.close()
+
+
+def test_a_master_that_answers_scan_but_refuses_the_read_hides_only_its_own_leases(cluster: RedisClusterNodes) -> None:
+    """A master that lists its keys but fails their read (here its ACL refuses EVALSHA: the lease hashes are read
+    by a script) is a blind spot of its own: the exporter reports the other masters' leases, a leak among
+    them, and names that master; it does not fail the whole scan."""
+    from dramatiq_leases.exporter import Exporter
+
+    prefix = "refused"
+    leases = Leases.from_url(cluster.url, prefix=prefix)
+    by_master = cluster.spread(leases.lease_name, 2, (f"refused:{i}" for i in range(10_000)))
+    victim, *healthy = sorted(by_master)
+    for keys in by_master.values():
+        assert isinstance(leases.try_acquire(keys[0], 60_000, meta=META), Lease)
+    leak = by_master[healthy[0]][1]
+    leases.client.hset(leases.lease_name(leak), mapping={"token": "t", "fence": 3, "key": leak})
+    exporter = Exporter(leases, host="127.0.0.1", port=0)
+    node = cluster.node(victim)
+    node.execute_command("ACL", "SETUSER", "default", "-evalsha")
+    try:
+        snap = exporter.observer.scan()
+        assert list(snap.unreachable) == [f"127.0.0.1:{victim}"] and "NoPermissionError" in snap.unreachable[f"127.0.0.1:{victim}"]
+        assert {info.key for info in snap.leases} == {by_master[port][0] for port in healthy} | {leak}
+        assert snap.leaked[("", "", "no_ttl")] == 1
+    finally:
+        node.execute_command("ACL", "SETUSER", "default", "+@all")
+        node.close()
+        exporter.close()
+    assert not exporter.observer.scan().unreachable
+    for keys in by_master.values():
+        leases.client.delete(leases.lease_name(keys[0]), leases.lease_name(keys[1]))
+    leases.client.close()

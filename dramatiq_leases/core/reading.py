@@ -299,6 +299,13 @@ class LeaseReading:
         A key there that is not a hash is returned too (with no token: it blocks its lease key as a
         lease does, and ``release --if-dead`` ends it if it has no TTL), and recorded in ``gaps``.
         """
+        out, asked = self._read_leases(names, gaps)
+        self._none_answered(asked, gaps, "read leases")
+        return out
+
+    def _read_leases(self, names: Sequence[str], gaps: ReadGaps | None) -> tuple[list[LeaseInfo], set[str]]:
+        """:meth:`inspect_names`, and the nodes asked, without failing when none of them answered (a scan
+        judges that over all its masters)."""
         by_slot: dict[int, list[str]] = defaultdict(list)
         for name in names:
             if gaps is None or self.node_name(name) not in gaps.nodes:
@@ -331,8 +338,7 @@ class LeaseReading:
                     not_hashes[name] = "lease"
                 out.append(parse_info(name, int(pttl), flat, now_ms))
         self._unreadable(gaps, not_hashes)
-        self._none_answered({self.node_name(group[0]) for group in groups}, gaps, "read leases")
-        return out
+        return out, {self.node_name(group[0]) for group in groups}
 
     def scan(self, match: str = "*", *, count: int = 500, gaps: ReadGaps | None = None) -> Iterator[LeaseInfo]:
         """Every lease whose key matches the glob ``match``, read in batches with ``SCAN`` (never ``KEYS``).
@@ -386,7 +392,7 @@ class LeaseReading:
 
     def _scan(self, pattern: str, count: int, gaps: ReadGaps | None) -> Iterator[LeaseInfo]:
         for batch in self._scan_batches(pattern, count, gaps):
-            yield from self.inspect_names(batch, gaps=gaps)
+            yield from self._read_leases(batch, gaps)[0]
 
     # Lines ------------------------------------------------------------------
 
@@ -402,6 +408,12 @@ class LeaseReading:
         One per name, in order, but for those that could not be read: a line (or its waiters hash) of
         the wrong type, or (with ``gaps``) on a master that did not answer.
         """
+        out, asked = self._read_lines(names, gaps)
+        self._none_answered(asked, gaps, "read lines")
+        return out
+
+    def _read_lines(self, names: Sequence[str], gaps: ReadGaps | None) -> tuple[list[LineInfo], set[str]]:
+        """:meth:`inspect_lines`, and the nodes asked, without failing when none of them answered."""
         def commands(pipe: Any, name: str) -> None:
             pipe.zrange(name, 0, 0, withscores=True)
             pipe.zcard(name)
@@ -426,8 +438,7 @@ class LeaseReading:
                 continue
             out.append(_line_info(name, head, length, entries, now_ms))
         self._unreadable(gaps, bad)
-        self._none_answered(asked, gaps, "read lines")
-        return out
+        return out, asked
 
     def _is_line(self, name: str) -> bool:
         """Whether ``name`` is a line's: ``{prefix}:line:{tag}`` with a tag without braces (as every tag is), not
@@ -441,7 +452,7 @@ class LeaseReading:
         """Every line of waiters under this prefix, read in batches with ``SCAN`` (on a Cluster, master by
         master: with ``gaps``, those that do not answer are recorded there)."""
         for batch in self._scan_batches(line_pattern(self.prefix), count, gaps, keep=self._is_line):
-            yield from self.inspect_lines(batch, gaps=gaps)
+            yield from self._read_lines(batch, gaps)[0]
 
     # Fence counters ---------------------------------------------------------
 

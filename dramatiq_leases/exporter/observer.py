@@ -208,7 +208,12 @@ class LeaseObserver(Collector):
         gone = [old for old in gone if old.fence and old.redis_key not in blind]
         if not gone:
             return [], unseen
-        states = self.leases.fence_states([old.key for old in gone], gaps=gaps)
+        try:
+            states = self.leases.fence_states([old.key for old in gone], gaps=gaps)
+        except LeaseUnavailableError:
+            if not gaps.nodes:  # a single server failing fails the scan
+                raise
+            return [], unseen + gone  # the masters of these grants did not answer: judged when they do
         endings = []
         for old, state in zip(gone, states):
             if self.leases.node_name(old.redis_key) in gaps.nodes:  # its master failed meanwhile
