@@ -160,10 +160,13 @@ def test_a_message_level_lock_key_may_hold_only_plain_fields(make_stack: Any, te
     assert stack.recorder.enqueues == []
 
 
-def test_a_message_level_lock_key_costs_a_worker_no_more_than_its_size(make_stack: Any, redis_server: EmbeddedRedis,
-                                                                        caplog: Any) -> None:
-    """23 bytes asked a worker for 300 MB: a producer without the middleware (or anyone who can write to the
-    broker) could OOM-kill every worker in turn with one message."""
+@pytest.mark.parametrize(("template", "argument"), [("{n:>300000000}", 1), ("{n}" * 341, "x" * 1_000_000)],
+                         ids=["format-spec", "repeated-field"])
+def test_a_message_level_lock_key_costs_a_worker_no_more_than_its_size(
+        make_stack: Any, redis_server: EmbeddedRedis, caplog: Any, template: str, argument: Any) -> None:
+    """23 bytes asked a worker for 300 MB (and a 1 MB argument repeated by a 1 023-character template, for
+    341 MB): a producer without the middleware (or anyone who can write to the broker) could OOM-kill every
+    worker in turn with one message."""
     stack = make_stack()
     ran: list[int] = []
 
@@ -173,8 +176,8 @@ def test_a_message_level_lock_key_costs_a_worker_no_more_than_its_size(make_stac
 
     stack.start()
     producer = RedisBroker(url=redis_server.url(0), middleware=[])  # type: ignore[no-untyped-call]
-    bomb = dramatiq.Message(queue_name="default", actor_name="charge", args=(1,), kwargs={},
-                            options={"lock_key": "{n:>300000000}"})
+    bomb = dramatiq.Message(queue_name="default", actor_name="charge", args=(argument,), kwargs={},
+                            options={"lock_key": template})
     tracemalloc.start()
     try:
         producer.enqueue(bomb)
@@ -183,7 +186,7 @@ def test_a_message_level_lock_key_costs_a_worker_no_more_than_its_size(make_stac
     finally:
         tracemalloc.stop()
         producer.close()
-    assert peak < 50 * 2**20, f"the worker allocated {peak / 2**20:.0f} MB for a 23-byte lock_key"
+    assert peak < 50 * 2**20, f"the worker allocated {peak / 2**20:.0f} MB for one message"
     assert ran == []
     assert any(r.levelname == "ERROR" and bomb.message_id in r.getMessage() and "lock_key" in r.getMessage()
                for r in caplog.records), "no ERROR line names the refused message"

@@ -156,6 +156,8 @@ class KeyTemplate:
             else [p.name for p in params if p.kind is not inspect.Parameter.KEYWORD_ONLY]
         )
         self._fields: set[str] = set()
+        # A template of plain {name} fields only, as (literal, field) pairs: rendered by _fill.
+        self._parts: list[tuple[str, str | None]] | None = None
         if isinstance(spec, str):
             self._check_template(spec)
         elif not callable(spec):
@@ -165,9 +167,12 @@ class KeyTemplate:
         if not spec:
             raise LeaseConfigError(f"{self.owner}: lock_key must be a non-empty string, got {spec!r}")
         try:
-            fields = [name for _, name, _, _ in string.Formatter().parse(spec) if name is not None]
+            parsed = list(string.Formatter().parse(spec))
         except ValueError as e:
             raise LeaseConfigError(f"{self.owner}: lock_key {spec!r} is not a valid template: {e}") from None
+        fields = [name for _, name, _, _ in parsed if name is not None]
+        if all(name is None or (name.isidentifier() and not fmt and conv is None) for _, name, fmt, conv in parsed):
+            self._parts = [(literal, name) for literal, name, _, _ in parsed]
         params = self.signature.parameters
         takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
         for field in fields:
@@ -199,7 +204,7 @@ class KeyTemplate:
             values.update(kwargs)
             if self._fields <= values.keys():
                 try:
-                    key = self.spec.format_map(values)
+                    key = self._fill(values) if self._parts is not None else self.spec.format_map(values)
                 except (AttributeError, LookupError, TypeError, ValueError):
                     pass  # let the slow path below report it
                 else:
@@ -216,10 +221,38 @@ class KeyTemplate:
             if p.kind is inspect.Parameter.VAR_KEYWORD:
                 values.update(values.pop(p.name, {}))
         try:
-            key = self.spec.format_map(values) if isinstance(self.spec, str) else self.spec(*args, **kwargs)
+            if self._parts is not None:
+                key = self._fill(values)
+            elif isinstance(self.spec, str):
+                key = self.spec.format_map(values)
+            else:
+                key = self.spec(*args, **kwargs)
+        except LeaseKeyError:
+            raise
         except Exception as e:
             raise LeaseKeyError(
                 f"{self.owner}: cannot render lock_key {self.spec!r} from args={args!r} kwargs={kwargs!r}: "
                 f"{type(e).__name__}: {e}"
             ) from None
         return validate_key(key, what=f"{self.owner}: the key rendered by lock_key {self.spec!r}")
+
+    def _fill(self, values: Mapping[str, Any]) -> str:
+        """Render a template of plain fields, refusing a key over :data:`MAX_KEY_LENGTH` before building it: a
+        field repeated over a large argument (a message's template, ``"{n}{n}..."``) costs that argument once."""
+        assert self._parts is not None
+        rendered: dict[str, str] = {}
+        pieces: list[str] = []
+        length = 0
+        for literal, name in self._parts:
+            pieces.append(literal)
+            length += len(literal)
+            if name is not None:
+                text = rendered.get(name)
+                if text is None:
+                    text = rendered[name] = format(values[name])
+                pieces.append(text)
+                length += len(text)
+            if length > MAX_KEY_LENGTH:
+                raise LeaseKeyError(f"{self.owner}: the key rendered by lock_key {self.spec!r} is over "
+                                    f"{MAX_KEY_LENGTH} characters long; the limit is {MAX_KEY_LENGTH}")
+        return "".join(pieces)
