@@ -68,6 +68,9 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "dramatiq_lease_waiting": ("gauge", FLEET, ("actor_name",)),
     "dramatiq_lease_exporter_last_scan_timestamp_seconds": ("gauge", FLEET, ()),
     "dramatiq_lease_exporter_scan_duration_seconds": ("gauge", FLEET, ()),
+    "dramatiq_lease_ended_unknown_total": ("counter", FLEET, ACTOR),
+    "dramatiq_lease_exporter_unreachable_nodes": ("gauge", FLEET, ()),
+    "dramatiq_lease_exporter_unreadable_keys": ("gauge", FLEET, ("kind",)),
 }
 HISTOGRAM_SERIES = ("_bucket", "_count", "_sum")
 # Labels Prometheus attaches: the scrape job and target, and the cluster label (target or external labels).

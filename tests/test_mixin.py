@@ -39,6 +39,7 @@ CUSTOM = MixinConfig(
 EXPORTER_SERIES = {
     "dramatiq_lease_leaked", "dramatiq_lease_heartbeat_overdue", "dramatiq_lease_waiting", "dramatiq_lease_leaked_waiting",
     "dramatiq_lease_expired_total", "dramatiq_lease_exporter_last_scan_timestamp_seconds",
+    "dramatiq_lease_exporter_unreachable_nodes", "dramatiq_lease_exporter_unreadable_keys",
 }
 
 # PromQL by regex, enough for these queries (promtool parses them in the system tests).

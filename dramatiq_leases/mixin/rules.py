@@ -314,6 +314,37 @@ def alert_rules(cfg: MixinConfig) -> list[Rule]:
                 actor=False,
             ),
         ),
+        # A blind spot must not be silent: masters the exporter cannot read, keys it cannot read as leases.
+        _alert(
+            "DramatiqLeaseExporterBlindSpot",
+            f"max by ({_on(cfg, 'job', 'instance')}) (dramatiq_lease_exporter_unreachable_nodes{_sel(e)}) > 0",
+            "5m",
+            "warning",
+            _annotations(
+                cfg,
+                "DramatiqLeaseExporterBlindSpot",
+                "Redis Cluster masters do not answer the dramatiq-leases exporter: their leases are not measured.",
+                "{{ $value }} Redis Cluster master(s) have not answered the scans of the dramatiq-leases exporter "
+                "{{ $labels.instance }} for 5 minutes: leaks and leases held there are missing from its figures "
+                "and cannot alert. Its log and its /leases page name them.",
+                actor=False,
+            ),
+        ),
+        _alert(
+            "DramatiqLeaseExporterBlindSpot",
+            f"max by ({_on(cfg, 'job', 'instance', 'kind')}) (dramatiq_lease_exporter_unreadable_keys{_sel(e)}) > 0",
+            "15m",
+            "warning",
+            _annotations(
+                cfg,
+                "DramatiqLeaseExporterBlindSpot",
+                "Redis keys under the lease prefix are not of the type their name says.",
+                "{{ $value }} {{ $labels.kind }} key(s) seen by the dramatiq-leases exporter {{ $labels.instance }} "
+                "are not of the type their name says (written by hand or by other code), for 15 minutes: the "
+                "lease scripts cannot use them. The exporter's log names each.",
+                actor=False,
+            ),
+        ),
         _alert(
             "DramatiqLeaseWorkerMetricsMissing",
             f"up{_sel(w)} == 0\nor\n(up{_sel(w)} == 1 unless on ({_on(cfg, 'job', 'instance')}) "
