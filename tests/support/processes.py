@@ -44,6 +44,7 @@ LABEL_VALUES: dict[str, set[str] | None] = {
     "outcome": {"acquired", "busy", "error", "ok", "lost"},
     "reason": {*LOST_REASONS, *(reason.value for reason in LEAK_REASONS)},
     "operation": {"acquire", "renew", "release", "scan"},
+    "kind": {"lease", "line", "waiters", "fence"},  # dramatiq_lease_exporter_unreadable_keys
 }
 
 T = TypeVar("T")
