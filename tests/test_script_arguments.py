@@ -74,3 +74,23 @@ def test_a_wake_list_of_another_type_does_not_stop_the_release_waking_its_waiter
     assert redis_client.type(wake_list) == b"list" and redis_client.pttl(wake_list) > 0
     assert leases.wait_turn("k", "w1", 100)  # woken
     assert no_ttl(redis_client) == []
+
+
+@pytest.mark.parametrize("kind", ["done", "waiters"])
+def test_release_with_a_line_key_of_another_type_still_releases_and_wakes(
+    leases: Leases, redis_client: redis.Redis, kind: str
+) -> None:
+    """A hand-written done or waiters key failed the release after the lease was deleted: its caller was told
+    it failed, and the head of the line was not woken."""
+    holder = leases.try_acquire("k", 60_000)
+    assert isinstance(holder, Lease)
+    assert isinstance(leases.try_acquire("k", 60_000, waiter="w1", first_ms=1, may_wait=True), Busy)
+    name = f"t:{kind}:{{k}}"
+    if kind == "waiters":
+        redis_client.delete(name)
+    redis_client.set(name, "written by hand")
+    assert leases.release_token("k", holder.token, waiter="m:0")
+    assert not redis_client.exists(leases.lease_name("k"))
+    if kind == "done":
+        assert leases.wait_turn("k", "w1", 100)  # the head was woken
+    assert no_ttl(redis_client) == [name.encode()]  # only the hand-written key

@@ -88,6 +88,7 @@ def on_busy(broker: dramatiq.Broker, message: Any, opts: Options, busy: Busy, me
         )
         if opts.give_up == "fail":
             message.fail()
+            message.options[SKIP_MARK] = True
             raise LeaseWaitExceeded(
                 f"lease {busy.key!r} stayed busy for {attempts} attempts over {waited / 1000:.1f}s",
                 key=busy.key, actor=message.actor_name,

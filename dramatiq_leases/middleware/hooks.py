@@ -244,13 +244,16 @@ class LeaseMiddleware(Middleware):
 
     def before_process_message(self, broker: dramatiq.Broker, message: Any) -> None:
         """Acquire (or adopt) the message's lease, or send the message back and skip it."""
+        # Every skip is marked where it is raised (whose skip it is, for Dramatiq's Prometheus middleware and
+        # logs): a handler here that ran code after a copy was sent back would be one more place for an
+        # interruption to land, and reach Retries.
         try:
             self._acquire_or_skip(broker, message)
-        except SkipMessage:
-            message.options[SKIP_MARK] = True  # whose skip it is, for Dramatiq's Prometheus middleware and logs
-            raise
         except Interrupt as e:
-            self._interrupted(broker, message, e)
+            try:
+                self._interrupted(broker, message, e)
+            except Interrupt as again:  # a second source (TimeLimit after Shutdown) while settling: the same
+                self._interrupted(broker, message, again)
 
     def _interrupted(self, broker: dramatiq.Broker, message: Any, error: Interrupt) -> NoReturn:
         """``Shutdown`` or ``TimeLimitExceeded`` before the actor started: the message goes back, keeping its place.
@@ -261,6 +264,7 @@ class LeaseMiddleware(Middleware):
         """
         if message.actor_name not in self.declarations.actors:
             raise error  # not a leased actor: Dramatiq's usual handling
+        self.waiting.forget_thread()  # its place to wait in place, if it held one: given back at once
         if not (message.options.get(REQUEUED_MARK) or message.failed):  # else: settled before the interruption
             logger.info("Message %s was interrupted (%s) before its actor started; sending it back.",
                         message.message_id, type(error).__name__)
@@ -273,8 +277,7 @@ class LeaseMiddleware(Middleware):
             first = int(message.options.get(FIRST_ATTEMPT_OPTION) or 0)
             send_back(broker, message, opts, time.monotonic() + (math.inf if limit is None else limit / 2000),
                       count_attempt=True, first_ms=first or None, now_ms=int(time.time() * 1000), remember=True)
-        message.options[SKIP_MARK] = True
-        raise SkipMessage(f"interrupted ({type(error).__name__}) before the actor started") from None
+        _skip(message, f"interrupted ({type(error).__name__}) before the actor started")
 
     def _acquire_or_skip(self, broker: dramatiq.Broker, message: Any) -> None:
         hook_started = time.monotonic()
@@ -317,53 +320,58 @@ class LeaseMiddleware(Middleware):
         # Sending the message back through a broker outage may take until half the time limit.
         hand_back_by = hook_started + (math.inf if limit is None else limit / 2000)
         in_place = 0.0
-        while True:
-            may_wait = in_place < budget and self.waiting.reserve(key, waiter)
-            started = time.monotonic()
-            try:
-                result = self._acquire(run, key, opts, max_hold, meta, message.options, waiter, first, may_wait)
-            except Exception as e:
-                # Fail closed: no lease, no run.
-                self.metrics.acquire(meta, "error", time.monotonic() - started)
-                self.metrics.redis_error("acquire")
-                # One WARNING per message, not per round: an outage would otherwise log one every backoff.
-                repeated = bool(message.options.get(SENT_BACK_OPTION))
-                logger.log(logging.DEBUG if repeated else logging.WARNING,
-                           "Could not acquire lease %r for message %s: %s. Retrying later%s.", key,
-                           message.message_id, e, " (again)" if repeated else ", with growing backoff")
-                self.waiting.forget_thread()
-                send_back(broker, message, opts, hand_back_by, count_attempt=True, remember=True)
-                raise SkipMessage(f"lease {key!r} unavailable: {e}") from None
-            if isinstance(result, Lease):
-                self.waiting.forget_thread()
-                break
-            self.metrics.acquire(meta, "busy", time.monotonic() - started)
-            if not first:
-                first = result.now_ms
-                meta["first_attempt_ms"] = str(first)  # stored with the lease it gets: how long it waited
-                message.options[FIRST_ATTEMPT_OPTION] = first  # its place, if it is interrupted and sent back
-            if result.wait is Wait.IN_PLACE and not gives_up(opts, first, result.now_ms) and not self.waiting.stopping:
-                block_ms = min(result.block_ms, max(1, int((budget - in_place) * 1000)))
-                if opts.max_wait is not None:  # wake up in time to give up
-                    block_ms = max(1, min(block_ms, first + opts.max_wait - result.now_ms))
+        # Its place to wait in place is given back however the hook ends (an interruption included).
+        try:
+            while True:
+                may_wait = in_place < budget and self.waiting.reserve(key, waiter)
                 started = time.monotonic()
                 try:
-                    self.waiting.wait_in_place(key, waiter, block_ms)
-                except LeaseUnavailableError as e:
-                    # Ask once more, not waiting in place again: Redis away sends the message back with
-                    # backoff, as a failed acquire does. Raised from here, the error would fail the message:
-                    # Dramatiq logs it and calls the actor, whose guard fails it for want of a lease.
+                    result = self._acquire(run, key, opts, max_hold, meta, message.options, waiter, first, may_wait)
+                except Exception as e:
+                    # Fail closed: no lease, no run.
+                    self.metrics.acquire(meta, "error", time.monotonic() - started)
                     self.metrics.redis_error("acquire")
-                    logger.warning("Could not wait in place for lease %r for message %s: %s.", key,
-                                   message.message_id, e)
-                    in_place = budget
+                    # One WARNING per message, not per round: an outage would otherwise log one every backoff.
+                    repeated = bool(message.options.get(SENT_BACK_OPTION))
+                    logger.log(logging.DEBUG if repeated else logging.WARNING,
+                               "Could not acquire lease %r for message %s: %s. Retrying later%s.", key,
+                               message.message_id, e, " (again)" if repeated else ", with growing backoff")
+                    self.waiting.forget_thread()
+                    send_back(broker, message, opts, hand_back_by, count_attempt=True, remember=True)
+                    _skip(message, f"lease {key!r} unavailable: {e}")
+                if isinstance(result, Lease):
+                    self.waiting.forget_thread()
+                    break
+                self.metrics.acquire(meta, "busy", time.monotonic() - started)
+                if not first:
+                    first = result.now_ms
+                    meta["first_attempt_ms"] = str(first)  # stored with the lease it gets: how long it waited
+                    message.options[FIRST_ATTEMPT_OPTION] = first  # its place, if it is interrupted and sent back
+                if (result.wait is Wait.IN_PLACE and not gives_up(opts, first, result.now_ms)
+                        and not self.waiting.stopping):
+                    block_ms = min(result.block_ms, max(1, int((budget - in_place) * 1000)))
+                    if opts.max_wait is not None:  # wake up in time to give up
+                        block_ms = max(1, min(block_ms, first + opts.max_wait - result.now_ms))
+                    started = time.monotonic()
+                    try:
+                        self.waiting.wait_in_place(key, waiter, block_ms)
+                    except LeaseUnavailableError as e:
+                        # Ask once more, not waiting in place again: Redis away sends the message back with
+                        # backoff, as a failed acquire does. Raised from here, the error would fail the message:
+                        # Dramatiq logs it and calls the actor, whose guard fails it for want of a lease.
+                        self.metrics.redis_error("acquire")
+                        logger.warning("Could not wait in place for lease %r for message %s: %s.", key,
+                                       message.message_id, e)
+                        in_place = budget
+                        continue
+                    in_place += time.monotonic() - started
                     continue
-                in_place += time.monotonic() - started
-                continue
+                self.waiting.forget_thread()
+                self.runs.not_granted()
+                on_busy(broker, message, opts, result, meta, self.metrics, self.waiting, first, hand_back_by)
+                _skip(message, f"lease {key!r} is busy")
+        finally:
             self.waiting.forget_thread()
-            self.runs.not_granted()
-            on_busy(broker, message, opts, result, meta, self.metrics, self.waiting, first, hand_back_by)
-            raise SkipMessage(f"lease {key!r} is busy")
 
         if first or result.from_line or message.options.get(SENT_BACK_OPTION):
             # It waited in the line (this delivery or another copy of it), or was sent back: remembered as
@@ -386,7 +394,7 @@ class LeaseMiddleware(Middleware):
         # Only reachable when the producer had no LeaseMiddleware to refuse it at send time.
         logger.error("Message %s cannot run: %s. Moving it to the dead-letter queue.", message.message_id, error)
         message.fail()
-        raise SkipMessage(str(error)) from None
+        _skip(message, str(error))
 
     def _acquire(self, run: Run, key: str, opts: Options, max_hold: int | None, meta: dict[str, str],
                  options: dict[str, Any], waiter: str, first: int, may_wait: bool) -> Lease | Busy:
@@ -445,6 +453,12 @@ class LeaseMiddleware(Middleware):
         if not running:
             self.heartbeat.stop()
         self._exposition.shutdown()
+
+
+def _skip(message: Any, reason: str) -> NoReturn:
+    """Skip this delivery, marked as this middleware's skip."""
+    message.options[SKIP_MARK] = True
+    raise SkipMessage(reason) from None
 
 
 def _warn_without_socket_timeout(client: Any) -> None:

@@ -150,8 +150,11 @@ class Runs:
         except Exception as e:
             run.released = True
             self.metrics.redis_error("release")
-            logger.warning("Could not release lease %r: %s: %s. It expires within its TTL.", run.key,
-                           type(e).__name__, e)
+            # Never confirmed granted (the acquire failed too): released in case the grant was applied all the
+            # same, quietly, since the acquire's failure was logged already.
+            logger.log(logging.WARNING if lease is not None else logging.DEBUG,
+                       "Could not release lease %r: %s: %s. It expires within its TTL.", run.key,
+                       type(e).__name__, e)
             return
         run.released = True
         if not released and first_try and lease is not None and run.lost_reason is None:

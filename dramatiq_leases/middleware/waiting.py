@@ -261,11 +261,13 @@ class Waiting:
     # Heartbeat-like threads ---------------------------------------------------------
 
     def _listen(self) -> None:
+        connected = True  # one WARNING per outage, not one per reconnection attempt
         while not self._stop.is_set():
             pubsub = None
             try:
                 pubsub = self.leases.client.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
                 pubsub.subscribe(self.channel)
+                connected = True
                 self.tend()  # whatever was missed while not subscribed
                 while not self._stop.is_set():
                     event = pubsub.get_message(timeout=1.0)
@@ -274,7 +276,9 @@ class Waiting:
                         self.unpark(data.decode() if isinstance(data, bytes) else str(data))
             except Exception as e:
                 if not self._stop.is_set():
-                    logger.warning("Line listener lost its connection (%s); reconnecting.", e)
+                    logger.log(logging.WARNING if connected else logging.DEBUG,
+                               "Line listener lost its connection (%s); reconnecting.", e)
+                    connected = False
                     self._stop.wait(0.5)
             finally:
                 if pubsub is not None:

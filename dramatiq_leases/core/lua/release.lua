@@ -50,22 +50,32 @@ if cur.err or not cur[1] or cur[1] ~= ARGV[1] then return 0 end
 local lined = redis.call('EXISTS', LINE) == 1
 fence_of = tonumber(cur[2]) or 0
 if fence_of > 0 then counter = redis.call('TYPE', KEYS[2]).ok end
+local WAITERS, DONE = sibling('waiters'), sibling('done')
+local line_ok, waiters_ok, done_ok = true, true, true
+if ARGV[2] ~= '' or lined then
+  -- Keys of another type (written by hand) are left alone, also read before the first write: the lease is
+  -- released whatever they hold, and the rest of the bookkeeping done.
+  local function typed(k, want) local kind = redis.call('TYPE', k).ok return kind == want or kind == 'none' end
+  line_ok, waiters_ok, done_ok = typed(LINE, 'zset'), typed(WAITERS, 'hash'), typed(DONE, 'zset')
+  lined = lined and line_ok and waiters_ok
+end
 redis.call('DEL', KEYS[1])
 if ARGV[2] == '' and not lined then
   -- The uncontended path: no line to wake, no waiter to remember.
   if fence_of > 0 then released() end
   return 1
 end
-local WAITERS, DONE = sibling('waiters'), sibling('done')
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 if fence_of > 0 then released('released_ms', now) end
 if ARGV[2] ~= '' then
-  redis.call('ZREMRANGEBYSCORE', DONE, '-inf', now)
-  redis.call('ZADD', DONE, now + DONE_MS, ARGV[2])
-  redis.call('PEXPIRE', DONE, DONE_MS)
-  redis.call('ZREM', LINE, ARGV[2])
-  redis.call('HDEL', WAITERS, ARGV[2])
+  if done_ok then
+    redis.call('ZREMRANGEBYSCORE', DONE, '-inf', now)
+    redis.call('ZADD', DONE, now + DONE_MS, ARGV[2])
+    redis.call('PEXPIRE', DONE, DONE_MS)
+  end
+  if line_ok then redis.call('ZREM', LINE, ARGV[2]) end
+  if waiters_ok then redis.call('HDEL', WAITERS, ARGV[2]) end
 end
 if not lined then return 1 end
 local function entry(w)
