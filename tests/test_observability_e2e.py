@@ -547,7 +547,13 @@ def test_bundle_end_to_end(redis_server: EmbeddedRedis, lease_server: EmbeddedRe
                 time.sleep(0.5)
             assert watch.error is None, f"a dashboard query fails: {watch.error}"
             never = [name for name in queries if name not in watch.seen]
-            flat = [name for name in watch.pending() if name not in never]
+            # Queries that stay at zero in a healthy standalone run (they must still return data): the blind
+            # spots of a Cluster master not answering or a hand-written key, and grants whose end the exporter
+            # cannot tell (a fence_retention shorter than its scan); tests/test_exporter.py drives each above zero.
+            zero_when_healthy = {"dramatiq-leases: panel 'Expired leases' B",
+                                 "dramatiq-leases: panel 'Exporter blind spots' A",
+                                 "dramatiq-leases: panel 'Exporter blind spots' B"}
+            flat = [name for name in watch.pending() if name not in never and name not in zero_when_healthy]
             assert (never, flat) == ([], []), "dashboard queries that never returned data, or only zeros:\n" + "\n".join(
                 f"{name}: {queries[name][0]}\n    last: {watch.last.get(name, 'no answer')}" for name in never + flat)
         finally:

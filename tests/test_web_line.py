@@ -36,8 +36,19 @@ def hold(leases: Leases, ttl: int = TTL) -> Lease:
     return lease
 
 
+def server_ms(leases: Leases) -> int:
+    seconds, micros = leases.client.time()
+    return int(seconds) * 1000 + int(micros) // 1000
+
+
 def worker_asks(leases: Leases, waiter: str) -> Lease | Busy:
-    """A worker's message asking for the key (it joins the line if busy), as the middleware does."""
+    """A worker's message asking for the key (it joins the line if busy), as the middleware does.
+
+    In a millisecond of its own: the line orders by first attempt in ms, and ties by name, so a worker asking
+    in the same millisecond as the web caller before it would go first (``m`` sorts before ``web:``).
+    """
+    before = server_ms(leases)
+    wait_for(lambda: server_ms(leases) > before, what="the server's clock to pass a millisecond")
     return leases.try_acquire(KEY, TTL, waiter=waiter, may_wait=False)
 
 

@@ -340,7 +340,6 @@ class LeaseMiddleware(Middleware):
                     send_back(broker, message, opts, hand_back_by, count_attempt=True, remember=True)
                     _skip(message, f"lease {key!r} unavailable: {e}")
                 if isinstance(result, Lease):
-                    self.waiting.forget_thread()
                     break
                 self.metrics.acquire(meta, "busy", time.monotonic() - started)
                 if not first:
