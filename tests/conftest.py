@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import redis
 
 from dramatiq_leases.embedded import EmbeddedRedis
+
+from .support.stack import Stack
 
 
 @pytest.fixture
@@ -47,3 +50,19 @@ def _in_process_metric_values() -> Iterator[None]:
         os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
     else:
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = directory
+
+
+@pytest.fixture
+def make_stack(redis_server: EmbeddedRedis) -> Iterator[Any]:
+    """Stacks whose broker is database 0 and whose leases are database 1 of the test's redis-server (a module
+    may define its own, such as one with the leases on a server of their own)."""
+    stacks: list[Stack] = []
+
+    def make(**options: Any) -> Stack:
+        stack = Stack(redis_server.url(0), redis_server.url(1), **options)
+        stacks.append(stack)
+        return stack
+
+    yield make
+    for stack in stacks:
+        stack.stop()

@@ -19,7 +19,6 @@ import itertools
 import socket
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -44,21 +43,6 @@ from dramatiq_leases.embedded import EmbeddedRedis
 from .support.runs import Runs
 from .support.stack import Stack
 from .support.waiting import wait_for
-
-
-@pytest.fixture
-def make_stack(redis_server: EmbeddedRedis) -> Iterator[Any]:
-    """Stacks whose broker is database 0 and whose leases are database 1 of the test's redis-server."""
-    stacks: list[Stack] = []
-
-    def make(**options: Any) -> Stack:
-        stack = Stack(redis_server.url(0), redis_server.url(1), **options)
-        stacks.append(stack)
-        return stack
-
-    yield make
-    for stack in stacks:
-        stack.stop()
 
 
 def busy_for(leases: Leases, key: str, seconds: float) -> bool:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import threading
 import time
 import tracemalloc
-from collections.abc import Iterator
 from typing import Any
 
 import dramatiq
@@ -31,22 +30,6 @@ from .support.brokers import pending, redis_dead_letters
 from .support.runs import Runs
 from .support.stack import Stack
 from .support.waiting import wait_for
-
-
-@pytest.fixture
-def make_stack(redis_server: EmbeddedRedis) -> Iterator[Any]:
-    """Stacks whose broker is database 0 and whose leases are database 1 of the test's redis-server."""
-    stacks: list[Stack] = []
-
-    def make(**options: Any) -> Stack:
-        stack = Stack(redis_server.url(0), redis_server.url(1), **options)
-        stacks.append(stack)
-        return stack
-
-    yield make
-    for stack in stacks:
-        stack.stop()
-
 
 # 1. A worker stop --------------------------------------------------------------------------------------------
 
