@@ -203,9 +203,25 @@ class Waiting:
             message.options["eta"] = current_millis()  # read by Dramatiq right after this hook: back at once
 
     def on_enqueue(self, message: Any) -> None:
-        """A parked copy leaves the delay queue by itself (its ``eta`` passed): it is no longer held here."""
-        if LINE_OPTION in message.options and "eta" not in message.options:
-            self._parked.pop(waiter_id(message), None)
+        """A parked copy leaves the delay queue by itself (its ``eta`` passed): it is no longer held here.
+
+        Only that copy is forgotten: Dramatiq's consumer thread has just taken it out of its delay queue.
+        A spare of the same waiter, still in a delay queue, stays registered (forgotten too, it would sit
+        there unacknowledged until its own eta); so does every copy when the enqueue is our own send-on.
+        """
+        if LINE_OPTION not in message.options or "eta" in message.options:
+            return
+        waiter = waiter_id(message)
+        copies = self._parked.get(waiter)
+        if not copies:
+            return
+        thread = threading.current_thread()
+        kept = [p for p in copies if p.consumer is not thread or _holds(p)]
+        if self._parked.get(waiter) is copies:  # not taken meanwhile by unpark in another thread
+            if kept:
+                self._parked[waiter] = kept
+            else:
+                self._parked.pop(waiter, None)
 
     def unpark(self, waiter: str, *, drop: bool = False) -> bool:
         """Send a parked copy of ``waiter`` held here to its queue now; ``False`` if none was sent.
@@ -302,6 +318,15 @@ class Waiting:
             for waiter, state in zip(waiters, states):
                 if state in ("m", "x", "d"):
                     self.unpark(waiter, drop=state == "d")
+
+
+def _holds(parked: _Parked) -> bool:
+    """Whether ``parked``'s copy is still in its consumer's delay queue."""
+    delay_queue = getattr(parked.consumer, "delay_queue", None)
+    if delay_queue is None:
+        return False
+    with delay_queue.mutex:
+        return any(getattr(item, "message", None) is parked.proxy for item in delay_queue.queue)
 
 
 def _take(delay_queue: Any, proxy: Any) -> Any:
