@@ -188,8 +188,14 @@ class Window:
     reports: list[Any]
 
 
-def run_clients(admins: Sequence[redis.Redis], target: Callable[..., None], args: Callable[[int], tuple[Any, ...]],
-                processes: int, seconds: float, ready_timeout: float = 120) -> Window:
+def run_clients(
+    admins: Sequence[redis.Redis],
+    target: Callable[..., None],
+    args: Callable[[int], tuple[Any, ...]],
+    processes: int,
+    seconds: float,
+    ready_timeout: float = 120,
+) -> Window:
     """Fork ``processes`` copies of ``target(*args(wid), ready, go, deadline, pipe)``, start them together and
     measure the servers' CPU and commands over ``seconds``; each copy sends one report down its pipe."""
     ctx = mp.get_context("fork")
@@ -217,8 +223,9 @@ def run_clients(admins: Sequence[redis.Redis], target: Callable[..., None], args
     return Window(t1 - t0, cpu1 - cpu0, delta, reports)
 
 
-def drive(url: str, admins: Sequence[redis.Redis], target: Callable[..., None], processes: int, keys: int,
-          seconds: float) -> Load:
+def drive(
+    url: str, admins: Sequence[redis.Redis], target: Callable[..., None], processes: int, keys: int, seconds: float
+) -> Load:
     """Run ``processes`` copies of ``target``; count their operations and the servers' CPU over ``seconds``."""
     w = run_clients(admins, target, lambda wid: (url, wid, keys), processes, seconds)
     return Load(processes, sum(w.reports), w.seconds, w.cpu, w.commands[2])
@@ -226,8 +233,14 @@ def drive(url: str, admins: Sequence[redis.Redis], target: Callable[..., None], 
 
 def load_table(rows: Sequence[Load], what: str) -> str:
     return table(
-        ["client processes", f"{what}/s", "Redis CPU (cores busy)", "Redis CPU µs each (INFO cpu)",
-         "script execution µs each (commandstats)", f"{what}/s per Redis core (from CPU)"],
+        [
+            "client processes",
+            f"{what}/s",
+            "Redis CPU (cores busy)",
+            "Redis CPU µs each (INFO cpu)",
+            "script execution µs each (commandstats)",
+            f"{what}/s per Redis core (from CPU)",
+        ],
         [[r.processes, r.rate, r.busy, r.cpu_us, r.exec_us_each, r.per_core] for r in rows],
     )
 
@@ -239,8 +252,11 @@ def memory(url: str, admin: redis.Redis, n: int) -> dict[str, float]:
     """used_memory per held lease, per fence counter left after release (with and without retention), per waiter."""
     out: dict[str, float] = {}
     default_listpack = default_listpack_of(admin)
-    variants = (("", None, default_listpack), (" (fence_retention_ms=1 h)", 3_600_000, default_listpack),
-                (" (hash-max-listpack-value 256)", None, "256"))
+    variants = (
+        ("", None, default_listpack),
+        (" (fence_retention_ms=1 h)", 3_600_000, default_listpack),
+        (" (hash-max-listpack-value 256)", None, "256"),
+    )
     for label, retention, listpack in variants:
         admin.flushall()
         admin.config_set("hash-max-listpack-value", listpack)
@@ -272,8 +288,15 @@ def memory(url: str, admin: redis.Redis, n: int) -> dict[str, float]:
         holders.append(lease)
     base = used_memory(admin)
     for i in range(n):
-        busy = leases.try_acquire(f"line:{i % keys}", 600_000, interval=INTERVAL_MS, meta=meta_for(i),
-                                  waiter=f"5f0c6d2e-8a3b-4c1d-9e7f-{i:012d}.0", first_ms=0, may_wait=False)
+        busy = leases.try_acquire(
+            f"line:{i % keys}",
+            600_000,
+            interval=INTERVAL_MS,
+            meta=meta_for(i),
+            waiter=f"5f0c6d2e-8a3b-4c1d-9e7f-{i:012d}.0",
+            first_ms=0,
+            may_wait=False,
+        )
         assert not busy
     out[f"waiter in a line ({n:,} waiters on {keys} keys)"] = (used_memory(admin) - base) / n
     admin.flushall()
@@ -296,8 +319,9 @@ class FleetProcess:
     lost: int = 0
 
 
-def _fleet_worker(url: str, wid: int, held: int, rate: float, ready: Any, go: Any, deadline: Any,
-                  out: Connection) -> None:
+def _fleet_worker(
+    url: str, wid: int, held: int, rate: float, ready: Any, go: Any, deadline: Any, out: Connection
+) -> None:
     """Hold ``held`` leases tracked by a real Heartbeat; acquire+release ``rate`` times a second meanwhile."""
     leases = Leases.from_url(url, prefix=PREFIX)
     seen = FleetProcess()
@@ -353,8 +377,7 @@ def _fleet_worker(url: str, wid: int, held: int, rate: float, ready: Any, go: An
         time.sleep(max(0.0, next_at - time.monotonic()))
     seen.cycles = n
     with lock:
-        snapshot = FleetProcess(n, seen.latencies_ms, list(seen.margins_s), list(seen.rounds), seen.renewals,
-                                seen.lost)
+        snapshot = FleetProcess(n, seen.latencies_ms, list(seen.margins_s), list(seen.rounds), seen.renewals, seen.lost)
     heartbeat.stop()
     out.send(snapshot)
 
@@ -394,14 +417,26 @@ class FleetResult:
 
 
 FLEET_HEADERS = [
-    "Redis", "processes x held leases", "s", "renewals/s", "acquire+release/s", "EVALSHA/s",
-    "commands/s (incl. in scripts)", "Redis CPU (cores)", "acquire p50 ms", "acquire p99 ms",
-    "longest renewal round ms", "renewal margin min s", "renewal margin p1 s", "leases lost",
+    "Redis",
+    "processes x held leases",
+    "s",
+    "renewals/s",
+    "acquire+release/s",
+    "EVALSHA/s",
+    "commands/s (incl. in scripts)",
+    "Redis CPU (cores)",
+    "acquire p50 ms",
+    "acquire p99 ms",
+    "longest renewal round ms",
+    "renewal margin min s",
+    "renewal margin p1 s",
+    "leases lost",
 ]
 
 
-def fleet(url: str, admins: Sequence[redis.Redis], processes: int, held: int, rate: float,
-          seconds: float) -> FleetResult:
+def fleet(
+    url: str, admins: Sequence[redis.Redis], processes: int, held: int, rate: float, seconds: float
+) -> FleetResult:
     w = run_clients(admins, _fleet_worker, lambda wid: (url, wid, held, rate), processes, seconds, ready_timeout=300)
     return FleetResult(processes, held, w.seconds, w.cpu, w.commands[0], w.commands[1], w.reports)
 
@@ -456,8 +491,10 @@ def main(argv: list[str] | None = None) -> int:
             say("## 1. Standalone Redis: CPU per operation\n")
             cycles = [drive(url, [admin], _cycle_worker, p, 1_000, secs) for p in cycle_points]
             admin.flushall()
-            say(f"acquire+release cycles (`try_acquire` with the middleware's metadata, then `release`; distinct "
-                f"keys; {secs:g} s per point):\n")
+            say(
+                f"acquire+release cycles (`try_acquire` with the middleware's metadata, then `release`; distinct "
+                f"keys; {secs:g} s per point):\n"
+            )
             say(load_table(cycles, "cycles"))
             renews = [drive(url, [admin], _renew_worker, p, RENEW_N, secs) for p in renew_points]
             admin.flushall()
@@ -478,15 +515,19 @@ def main(argv: list[str] | None = None) -> int:
                 cluster_renews = [drive(curl, masters, _renew_worker, p, RENEW_N, secs) for p in renew_points]
                 for m in masters:
                     m.flushall()
-                say(f"\nHeartbeat renewals (`renew_many` rounds of N = {RENEW_N:,}; keys spread over the slots, so "
-                    "a round is one script call per slot):\n")
+                say(
+                    f"\nHeartbeat renewals (`renew_many` rounds of N = {RENEW_N:,}; keys spread over the slots, so "
+                    "a round is one script call per slot):\n"
+                )
                 say(load_table(cluster_renews, "renewals"))
                 best_c = max(cluster_cycles, key=lambda r: r.rate)
                 best_s = max(cycles, key=lambda r: r.rate)
-                say(f"\nTotal cycles/s, 1 master vs 3 masters (best point each): {fmt(best_s.rate)} vs "
+                say(
+                    f"\nTotal cycles/s, 1 master vs 3 masters (best point each): {fmt(best_s.rate)} vs "
                     f"{fmt(best_c.rate)} ({best_c.rate / best_s.rate:.2f}x). On {info['nproc']} cores shared by "
                     "the clients and the servers the total cannot scale with the masters: CPU per operation is "
-                    "the figure that does (each master carries its share of the slots).")
+                    "the figure that does (each master carries its share of the slots)."
+                )
 
             say("\n## 3. Memory (`INFO memory` used_memory deltas)\n")
             mem = memory(url, admin, mem_n)
@@ -495,74 +536,95 @@ def main(argv: list[str] | None = None) -> int:
             fence_b = mem["fence counter left after release"]
             fence_r = mem["fence counter left after release (fence_retention_ms=1 h)"]
             lp = mem["held lease + its fence counter (hash-max-listpack-value 256)"]
-            say(f"\nThe lease hash (10 fields; the metadata is one JSON field of ~170 bytes here) exceeds Redis's "
+            say(
+                f"\nThe lease hash (10 fields; the metadata is one JSON field of ~170 bytes here) exceeds Redis's "
                 f"default `hash-max-listpack-value` ({default_listpack_of(admin)} bytes), so Redis stores it as a "
                 f"hashtable; with `hash-max-listpack-value 256` a held lease costs {fmt(lp)} B instead of "
                 f"{fmt(held_b)} B. The waiter figure is a parked waiter joining a line by `try_acquire(waiter=...)`; "
-                "the 100 holders' leases are in the baseline.")
+                "the 100 holders' leases are in the baseline."
+            )
 
-            say(f"\n## 4. Simulated fleet: {fleet_procs} processes x {fleet_held:,} held leases "
+            say(
+                f"\n## 4. Simulated fleet: {fleet_procs} processes x {fleet_held:,} held leases "
                 f"({fleet_procs * fleet_held:,} worker threads), TTL {TTL_MS // 1000} s, interval "
-                f"{INTERVAL_MS // 1000} s, plus {fleet_rate:g} acquire+release/s per process; {fleet_secs:g} s\n")
+                f"{INTERVAL_MS // 1000} s, plus {fleet_rate:g} acquire+release/s per process; {fleet_secs:g} s\n"
+            )
             fleets = [fleet(url, [admin], fleet_procs, fleet_held, fleet_rate, fleet_secs).row("standalone")]
             admin.flushall()
             admin.close()
         if cluster and not quick:
-            fleets.append(fleet(cluster.url, masters, fleet_procs, fleet_held, fleet_rate, fleet_secs)
-                          .row("3-master cluster"))
+            fleets.append(
+                fleet(cluster.url, masters, fleet_procs, fleet_held, fleet_rate, fleet_secs).row("3-master cluster")
+            )
         for m in masters:
             m.close()
     finally:
         if cluster:
             cluster.close()
     say(table(FLEET_HEADERS, fleets))
-    say("\nRenewal margin: the TTL left on the server when a renewal's reply is back, estimated from the client "
+    say(
+        "\nRenewal margin: the TTL left on the server when a renewal's reply is back, estimated from the client "
         "(last confirmed send + TTL - reply time; a lower bound). `acquire` latency: the job path's `try_acquire` "
-        "alone, in a process whose heartbeat thread shares the GIL.")
+        "alone, in a process whose heartbeat thread shares the GIL."
+    )
 
     say("\n## 5. On paper, from the figures above\n")
     iv = INTERVAL_MS // 1000
-    say(f"Per-operation costs used (standalone, busiest point measured): acquire+release {cyc.cpu_us:.1f} µs of "
+    say(
+        f"Per-operation costs used (standalone, busiest point measured): acquire+release {cyc.cpu_us:.1f} µs of "
         f"Redis CPU ({cyc.exec_us_each:.1f} µs of it script execution); one renewal in a round of {RENEW_N:,} "
         f"{ren.cpu_us:.2f} µs ({ren.exec_us_each:.2f} µs script execution). The CPU figure is the honest one "
         "(it includes reading, parsing and replying); the execution figure is the floor a busier, better-batched "
-        "server tends towards.\n")
+        "server tends towards.\n"
+    )
     workers = 1_000
     ren_s = workers / iv
-    say(f"- Heartbeat load per {workers:,} workers each holding a lease: {workers:,} / {iv} s = {fmt(ren_s)} "
+    say(
+        f"- Heartbeat load per {workers:,} workers each holding a lease: {workers:,} / {iv} s = {fmt(ren_s)} "
         f"renewals/s, costing {fmt(ren_s)} x {ren.cpu_us:.2f} µs = {ren_s * ren.cpu_us / 1000:.2f} ms of Redis CPU "
-        f"per second ({ren_s * ren.cpu_us / 1e4:.3f} % of one core).")
-    say(f"- Workers one Redis core can carry on heartbeats alone at the default {iv} s interval: "
+        f"per second ({ren_s * ren.cpu_us / 1e4:.3f} % of one core)."
+    )
+    say(
+        f"- Workers one Redis core can carry on heartbeats alone at the default {iv} s interval: "
         f"1 s / {ren.cpu_us:.2f} µs = {fmt(1e6 / ren.cpu_us)} renewals/s x {iv} s = {fmt(1e7 / ren.cpu_us)} "
         "held leases (each process renews its own leases in one round, so this assumes rounds of ~1 000; "
         "a process with few leases pays the per-round cost for fewer, see the N=1 column of figure 2 in "
-        "docs/benchmarks.md).")
+        "docs/benchmarks.md)."
+    )
     for job_rate in (100.0, 1_000.0):
-        say(f"- Acquire+release at {fmt(job_rate)} jobs/s: {fmt(job_rate)} x {cyc.cpu_us:.1f} µs = "
-            f"{job_rate * cyc.cpu_us / 1e4:.1f} % of one core.")
-    say(f"- One core carries 1 s / {cyc.cpu_us:.1f} µs = {fmt(1e6 / cyc.cpu_us)} acquire+release cycles/s with "
+        say(
+            f"- Acquire+release at {fmt(job_rate)} jobs/s: {fmt(job_rate)} x {cyc.cpu_us:.1f} µs = "
+            f"{job_rate * cyc.cpu_us / 1e4:.1f} % of one core."
+        )
+    say(
+        f"- One core carries 1 s / {cyc.cpu_us:.1f} µs = {fmt(1e6 / cyc.cpu_us)} acquire+release cycles/s with "
         f"nothing else (1 s / {cyc.exec_us_each:.1f} µs = {fmt(1e6 / cyc.exec_us_each)} on script execution alone). "
         f"A fleet of W worker threads running jobs of J s each makes W / J jobs/s: its core share is "
         f"(W / J) x {cyc.cpu_us:.1f} µs + (W / {iv}) x {ren.cpu_us:.2f} µs per second. E.g. W = 10 000, J = 10 s: "
         f"1 000 x {cyc.cpu_us:.1f} + 1 000 x {ren.cpu_us:.2f} = "
         f"{(1000 * cyc.cpu_us + 1000 * ren.cpu_us) / 1e4:.1f} % of one core: the job rate, not the heartbeat, "
-        "dominates.")
+        "dominates."
+    )
     if cluster_renews:
         c_ren = min(cluster_renews, key=lambda r: r.cpu_us)
         c_cyc = min(cluster_cycles, key=lambda r: r.cpu_us)
-        say(f"- On the cluster the Redis CPU per operation, summed over the masters, is {c_cyc.cpu_us:.1f} µs per "
+        say(
+            f"- On the cluster the Redis CPU per operation, summed over the masters, is {c_cyc.cpu_us:.1f} µs per "
             f"cycle ({c_cyc.cpu_us / cyc.cpu_us:.2f}x standalone) and {c_ren.cpu_us:.2f} µs per renewal "
             f"({c_ren.cpu_us / ren.cpu_us:.1f}x standalone: a round of {RENEW_N:,} leases on random keys is one "
             "script call per hash slot, ~1 000 calls, not one). Each master carries about a third of it, so "
             "3 masters give ~3x the cores for cycles; for heartbeats they give less than standalone (each lease "
-            "key is its own hash tag, so leases on different keys land in different slots).")
+            "key is its own hash tag, so leases on different keys land in different slots)."
+        )
     million = 1_000_000
-    say(f"- Memory for 1 M distinct keys: held at once, {fmt(held_b)} B x 1 M = {held_b * million / 2**20:,.0f} MiB; "
+    say(
+        f"- Memory for 1 M distinct keys: held at once, {fmt(held_b)} B x 1 M = {held_b * million / 2**20:,.0f} MiB; "
         f"once released, the fence counters left without `fence_retention_ms`: {fmt(fence_b)} B x 1 M = "
         f"{fence_b * million / 2**20:,.0f} MiB, kept for ever and growing with every new key. With "
         "`Leases(fence_retention_ms=R)` a counter idle for R expires: the store holds only the keys used in the "
         f"last R, at {fmt(fence_r)} B each (the expiry adds an entry to the expires dict); e.g. 10 new keys/s "
-        f"with R = 1 h: 36 000 counters, {36_000 * fence_r / 2**20:.1f} MiB, bounded.")
+        f"with R = 1 h: 36 000 counters, {36_000 * fence_r / 2**20:.1f} MiB, bounded."
+    )
 
     seconds = time.monotonic() - started
     say(f"\nTotal {seconds:.0f} s; load average (1 min) before {load_before}, after {load_average()}.")

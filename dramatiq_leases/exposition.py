@@ -66,7 +66,9 @@ def serve_worker_metrics() -> int:
         # Another worker command on this host serves the same directory already, or the port is taken.
         logging.getLogger(__name__).error(
             "Lease metrics endpoint not started on %s:%d: %s (set DRAMATIQ_LEASES_METRICS_PORT).",
-            METRICS_HOST, METRICS_PORT, e,
+            METRICS_HOST,
+            METRICS_PORT,
+            e,
         )
         return 1
     thread.join()

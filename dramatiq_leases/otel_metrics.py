@@ -75,30 +75,47 @@ class OTelMetrics(LeaseMetrics):
         meter = metrics.get_meter("dramatiq_leases", meter_provider=meter_provider)
 
         def histogram(name: str, buckets: tuple[float, ...], description: str) -> Any:
-            return meter.create_histogram(name, unit="s", description=description,
-                                          explicit_bucket_boundaries_advisory=buckets)
+            return meter.create_histogram(
+                name, unit="s", description=description, explicit_bucket_boundaries_advisory=buckets
+            )
 
-        self._acquire = histogram("dramatiq.lease.acquire.duration", LATENCY_BUCKETS,
-                                  "Time to ask Redis for a lease, by outcome (acquired, busy, error).")
-        self._wait = histogram("dramatiq.lease.wait.duration", DURATION_BUCKETS,
-                               "Time from a message's first acquire attempt to acquisition: time lost to contention.")
-        self._busy = meter.create_counter("dramatiq.lease.busy_retries",
-                                          description="Messages sent back to the queue because their lease was busy.")
+        self._acquire = histogram(
+            "dramatiq.lease.acquire.duration",
+            LATENCY_BUCKETS,
+            "Time to ask Redis for a lease, by outcome (acquired, busy, error).",
+        )
+        self._wait = histogram(
+            "dramatiq.lease.wait.duration",
+            DURATION_BUCKETS,
+            "Time from a message's first acquire attempt to acquisition: time lost to contention.",
+        )
+        self._busy = meter.create_counter(
+            "dramatiq.lease.busy_retries", description="Messages sent back to the queue because their lease was busy."
+        )
         self._handoff = histogram(
-            "dramatiq.lease.handoff.duration", LATENCY_BUCKETS,
-            "Time from a release to the grant of the same key to the next message waiting in its line.")
-        self._gave_up = meter.create_counter("dramatiq.lease.gave_up",
-                                             description="Messages that exhausted their wait budget for a lease.")
+            "dramatiq.lease.handoff.duration",
+            LATENCY_BUCKETS,
+            "Time from a release to the grant of the same key to the next message waiting in its line.",
+        )
+        self._gave_up = meter.create_counter(
+            "dramatiq.lease.gave_up", description="Messages that exhausted their wait budget for a lease."
+        )
         self._held = meter.create_up_down_counter("dramatiq.lease.held", description="Leases held now.")
         self._hold = histogram("dramatiq.lease.hold.duration", DURATION_BUCKETS, "How long leases were held.")
-        self._renewals = meter.create_counter("dramatiq.lease.renewals",
-                                              description="Lease renewals by outcome (ok, lost, error).")
-        self._round = histogram("dramatiq.lease.renew.duration", LATENCY_BUCKETS,
-                                "Duration of one heartbeat round renewing all due leases of a process.")
+        self._renewals = meter.create_counter(
+            "dramatiq.lease.renewals", description="Lease renewals by outcome (ok, lost, error)."
+        )
+        self._round = histogram(
+            "dramatiq.lease.renew.duration",
+            LATENCY_BUCKETS,
+            "Duration of one heartbeat round renewing all due leases of a process.",
+        )
         self._lost = meter.create_counter(
-            "dramatiq.lease.lost", description="Held leases lost, by reason (gone, stolen, unreachable, max_hold).")
+            "dramatiq.lease.lost", description="Held leases lost, by reason (gone, stolen, unreachable, max_hold)."
+        )
         self._errors = meter.create_counter(
-            "dramatiq.lease.redis_errors", description="Redis errors by operation (acquire, renew, release, scan).")
+            "dramatiq.lease.redis_errors", description="Redis errors by operation (acquire, renew, release, scan)."
+        )
 
     @staticmethod
     def _attrs(meta: Meta, **extra: str) -> dict[str, str]:

@@ -119,8 +119,12 @@ def _error_type(e: BaseException) -> str:
 def _span(name: str, attributes: Mapping[str, str | int], links: Sequence[object]) -> Iterator[Span]:
     span_links = [Link(c) for c in links if isinstance(c, SpanContext)] if links else None
     with tracer.start_as_current_span(
-        name, kind=SpanKind.CLIENT, attributes=dict(attributes), links=span_links,
-        record_exception=True, set_status_on_exception=False,
+        name,
+        kind=SpanKind.CLIENT,
+        attributes=dict(attributes),
+        links=span_links,
+        record_exception=True,
+        set_status_on_exception=False,
     ) as current:
         try:
             yield current

@@ -19,13 +19,18 @@ def redact_url(url: str) -> str:
             parts = parts._replace(netloc=f"{userinfo.split(':', 1)[0]}:***@{hosts}")
         pairs = parse_qsl(parts.query, keep_blank_values=True)
         if any(name.lower().endswith("password") for name, _ in pairs):
-            parts = parts._replace(query=urlencode(
-                [(name, "***" if name.lower().endswith("password") else value) for name, value in pairs],
-                safe="*"))
+            parts = parts._replace(
+                query=urlencode(
+                    [(name, "***" if name.lower().endswith("password") else value) for name, value in pairs], safe="*"
+                )
+            )
         if parts == urlsplit(url):
             return url
         # Not urlunsplit: it would turn "unix:///path" into "unix:/path".
-        return (f"{parts.scheme}://{parts.netloc}{parts.path}" + (f"?{parts.query}" if parts.query else "")
-                + (f"#{parts.fragment}" if parts.fragment else ""))
+        return (
+            f"{parts.scheme}://{parts.netloc}{parts.path}"
+            + (f"?{parts.query}" if parts.query else "")
+            + (f"#{parts.fragment}" if parts.fragment else "")
+        )
     except ValueError:
         return "<unparsable URL>"

@@ -147,8 +147,18 @@ def try_acquire(
     mine = valid_ticket(ticket)
     if mine is not None:
         # Mode "join, never wait in place": a web request cannot block a thread on the wake list.
-        result = leases.try_acquire(key, ttl, max_hold=max_hold, meta=meta, token=token, waiter=waiter_of(mine),
-                                    may_wait=False, ready=DEFAULT_READY, park_ms=WEB_PARK_MS, promote_ms=PROMOTE_MS)
+        result = leases.try_acquire(
+            key,
+            ttl,
+            max_hold=max_hold,
+            meta=meta,
+            token=token,
+            waiter=waiter_of(mine),
+            may_wait=False,
+            ready=DEFAULT_READY,
+            park_ms=WEB_PARK_MS,
+            promote_ms=PROMOTE_MS,
+        )
         if isinstance(result, Lease):
             return result
         if result.wait is not Wait.DUPLICATE:
@@ -199,12 +209,16 @@ def locked_body(answer: Busy | Locked, detail: str | None = None) -> dict[str, A
     if detail is None:
         if place is not None:
             ahead = "next in line" if place == 0 else f"number {place + 1} in its line of {busy.line}"
-            detail = (f"A job for {busy.key!r} is running; this request is {ahead}. Ask again with the same "
-                      f"ticket within {seconds} s to keep that place.")
+            detail = (
+                f"A job for {busy.key!r} is running; this request is {ahead}. Ask again with the same "
+                f"ticket within {seconds} s to keep that place."
+            )
         elif busy.line > 0:
-            detail = (f"A job for {busy.key!r} is running and {busy.line} more wait for it. A request without a "
-                      "place in their line gets it only once the line is empty"
-                      + (": send the ticket back to take a place." if ticket is not None else "."))
+            detail = (
+                f"A job for {busy.key!r} is running and {busy.line} more wait for it. A request without a "
+                "place in their line gets it only once the line is empty"
+                + (": send the ticket back to take a place." if ticket is not None else ".")
+            )
         else:
             detail = f"A job for {busy.key!r} is already running; retry in {seconds} s."
     body: dict[str, Any] = {

@@ -28,14 +28,19 @@ def start_export(user_id: int, request: Request, seconds: float = 2.0) -> JSONRe
     try:
         # No interval: nobody renews this lease until a worker adopts it, so observers
         # (`dramatiq-leases list`, `release --if-dead`) judge it by its TTL alone.
-        lease = web.try_acquire(leases, f"export:report:{user_id}", EXPORT_LOCK_TTL_MS,
-                                ticket=request.headers.get(web.TICKET_HEADER), meta=WEB_META)
+        lease = web.try_acquire(
+            leases,
+            f"export:report:{user_id}",
+            EXPORT_LOCK_TTL_MS,
+            ticket=request.headers.get(web.TICKET_HEADER),
+            meta=WEB_META,
+        )
     except LeaseUnavailableError:
-        return JSONResponse({"error": "unavailable", "detail": "Cannot reach Redis; try again."},
-                            status_code=503)
+        return JSONResponse({"error": "unavailable", "detail": "Cannot reach Redis; try again."}, status_code=503)
     if isinstance(lease, web.Locked):
-        return JSONResponse(web.locked_body(lease), status_code=web.HTTP_423_LOCKED,
-                            headers=web.locked_response_headers(lease))
+        return JSONResponse(
+            web.locked_body(lease), status_code=web.HTTP_423_LOCKED, headers=web.locked_response_headers(lease)
+        )
     try:
         message = export_report.send_with_options(args=(user_id, seconds), lease=lease)
     except BaseException:

@@ -35,8 +35,13 @@ def start_export(user_id: int) -> Any:
     try:
         # No interval: nobody renews this lease until a worker adopts it, so observers
         # (`dramatiq-leases list`, `release --if-dead`) judge it by its TTL alone.
-        lease = web.try_acquire(leases, f"export:report:{user_id}", EXPORT_LOCK_TTL_MS,
-                                ticket=request.headers.get(web.TICKET_HEADER), meta=WEB_META)
+        lease = web.try_acquire(
+            leases,
+            f"export:report:{user_id}",
+            EXPORT_LOCK_TTL_MS,
+            ticket=request.headers.get(web.TICKET_HEADER),
+            meta=WEB_META,
+        )
     except LeaseUnavailableError:
         return jsonify({"error": "unavailable", "detail": "Cannot reach Redis; try again."}), 503
     if isinstance(lease, web.Locked):

@@ -46,12 +46,17 @@ _redis = redis.Redis.from_url(REDIS_URL)
 
 def _record(event: str, user_id: int) -> None:
     message = CurrentMessage.get_current_message()
-    _redis.rpush(RUNS_KEY, json.dumps({
-        "event": event,
-        "user_id": user_id,
-        "fence": current_lease().fence,  # the web app's 202 returned this fence: the lease was adopted
-        "message_id": message.message_id if message else None,
-    }))
+    _redis.rpush(
+        RUNS_KEY,
+        json.dumps(
+            {
+                "event": event,
+                "user_id": user_id,
+                "fence": current_lease().fence,  # the web app's 202 returned this fence: the lease was adopted
+                "message_id": message.message_id if message else None,
+            }
+        ),
+    )
 
 
 @dramatiq.actor(lock_key="export:report:{user_id}", lock_ttl=EXPORT_LOCK_TTL_MS, max_retries=0)

@@ -170,7 +170,9 @@ CLUSTER = MIXIN.cluster_label
 #: Recording rule names: level:metric:operations.
 RECORDED = re.compile(r"\b[a-z_]+:[a-z_]+:[a-z0-9_]+\b")
 RECORDING_LEVELS = {"job_actor": {CLUSTER, "job", *ACTOR}, "actor": {CLUSTER, *ACTOR}}
-_AGGREGATION = re.compile(r"\b(sum|min|max|avg|count|stddev|stdvar|topk|bottomk|quantile|count_values|group)\s*(by|without)?\s*\(")
+_AGGREGATION = re.compile(
+    r"\b(sum|min|max|avg|count|stddev|stdvar|topk|bottomk|quantile|count_values|group)\s*(by|without)?\s*\("
+)
 _BY = re.compile(r"\b(?:sum|min|max|avg|count|group)\s+by\s*\(([^)]*)\)")
 _ON = re.compile(r"\bon\s*\(([^)]*)\)")
 
@@ -188,7 +190,7 @@ def split_top(expr: str, keyword: str) -> list[str]:
         elif token.group() == ")":
             depth -= 1
         elif token.group() == keyword and depth == 0:
-            parts.append(expr[start:token.start()].strip())
+            parts.append(expr[start : token.start()].strip())
             start = token.end()
     return [*parts, expr[start:].strip()]
 
@@ -304,8 +306,10 @@ def test_alert_follows_conventions(rule: dict[str, Any]) -> None:
     assert link.startswith(MIXIN.dashboard_url)
     if "$labels.actor_name" in annotations["description"]:
         # Open the dashboard on the alert's actor, in its cluster.
-        assert link == f"{MIXIN.dashboard_url}?var-actor={{{{ $labels.actor_name }}}}" \
-                       f"&var-cluster={{{{ $labels.{CLUSTER} }}}}"
+        assert (
+            link == f"{MIXIN.dashboard_url}?var-actor={{{{ $labels.actor_name }}}}"
+            f"&var-cluster={{{{ $labels.{CLUSTER} }}}}"
+        )
     else:
         assert link == MIXIN.dashboard_url
     assert promql_problems(RECORDED.sub("recorded", rule["expr"])) == []
@@ -323,7 +327,7 @@ def test_aggregations_keep_the_cluster_and_the_job(rule: dict[str, Any]) -> None
     for match in _BY.finditer(expr):
         labels = labels_of(match.group(1))
         assert CLUSTER in labels, f"{rule_id(rule)}: by ({match.group(1)})"
-        filter_on = re.search(r"\b(?:and|unless)\s+on\s*\(([^)]*)\)\s*\(?\s*$", expr[:match.start()])
+        filter_on = re.search(r"\b(?:and|unless)\s+on\s*\(([^)]*)\)\s*\(?\s*$", expr[: match.start()])
         is_filter = filter_on is not None and labels_of(filter_on.group(1)) == labels
         # A whole cluster missing a target (`group by (cluster) (...) unless on (cluster) ...`): per cluster.
         is_filter = is_filter or (labels == {CLUSTER} and match.group(0).startswith("group"))
@@ -417,8 +421,11 @@ def test_overdue_heartbeats_warn_without_paging() -> None:
     rules = [rule for rule in alert_rules() if "dramatiq_lease_heartbeat_overdue" in rule["expr"]]
     assert [rule["alert"] for rule in rules] == ["DramatiqLeaseHeartbeatOverdue"]
     assert {rule["labels"]["severity"] for rule in rules} == {"warning"}
-    assert all("dramatiq_lease_heartbeat_overdue" not in rule["expr"] for rule in alert_rules()
-               if rule["labels"]["severity"] == "critical")
+    assert all(
+        "dramatiq_lease_heartbeat_overdue" not in rule["expr"]
+        for rule in alert_rules()
+        if rule["labels"]["severity"] == "critical"
+    )
 
 
 def test_alert_jobs_are_scraped() -> None:
@@ -654,8 +661,9 @@ def test_dashboard_queries_filter_by_the_variables() -> None:
                 # Exporter metrics come from their own job: the worker job and
                 # instance variables would hide them.
                 # Except Redis errors, which the exporter has too (scan): they are shown from both.
-                if source == FLEET or (series.startswith("dramatiq_lease_redis_errors")
-                                       and matchers.get("job") == ("=~", "$exporter_job")):
+                if source == FLEET or (
+                    series.startswith("dramatiq_lease_redis_errors") and matchers.get("job") == ("=~", "$exporter_job")
+                ):
                     expected = {"job": "$exporter_job"}
                 else:
                     expected = {"job": "$job", "instance": "$instance"}
@@ -735,9 +743,14 @@ def test_busy_view_reads_the_exporters_json() -> None:
         assert set(tables[root]) <= set(fields), root
         assert {"key", "state", "line_length", "inspect_command"} <= set(tables[root])
     assert {"actor", "host", "pid", "age_seconds", "ttl_left_seconds"} <= set(tables["leases"])
-    state_colors = {value for panel in busy_panels() for override in panel["fieldConfig"]["overrides"]
-                    for prop in override["properties"] if prop["id"] == "mappings"
-                    for value in prop["value"][0]["options"]}
+    state_colors = {
+        value
+        for panel in busy_panels()
+        for override in panel["fieldConfig"]["overrides"]
+        for prop in override["properties"]
+        if prop["id"] == "mappings"
+        for value in prop["value"][0]["options"]
+    }
     assert {state.value for state in State} <= state_colors
 
 
@@ -745,11 +758,15 @@ def test_wait_heatmap_leaves_out_first_attempts() -> None:
     (heatmap,) = [panel for panel in data_panels() if panel["type"] == "heatmap"]
     expr = heatmap["targets"][0]["expr"]
     # Cumulative buckets less the lowest one: messages granted at once would otherwise drown the rest.
-    assert re.search(r'- on \(\) group_left sum\(rate\(dramatiq_lease_wait_duration_seconds_bucket\{[^}]*le="0\.01"', expr)
+    assert re.search(
+        r'- on \(\) group_left sum\(rate\(dramatiq_lease_wait_duration_seconds_bucket\{[^}]*le="0\.01"', expr
+    )
 
 
 def test_oldest_lease_stat_has_thresholds() -> None:
-    (stat,) = [panel for panel in data_panels() if panel["type"] == "stat" and "oldest_acquired" in str(panel["targets"])]
+    (stat,) = [
+        panel for panel in data_panels() if panel["type"] == "stat" and "oldest_acquired" in str(panel["targets"])
+    ]
     steps = stat["fieldConfig"]["defaults"]["thresholds"]["steps"]
     assert [step["color"] for step in steps] == ["green", "orange", "red"]
 
@@ -772,8 +789,9 @@ def test_grafana_datasource_is_the_compose_prometheus() -> None:
     assert datasource["jsonData"]["timeInterval"] == load_yaml(PROMETHEUS)["global"]["scrape_interval"]
 
 
-@pytest.mark.parametrize(("path", "kind", "port"), [(GRAFANA_ALERTMANAGER, "alertmanager", 9093),
-                                                   (GRAFANA_EXPORTER, BUSY_DATASOURCE, 9808)])
+@pytest.mark.parametrize(
+    ("path", "kind", "port"), [(GRAFANA_ALERTMANAGER, "alertmanager", 9093), (GRAFANA_EXPORTER, BUSY_DATASOURCE, 9808)]
+)
 def test_grafana_has_the_alertmanager_and_the_exporter(path: Path, kind: str, port: int) -> None:
     (datasource,) = load_yaml(path)["datasources"]
     assert datasource["type"] == kind

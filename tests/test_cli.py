@@ -45,8 +45,11 @@ def overdue_lease(leases: Leases, key: str, **kwargs: object) -> Lease:
     none, and its 60 s TTL keeps its deadline (54 s after the grant) far away."""
     kwargs.setdefault("ttl", 60_000)
     lease = acquire(leases, key, interval=10, meta=META, **kwargs)
-    wait_for(lambda: (i := leases.inspect(key)) is not None and i.state is State.HEARTBEAT_OVERDUE,
-             timeout=5, what="the heartbeat to be overdue")
+    wait_for(
+        lambda: (i := leases.inspect(key)) is not None and i.state is State.HEARTBEAT_OVERDUE,
+        timeout=5,
+        what="the heartbeat to be overdue",
+    )
     return lease
 
 
@@ -58,8 +61,11 @@ def dead_lease(leases: Leases, client: redis.Redis, key: str) -> Lease:
     """
     lease = acquire(leases, key, ttl=1_000, interval=300, meta=META)
     client.pexpire(leases.lease_name(key), 60_000)
-    wait_for(lambda: (i := leases.inspect(key)) is not None and i.state is State.HOLDER_DEAD,
-             timeout=5, what="the holder's deadline to pass")
+    wait_for(
+        lambda: (i := leases.inspect(key)) is not None and i.state is State.HOLDER_DEAD,
+        timeout=5,
+        what="the holder's deadline to pass",
+    )
     return lease
 
 
@@ -73,8 +79,11 @@ def test_list_shows_every_lease_with_holder_fence_and_state(
     acquire(leases, "invoice:3", ttl=1_000)
     redis_client.persist(leases.lease_name("invoice:3"))  # someone removed its TTL: it would never expire
     dead_lease(leases, redis_client, "invoice:2")
-    wait_for(lambda: leases.inspect("invoice:3").state is State.NO_TTL,  # type: ignore[union-attr]
-             timeout=5, what="the deadline of the holder of the key without TTL to pass")
+    wait_for(
+        lambda: leases.inspect("invoice:3").state is State.NO_TTL,  # type: ignore[union-attr]
+        timeout=5,
+        what="the deadline of the holder of the key without TTL to pass",
+    )
     acquire(leases, "invoice:4", max_hold=60_000)
     redis_client.hset(leases.lease_name("invoice:4"), "max_hold_until_ms", 1)  # its maximum hold has passed
     redis_client.set(f"{leases.prefix}:lease:by-hand", "x")  # debris under the prefix, no TTL
@@ -99,11 +108,19 @@ def test_list_shows_every_lease_with_holder_fence_and_state(
     assert code == 0
     rows = {row["key"]: row for row in json.loads(out)}
     assert {k: r["state"] for k, r in rows.items()} == {
-        "invoice:1": "alive", "invoice:2": "holder_dead", "invoice:3": "no_ttl", "invoice:4": "past_max_hold",
-        "invoice:5": "heartbeat_overdue", f"{leases.prefix}:lease:by-hand": "no_ttl",
+        "invoice:1": "alive",
+        "invoice:2": "holder_dead",
+        "invoice:3": "no_ttl",
+        "invoice:4": "past_max_hold",
+        "invoice:5": "heartbeat_overdue",
+        f"{leases.prefix}:lease:by-hand": "no_ttl",
     }
     assert {k for k, r in rows.items() if r["leaked"]} == {
-        "invoice:2", "invoice:3", "invoice:4", f"{leases.prefix}:lease:by-hand"}
+        "invoice:2",
+        "invoice:3",
+        "invoice:4",
+        f"{leases.prefix}:lease:by-hand",
+    }
     assert rows["invoice:1"]["message_id"] == "msg-1"
     assert rows["invoice:1"]["holder"] == "web-7:4242"
     assert rows["invoice:1"]["fence"] == 1
@@ -148,7 +165,9 @@ def test_prefix_selects_the_leases_and_flags_work_after_the_command(
 
 
 def test_redis_url_defaults_to_the_environment(
-    capsys: pytest.CaptureFixture[str], redis_server: EmbeddedRedis, leases: Leases,
+    capsys: pytest.CaptureFixture[str],
+    redis_server: EmbeddedRedis,
+    leases: Leases,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     acquire(leases, "invoice:1")
@@ -214,7 +233,10 @@ def test_show_missing_lease_exits_3(
     capsys: pytest.CaptureFixture[str], redis_server: EmbeddedRedis, leases: Leases
 ) -> None:
     assert cli(capsys, redis_server, "show", "invoice:9") == (
-        3, "", "dramatiq-leases: no lease on 'invoice:9' under prefix 'dramatiq-leases'\n")
+        3,
+        "",
+        "dramatiq-leases: no lease on 'invoice:9' under prefix 'dramatiq-leases'\n",
+    )
     leases.release(acquire(leases, "invoice:9"))
     code, _, err = cli(capsys, redis_server, "show", "invoice:9", "--json")
     assert code == 3
@@ -263,8 +285,7 @@ def test_release_owner_releases_only_for_the_holding_token(
 
     code, out, err = cli(capsys, redis_server, "release", "invoice:1", "--owner", "not-the-token")
     assert (code, out) == (1, "")
-    assert err.startswith(
-        "dramatiq-leases: refused: 'invoice:1' is held by another owner (fence 1, web-7:4242)")
+    assert err.startswith("dramatiq-leases: refused: 'invoice:1' is held by another owner (fence 1, web-7:4242)")
     info = leases.inspect("invoice:1")
     assert info is not None and info.token == lease.token, "a refused release must not touch the lease"
 
@@ -286,13 +307,18 @@ def test_show_explains_each_state(
     overdue_lease(leases, "invoice:1")
     note = state_of("invoice:1")
     assert note.startswith("heartbeat_overdue: renewals are late: none for ")
-    assert re.search(r"the holder may still be running under the lease until its deadline \S+ \(in 5\d\.\ds\); "
-                     r"the lease ends by its TTL at \S+ \(in 5\d\.\ds\)\. It is not leaked", note), note
+    assert re.search(
+        r"the holder may still be running under the lease until its deadline \S+ \(in 5\d\.\ds\); "
+        r"the lease ends by its TTL at \S+ \(in 5\d\.\ds\)\. It is not leaked",
+        note,
+    ), note
     assert "--if-dead" not in note and "release" not in note, "an overdue holder may still run: never suggest release"
 
     dead_lease(leases, redis_client, "invoice:2")
     note = state_of("invoice:2")
-    assert note.startswith("holder_dead: leaked: its holder's deadline and the safety margin its actor had to stop passed at ")
+    assert note.startswith(
+        "holder_dead: leaked: its holder's deadline and the safety margin its actor had to stop passed at "
+    )
     assert "no holder can still be running under it" in note and "`release --if-dead` ends it now" in note
 
     acquire(leases, "invoice:3")
@@ -311,8 +337,11 @@ def test_release_if_dead_refuses_a_live_holder_and_says_why(
     code, out, err = cli(capsys, redis_server, "release", "invoice:1", "--if-dead")
     assert (code, out) == (1, "")
     assert "refused: the holder of 'invoice:1' (fence 1, web-7:4242) is alive" in err
-    assert re.search(r"its last heartbeat was 0\.0s ago, and it relies on the lease until its deadline plus the safety margin its actor has to stop, in "
-                     r"(29|30)\.\ds \(\S+\); nothing changed", err), err
+    assert re.search(
+        r"its last heartbeat was 0\.0s ago, and it relies on the lease until its deadline plus the safety margin its actor has to stop, in "
+        r"(29|30)\.\ds \(\S+\); nothing changed",
+        err,
+    ), err
     assert len(err.splitlines()) == 1
     info = leases.inspect("invoice:1")
     assert info is not None and info.token == lease.token
@@ -341,7 +370,10 @@ def test_release_if_dead_spares_an_overdue_holder_until_its_deadline(
     code, out, err = cli(capsys, redis_server, "release", "invoice:1", "--if-dead")
     assert (code, out) == (1, "")
     assert err.startswith("dramatiq-leases: refused: the heartbeat of 'invoice:1' (fence 1, web-7:4242) is overdue")
-    assert re.search(r"its holder may still be running under the lease until its deadline plus the safety margin its actor has to stop, in 5\d\.\ds \(\S+\)", err)
+    assert re.search(
+        r"its holder may still be running under the lease until its deadline plus the safety margin its actor has to stop, in 5\d\.\ds \(\S+\)",
+        err,
+    )
     assert len(err.splitlines()) == 1
     info = leases.inspect("invoice:1")
     assert info is not None and info.token == lease.token, "an overdue holder's lease must stay"
@@ -354,8 +386,11 @@ def test_release_if_dead_spares_an_overdue_holder_until_its_deadline(
     assert code == 0 and [row["state"] for row in json.loads(out)] == ["holder_dead"]
     code, out, _ = cli(capsys, redis_server, "release", "invoice:2", "--if-dead")
     assert code == 0
-    assert re.fullmatch(r"released 'invoice:2' \(fence 1, held by web-7:4242\): its holder's deadline and safety margin passed "
-                        r"\d+\.\ds ago, so no holder could still be running under it\.\n", out), out
+    assert re.fullmatch(
+        r"released 'invoice:2' \(fence 1, held by web-7:4242\): its holder's deadline and safety margin passed "
+        r"\d+\.\ds ago, so no holder could still be running under it\.\n",
+        out,
+    ), out
     assert leases.inspect("invoice:2") is None
     assert leases.fence_state("invoice:2")["released"] == 1
 
@@ -373,8 +408,10 @@ def test_release_if_dead_releases_leaked_leases(
     redis_client.hset(leases.lease_name("invoice:2"), mapping={"token": "t", "fence": 3, "key": "invoice:2"})
     code, out, _ = cli(capsys, redis_server, "release", "invoice:2", "--if-dead")
     assert code == 0
-    assert out == ("released 'invoice:2' (fence 3, held by -): it named no holder deadline and had no TTL, "
-                   "so it would never have expired.\n")
+    assert out == (
+        "released 'invoice:2' (fence 3, held by -): it named no holder deadline and had no TTL, "
+        "so it would never have expired.\n"
+    )
     assert leases.inspect("invoice:2") is None
 
     # The same, with a TTL: it ends by itself, so it is not ours to end.
@@ -400,13 +437,15 @@ def test_release_of_a_missing_lease_exits_3(
 ) -> None:
     code, out, err = cli(capsys, redis_server, "release", "invoice:9", *how)
     assert (code, out) == (3, "")
-    assert err == (
-        "dramatiq-leases: no lease on 'invoice:9' under prefix 'dramatiq-leases'; nothing to release\n")
+    assert err == ("dramatiq-leases: no lease on 'invoice:9' under prefix 'dramatiq-leases'; nothing to release\n")
 
 
 @pytest.mark.parametrize("how", [[], ["--owner", "abc", "--if-dead"]])
 def test_release_needs_exactly_one_of_owner_and_if_dead(
-    capsys: pytest.CaptureFixture[str], redis_server: EmbeddedRedis, leases: Leases, redis_client: redis.Redis,
+    capsys: pytest.CaptureFixture[str],
+    redis_server: EmbeddedRedis,
+    leases: Leases,
+    redis_client: redis.Redis,
     how: list[str],
 ) -> None:
     dead_lease(leases, redis_client, "invoice:1")
@@ -430,10 +469,18 @@ def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str], redis_server: E
 # Redis unreachable -----------------------------------------------------------
 
 
-@pytest.mark.parametrize("argv", [
-    ["list"], ["show", "invoice:1"], ["release", "invoice:1", "--owner", "abc"],
-    ["release", "invoice:1", "--if-dead"], ["exporter", "--port", "0"], ["demo"],
-], ids=lambda argv: " ".join(argv))
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["list"],
+        ["show", "invoice:1"],
+        ["release", "invoice:1", "--owner", "abc"],
+        ["release", "invoice:1", "--if-dead"],
+        ["exporter", "--port", "0"],
+        ["demo"],
+    ],
+    ids=lambda argv: " ".join(argv),
+)
 def test_unreachable_redis_exits_4_with_one_line_naming_the_url(
     capsys: pytest.CaptureFixture[str], argv: list[str]
 ) -> None:
@@ -453,12 +500,11 @@ def _script() -> str:
     return str(Path(sys.executable).with_name("dramatiq-leases"))
 
 
-def test_console_script_lists_leases_and_documents_its_exit_codes(
-    redis_server: EmbeddedRedis, leases: Leases
-) -> None:
+def test_console_script_lists_leases_and_documents_its_exit_codes(redis_server: EmbeddedRedis, leases: Leases) -> None:
     acquire(leases, "invoice:1", meta=META)
-    done = subprocess.run([_script(), "--redis-url", redis_server.url(), "list", "--json"],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [_script(), "--redis-url", redis_server.url(), "list", "--json"], capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0, done.stderr
     assert [row["key"] for row in json.loads(done.stdout)] == ["invoice:1"]
 
@@ -469,22 +515,41 @@ def test_console_script_lists_leases_and_documents_its_exit_codes(
         assert line in done.stdout
 
     port = free_port()
-    done = subprocess.run([_script(), "--redis-url", f"redis://127.0.0.1:{port}/0", "show", "invoice:1"],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [_script(), "--redis-url", f"redis://127.0.0.1:{port}/0", "show", "invoice:1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 4
     assert done.stderr.startswith(f"dramatiq-leases: cannot use Redis at redis://127.0.0.1:{port}/0: ")
     assert "Traceback" not in done.stderr and len(done.stderr.splitlines()) == 1
 
 
-@pytest.mark.skipif(importlib.util.find_spec("dramatiq_leases.exporter") is None,
-                    reason="dramatiq_leases.exporter is not written yet")
+@pytest.mark.skipif(
+    importlib.util.find_spec("dramatiq_leases.exporter") is None, reason="dramatiq_leases.exporter is not written yet"
+)
 def test_exporter_serves_metrics_until_stopped(redis_server: EmbeddedRedis, leases: Leases) -> None:
     acquire(leases, "invoice:1", meta=META)
     port = free_port()
-    proc = subprocess.Popen([_script(), "--redis-url", redis_server.url(), "exporter", "--host", "127.0.0.1",
-                             "--port", str(port), "--interval", "0.2"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            _script(),
+            "--redis-url",
+            redis_server.url(),
+            "exporter",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--interval",
+            "0.2",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     try:
+
         def scrape() -> str | None:
             assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
             try:

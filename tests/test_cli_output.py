@@ -44,7 +44,10 @@ def leases(redis_client: redis.Redis) -> Leases:
 def run(server: EmbeddedRedis, *argv: str) -> tuple[int, bytes, bytes]:
     proc = subprocess.run(
         [sys.executable, "-m", "dramatiq_leases.cli", "--redis-url", server.url(), *argv],
-        capture_output=True, timeout=60, env={**os.environ, "PYTHONIOENCODING": "utf-8"}, check=False,
+        capture_output=True,
+        timeout=60,
+        env={**os.environ, "PYTHONIOENCODING": "utf-8"},
+        check=False,
     )
     return proc.returncode, proc.stdout, proc.stderr
 
@@ -52,8 +55,18 @@ def run(server: EmbeddedRedis, *argv: str) -> tuple[int, bytes, bytes]:
 def assert_clean(output: bytes) -> str:
     """``output`` is UTF-8 whose only non-printable character is the newline ending each line; returned decoded."""
     text = output.decode("utf-8")  # strict: a lone surrogate written raw would not even encode
-    for byte in (b"\x1b", b"\x07", b"\r", b"\t", b"\x7f", b"\x00", "\x9b".encode(), "\u202e".encode(),
-                 "\u2028".encode(), "\u200b".encode()):
+    for byte in (
+        b"\x1b",
+        b"\x07",
+        b"\r",
+        b"\t",
+        b"\x7f",
+        b"\x00",
+        "\x9b".encode(),
+        "\u202e".encode(),
+        "\u2028".encode(),
+        "\u200b".encode(),
+    ):
         assert byte not in output, (byte, text)
     assert all(c == "\n" or c.isprintable() for c in text), text
     return text
@@ -86,7 +99,10 @@ def test_list_shows_a_forging_key_and_hostile_metadata_escaped(
     rows = text.splitlines()
     assert [row.split()[0] for row in rows[1:5]] == [
         f"{leases.prefix}:lease:junk\\x1b[1A\\x1b[2K\\x07\\x0d\\x09\\x0a\\x7f\\x9b\\u202e\\u2028\\u200b",
-        "invoice:1", "invoice:2\\x1b[1A\\x1b[2Kinvoice:1", "k\\x07\\x0d\\x09\\x0a\\x7f\\x9b\\u202e\\u2028\\u200b"]
+        "invoice:1",
+        "invoice:2\\x1b[1A\\x1b[2Kinvoice:1",
+        "k\\x07\\x0d\\x09\\x0a\\x7f\\x9b\\u202e\\u2028\\u200b",
+    ]
     assert "send\\x1b[31m_invoice" in rows[2] and "msg\\u202e1-\\x00" in rows[2]
     assert "web\\x1b[1A\\x1b[2K7\\x0a:42\\x9b" in rows[2]
     assert f"note: {leases.prefix}:lease:junk\\x1b[1A" in text
@@ -99,9 +115,7 @@ def test_list_shows_a_forging_key_and_hostile_metadata_escaped(
     assert by_key[FORGED]["holder"] == f"{META['host']}:{META['pid']}"
 
 
-def test_show_escapes_the_key_the_metadata_and_the_line(
-    redis_server: EmbeddedRedis, leases: Leases
-) -> None:
+def test_show_escapes_the_key_the_metadata_and_the_line(redis_server: EmbeddedRedis, leases: Leases) -> None:
     lease = acquire(leases, HOSTILE)
     waiter = f"w{ERASE}{CONTROLS}:0"
     assert isinstance(leases.try_acquire(HOSTILE, 60_000, meta=META, waiter=waiter, first_ms=1, ready=0), Busy)
@@ -135,8 +149,11 @@ def test_release_messages_escape_the_holder_on_stdout_and_stderr(
     # Leaked: its holder's deadline (0.9 s after the grant) passed, its TTL extended by hand.
     acquire(leases, FORGED, ttl=1_000)
     redis_client.pexpire(leases.lease_name(FORGED), 60_000)
-    wait_for(lambda: (i := leases.inspect(FORGED)) is not None and i.state is State.HOLDER_DEAD,
-             timeout=5, what="the holder's deadline to pass")
+    wait_for(
+        lambda: (i := leases.inspect(FORGED)) is not None and i.state is State.HOLDER_DEAD,
+        timeout=5,
+        what="the holder's deadline to pass",
+    )
     code, out, err = run(redis_server, "release", FORGED, "--if-dead")
     assert (code, err) == (0, b"")
     assert "held by web\\x1b[1A\\x1b[2K7\\x0a:42\\x9b" in assert_clean(out)

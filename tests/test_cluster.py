@@ -94,8 +94,11 @@ class Counting(LeaseMetrics):
 
 def problems(caplog: pytest.LogCaptureFixture) -> list[str]:
     """Warnings and errors logged by Dramatiq and this package."""
-    return [f"{r.name} {r.levelname}: {r.getMessage()}" for r in caplog.records
-            if r.levelno >= logging.WARNING and r.name.startswith(("dramatiq", "dramatiq_leases"))]
+    return [
+        f"{r.name} {r.levelname}: {r.getMessage()}"
+        for r in caplog.records
+        if r.levelno >= logging.WARNING and r.name.startswith(("dramatiq", "dramatiq_leases"))
+    ]
 
 
 def assert_one_at_a_time(runs: list[dict[str, Any]]) -> None:
@@ -112,10 +115,10 @@ def assert_one_at_a_time(runs: list[dict[str, Any]]) -> None:
 
 # --- (a) the middleware on the cluster -----------------------------------------------------------------------
 
-TTL = 1_500          # ms: renewed every 500 ms; a holder trusts its lease 1.35 s after its last renewal
-LONG = 4.6           # s: a long job outlives three TTLs, only if renewed
-SHORT = 0.2          # s
-HOLDER_TTL = 5_000   # ms: the TTL of the long job holding a contended key, longer than the socket timeout
+TTL = 1_500  # ms: renewed every 500 ms; a holder trusts its lease 1.35 s after its last renewal
+LONG = 4.6  # s: a long job outlives three TTLs, only if renewed
+SHORT = 0.2  # s
+HOLDER_TTL = 5_000  # ms: the TTL of the long job holding a contended key, longer than the socket timeout
 
 
 class Jobs:
@@ -126,15 +129,24 @@ class Jobs:
     it), ``not held``.
     """
 
-    def __init__(self, cluster: RedisClusterNodes, broker_server: EmbeddedRedis, prefix: str, *,
-                 form: str = "client", threads: int = 16) -> None:
+    def __init__(
+        self,
+        cluster: RedisClusterNodes,
+        broker_server: EmbeddedRedis,
+        prefix: str,
+        *,
+        form: str = "client",
+        threads: int = 16,
+    ) -> None:
         self.metrics = Counting()
         if form == "client":
-            middleware = LeaseMiddleware(client=cluster.client(), prefix=prefix, metrics=self.metrics,
-                                         metrics_endpoint=False)
+            middleware = LeaseMiddleware(
+                client=cluster.client(), prefix=prefix, metrics=self.metrics, metrics_endpoint=False
+            )
         else:
-            middleware = LeaseMiddleware(redis_url=cluster.url, prefix=prefix, metrics=self.metrics,
-                                         metrics_endpoint=False)
+            middleware = LeaseMiddleware(
+                redis_url=cluster.url, prefix=prefix, metrics=self.metrics, metrics_endpoint=False
+            )
         assert isinstance(middleware.leases.client, RedisCluster)
         self.stack = Stack(broker_server.url(0), "", threads=threads, middleware=middleware)
         self.leases = leases = self.stack.leases
@@ -156,8 +168,15 @@ class Jobs:
                 outcome = "lost"
                 raise
             finally:
-                runs.add(key=key, label=label, fence=lease.fence, start=start, end=time.monotonic(),
-                         outcome=outcome, renewed_ago=renewed_ago)
+                runs.add(
+                    key=key,
+                    label=label,
+                    fence=lease.fence,
+                    start=start,
+                    end=time.monotonic(),
+                    outcome=outcome,
+                    renewed_ago=renewed_ago,
+                )
 
         self.job = job
 
@@ -166,8 +185,11 @@ class Jobs:
 
     def hold(self, keys: list[str]) -> None:
         """Wait until each of ``keys`` is held."""
-        wait_for(lambda: all(self.leases.inspect(k) is not None for k in keys), timeout=10,
-                 what="the long jobs to hold their keys")
+        wait_for(
+            lambda: all(self.leases.inspect(k) is not None for k in keys),
+            timeout=10,
+            what="the long jobs to hold their keys",
+        )
 
     def settle(self) -> dict[str, str]:
         """Wait until every message sent settled; its outcome (acked or nacked) by message id."""
@@ -206,8 +228,11 @@ def test_workers_on_the_cluster_hold_renew_wait_in_line_and_release(
             for key in contended:
                 jobs.send(key, f"short-{n}", SHORT)
         # The line: both short messages of each contended key wait in it, on their key's master.
-        wait_for(lambda: all(leases.inspect_line(k).length == 2 for k in contended), timeout=5,
-                 what="two waiters in the line of each contended key")
+        wait_for(
+            lambda: all(leases.inspect_line(k).length == 2 for k in contended),
+            timeout=5,
+            what="two waiters in the line of each contended key",
+        )
         for key in contended:
             assert cluster.master_of(leases.lease_name(key)) == cluster.master_of(f"{prefix}:line:{{{key}}}")
         outcome = jobs.settle()
@@ -311,8 +336,11 @@ def fetch(port: int, path: str) -> bytes | None:
 
 
 def samples(body: bytes) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(body.decode()) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(body.decode())
+        for s in family.samples
+    }
 
 
 def test_cli_and_exporter_see_and_release_leases_on_every_master(cluster: RedisClusterNodes) -> None:
@@ -358,18 +386,36 @@ def test_cli_and_exporter_see_and_release_leases_on_every_master(cluster: RedisC
 
     # The exporter, as the command runs it: it scans every master.
     port = free_port()
-    exporter = subprocess.Popen([sys.executable, "-m", "dramatiq_leases.cli", *base, "exporter", "--host", "127.0.0.1",
-                                 "--port", str(port), "--interval", "0.1"],
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    exporter = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "dramatiq_leases.cli",
+            *base,
+            "exporter",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--interval",
+            "0.1",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     try:
+
         def scraped() -> dict[Any, float]:
             assert exporter.poll() is None, exporter.stdout.read() if exporter.stdout else ""
             body = fetch(port, "/metrics")
             return samples(body) if body else {}
 
         labels = (("actor_name", "send_invoice"), ("queue_name", "default"))
-        figures = wait_for(lambda: (f := scraped()).get(("dramatiq_lease_present", labels)) and f, timeout=20,
-                           what="the exporter's first scan")
+        figures = wait_for(
+            lambda: (f := scraped()).get(("dramatiq_lease_present", labels)) and f,
+            timeout=20,
+            what="the exporter's first scan",
+        )
         assert figures[("dramatiq_lease_present", labels)] == len(held)
         assert figures[("dramatiq_lease_leaked", (("actor_name", ""), ("queue_name", ""), ("reason", "no_ttl")))] == 1
         assert figures[("dramatiq_lease_waiting", (("actor_name", "export_report"),))] == 2 * len(contended)
@@ -388,8 +434,11 @@ def test_cli_and_exporter_see_and_release_leases_on_every_master(cluster: RedisC
         short_key = spread[masters[1]][2]
         short = leases.try_acquire(short_key, 400, interval=100, meta=META)
         assert isinstance(short, Lease)
-        wait_for(lambda: short_key in {row["key"] for row in json.loads(fetch(port, "/leases") or b"{}")["leases"]},
-                 timeout=5, what="the exporter to see the short lease")
+        wait_for(
+            lambda: short_key in {row["key"] for row in json.loads(fetch(port, "/leases") or b"{}")["leases"]},
+            timeout=5,
+            what="the exporter to see the short lease",
+        )
 
         # release --owner: only the holding token; release --if-dead: only the leak.
         released, other = contended[1], spread[masters[2]][1]
@@ -407,20 +456,25 @@ def test_cli_and_exporter_see_and_release_leases_on_every_master(cluster: RedisC
         def after() -> dict[Any, float] | None:
             figures = scraped()
             expired = figures.get(("dramatiq_lease_expired_total", labels), 0)
-            return figures if expired >= 1 and figures.get(("dramatiq_lease_present", labels)) == len(held) - 1 \
-                else None
+            return (
+                figures if expired >= 1 and figures.get(("dramatiq_lease_present", labels)) == len(held) - 1 else None
+            )
 
         figures = wait_for(after, timeout=10, what="the exporter to count the expired grant")
         assert figures[("dramatiq_lease_expired_total", labels)] == 1  # the released one is not counted
-        assert figures.get(("dramatiq_lease_leaked", (("actor_name", ""), ("queue_name", ""), ("reason", "no_ttl"))),
-                           0) == 0
+        assert (
+            figures.get(("dramatiq_lease_leaked", (("actor_name", ""), ("queue_name", ""), ("reason", "no_ttl"))), 0)
+            == 0
+        )
     finally:
         exporter.terminate()
         exporter.wait(10)
 
     # A cluster URL that cannot work: unreachable (exit 4, one line), or naming a database (exit 2).
     code, _, err = cli(["--redis-url", f"redis+cluster://127.0.0.1:{free_port()}", "list"])
-    assert code == 4 and err.startswith("dramatiq-leases: cannot use Redis at redis+cluster://") and err.count("\n") == 1
+    assert (
+        code == 4 and err.startswith("dramatiq-leases: cannot use Redis at redis+cluster://") and err.count("\n") == 1
+    )
     assert cli(["--redis-url", f"{cluster.url}/1", "list"])[0] == 2
     leases.client.close()
 
@@ -487,8 +541,11 @@ def test_a_slot_resharded_while_its_leases_are_held_keeps_them_renewed(
         moved_ms = int(seconds) * 1000 + int(micros) // 1000
         assert {cluster.master_of(leases.lease_name(k)) for k in moving} == {target}
         # Renewed since the move, at the new master, by the same holders.
-        wait_for(lambda: all((i := leases.inspect(k)) is not None and i.renewed_ms > moved_ms for k in moving + others),
-                 timeout=5, what="renewals after the move")
+        wait_for(
+            lambda: all((i := leases.inspect(k)) is not None and i.renewed_ms > moved_ms for k in moving + others),
+            timeout=5,
+            what="renewals after the move",
+        )
         assert [r for r in jobs.runs.items if r["label"] == "long"] == [], "the jobs ended before the move"
         outcome = jobs.settle()
     finally:
@@ -603,12 +660,16 @@ def test_a_master_that_fails_costs_only_its_own_leases(how: str) -> None:
                 leases.wait_turn(next(iter(failed)), "waiter", 200)
             assert time.monotonic() - stopped_at < 4 * 0.5, "the wait outlasted the socket timeout"
             assert leases.wait_turn(next(iter(healthy)), "waiter", 200) is False
+
             def renewed_since_the_stop(lease: Lease) -> bool:
                 # Confirmed by a renewal sent a second or more after the stop.
                 return time.monotonic() + lease.remaining() > stopped_at + (lease.ttl - lease.margin) / 1000 + 1.0
 
-            wait_for(lambda: all(renewed_since_the_stop(held[k]) for k in healthy), timeout=5,
-                     what="the other masters' leases to be renewed")
+            wait_for(
+                lambda: all(renewed_since_the_stop(held[k]) for k in healthy),
+                timeout=5,
+                what="the other masters' leases to be renewed",
+            )
             assert lost == {}, "a lease was lost before the failed master's deadline"
             wait_for(lambda: set(lost) == failed, timeout=15, what="the failed master's leases to be lost")
         finally:
@@ -682,9 +743,16 @@ def test_a_hung_master_hides_only_its_own_leases_from_list_and_the_exporter_and_
         try:
             for moment in ("at once", "once the cluster marks it failed"):
                 if moment != "at once":
-                    wait_for(lambda: all(b"fail" in line for line in nodes.node(healthy[0]).execute_command(
-                        "CLUSTER", "NODES").encode().splitlines() if str(victim).encode() in line),
-                        timeout=20, interval=0.2, what="the cluster to mark the hung master failed")
+                    wait_for(
+                        lambda: all(
+                            b"fail" in line
+                            for line in nodes.node(healthy[0]).execute_command("CLUSTER", "NODES").encode().splitlines()
+                            if str(victim).encode() in line
+                        ),
+                        timeout=20,
+                        interval=0.2,
+                        what="the cluster to mark the hung master failed",
+                    )
                 started = time.monotonic()
                 snap = exporter.observer.scan()
                 took = time.monotonic() - started
@@ -719,8 +787,11 @@ def test_a_hung_master_hides_only_its_own_leases_from_list_and_the_exporter_and_
             resume()
             exporter.close()
         # Back: nothing was lost meanwhile, and the figures are whole again.
-        snap = wait_for(lambda: s if not (s := exporter.observer.scan()).unreachable else None, timeout=10,
-                        what="the master to answer again")
+        snap = wait_for(
+            lambda: s if not (s := exporter.observer.scan()).unreachable else None,
+            timeout=10,
+            what="the master to answer again",
+        )
         assert snap.present[("send_invoice", "default")] == len(held)
         assert exporter.observer.expired == Counter() and exporter.observer.ended_unknown == Counter()
         client.close()
@@ -781,7 +852,10 @@ def test_a_master_that_answers_scan_but_refuses_the_read_hides_only_its_own_leas
     node.execute_command("ACL", "SETUSER", "default", "-evalsha")
     try:
         snap = exporter.observer.scan()
-        assert list(snap.unreachable) == [f"127.0.0.1:{victim}"] and "NoPermissionError" in snap.unreachable[f"127.0.0.1:{victim}"]
+        assert (
+            list(snap.unreachable) == [f"127.0.0.1:{victim}"]
+            and "NoPermissionError" in snap.unreachable[f"127.0.0.1:{victim}"]
+        )
         assert {info.key for info in snap.leases} == {by_master[port][0] for port in healthy} | {leak}
         assert snap.leaked[("", "", "no_ttl")] == 1
     finally:

@@ -100,8 +100,9 @@ def test_renew_restores_ttl_only_for_the_owner(leases: Leases, redis_client: red
     assert leases.renew(lease) is Renewal.OK
     assert redis_client.pttl(lease_name(leases.prefix, "k")) > 1_500
 
-    stranger = Lease(key="k", token="x" * 32, fence=0, ttl=2_000, interval=600, max_hold=None, acquired_at=0,
-                     meta={}, sent_at=0)
+    stranger = Lease(
+        key="k", token="x" * 32, fence=0, ttl=2_000, interval=600, max_hold=None, acquired_at=0, meta={}, sent_at=0
+    )
     assert leases.renew(stranger) is Renewal.STOLEN
     leases.release(lease)
     assert leases.renew(lease) is Renewal.GONE
@@ -189,8 +190,12 @@ def test_scan_lists_leases_and_states(leases: Leases, redis_client: redis.Redis)
         lambda: (s := {i.key: i.state for i in leases.scan()}).get("dead") is State.HOLDER_DEAD and s,
         what="the silent holder's deadline to pass",
     )
-    assert states == {"alive": State.ALIVE, "overdue": State.HEARTBEAT_OVERDUE, "dead": State.HOLDER_DEAD,
-                      "orphan": State.NO_TTL}
+    assert states == {
+        "alive": State.ALIVE,
+        "overdue": State.HEARTBEAT_OVERDUE,
+        "dead": State.HOLDER_DEAD,
+        "orphan": State.NO_TTL,
+    }
     assert [s for s in State if s.leaked] == [State.HOLDER_DEAD, State.PAST_MAX_HOLD, State.NO_TTL]
     assert [i.key for i in leases.scan("ali*")] == ["alive"]
 
@@ -262,20 +267,31 @@ def test_an_adopted_lease_keeps_the_adopters_max_hold(leases: Leases) -> None:
         (lambda ls: ls.adopt("k", "", ttl=1_000), "handed-over token"),
     ],
 )
-def test_bad_numbers_are_refused_before_any_write(leases: Leases, redis_client: redis.Redis, call: Any,
-                                                   message: str) -> None:
+def test_bad_numbers_are_refused_before_any_write(
+    leases: Leases, redis_client: redis.Redis, call: Any, message: str
+) -> None:
     with pytest.raises(LeaseConfigError, match=message):
         call(leases)
     assert redis_client.keys("*") == []  # nothing written, so nothing can be left without a TTL
 
 
-@pytest.mark.parametrize("args", [
-    [*head, "", "0 0 2 1000 1000 0"]
-    for head in (["t", "1500.5", "0", "0", "0"], ["t", "1000", "-1", "0", "0"], ["t", "1000", "0", "0", "1000"],
-                 ["", "1000", "0", "0", "0"], ["t", "1e300", "0", "0", "0"])
-] + [["t", "1000", "0", "0", "0", "", "0 0 2 1000 1000", "odd-metadata"]])
-def test_the_acquire_script_checks_every_argument_before_writing(leases: Leases, redis_client: redis.Redis,
-                                                                 args: list[str]) -> None:
+@pytest.mark.parametrize(
+    "args",
+    [
+        [*head, "", "0 0 2 1000 1000 0"]
+        for head in (
+            ["t", "1500.5", "0", "0", "0"],
+            ["t", "1000", "-1", "0", "0"],
+            ["t", "1000", "0", "0", "1000"],
+            ["", "1000", "0", "0", "0"],
+            ["t", "1e300", "0", "0", "0"],
+        )
+    ]
+    + [["t", "1000", "0", "0", "0", "", "0 0 2 1000 1000", "odd-metadata"]],
+)
+def test_the_acquire_script_checks_every_argument_before_writing(
+    leases: Leases, redis_client: redis.Redis, args: list[str]
+) -> None:
     """Lua is not a transaction: a script that failed halfway would keep its first writes."""
     with pytest.raises(redis.ResponseError, match="dramatiq-leases: invalid"):
         redis_client.eval(scripts.ACQUIRE, 2, leases.lease_name("k"), leases.fence_name("k"), *args)
@@ -329,19 +345,24 @@ def test_unreachable_redis_raises_and_grants_nothing() -> None:
 
 def test_works_on_redis_cluster() -> None:
     """Three masters: every script's keys live in one slot, so Cluster runs them as they are."""
-    nodes = [EmbeddedRedis(extra_args=("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"))
-             for _ in range(3)]
+    nodes = [
+        EmbeddedRedis(extra_args=("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf")) for _ in range(3)
+    ]
     try:
         for node in nodes:
             node.start()
         subprocess.run(
             ["redis-cli", "--cluster", "create", *[f"127.0.0.1:{n.port}" for n in nodes], "--cluster-yes"],
-            check=True, capture_output=True, timeout=30,
+            check=True,
+            capture_output=True,
+            timeout=30,
         )
         client = redis.cluster.RedisCluster(host="127.0.0.1", port=nodes[0].port)
         each = [redis.Redis(port=n.port) for n in nodes]
-        wait_for(lambda: all("cluster_state:ok" in str(c.execute_command("CLUSTER", "INFO")) for c in each),
-                 what="every node to be ok")
+        wait_for(
+            lambda: all("cluster_state:ok" in str(c.execute_command("CLUSTER", "INFO")) for c in each),
+            what="every node to be ok",
+        )
         for c in each:
             c.close()
         leases = Leases(client)

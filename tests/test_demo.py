@@ -43,19 +43,24 @@ def test_demo_runs_its_story_passes_its_checks_and_cleans_up() -> None:
     env = {**os.environ, "DEMO_TEST_MARKER": marker}
     env.pop("REDIS_URL", None)  # the README's first command runs on a machine with no Redis configured
     # Exactly the README's command, with the virtualenv this suite runs in.
-    done = subprocess.run(["make", "-s", "demo", f"VENV={sys.prefix}"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=240)
+    done = subprocess.run(
+        ["make", "-s", "demo", f"VENV={sys.prefix}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240
+    )
     out = done.stdout
     assert done.returncode == 0, out + done.stderr
     took = re.search(r"^  took +([\d.]+)s$", out, re.M)
     assert took is not None and float(took.group(1)) < 60, "the demo must finish in well under a minute"
 
-    summary = out[out.index("\nsummary\n"):]
+    summary = out[out.index("\nsummary\n") :]
     assert re.search(r"^  jobs completed +12/12 \(each message exactly once\)$", summary, re.M), summary
     assert re.search(r"^  max concurrent per key +1$", summary, re.M), summary
     assert re.search(r"^  busy retries +[1-9]\d*", summary, re.M), summary
-    timelines = re.findall(r"^  orphaned lease +(invoice:\d) fence (\d+): heartbeat overdue ([\d.]+)s, holder's "
-                           r"deadline ([\d.]+)s, expired ([\d.]+)s after the kill \(never released\)$", summary, re.M)
+    timelines = re.findall(
+        r"^  orphaned lease +(invoice:\d) fence (\d+): heartbeat overdue ([\d.]+)s, holder's "
+        r"deadline ([\d.]+)s, expired ([\d.]+)s after the kill \(never released\)$",
+        summary,
+        re.M,
+    )
     assert timelines, summary
     orphans = [(key, fence, expired) for key, fence, _, _, expired in timelines]
     assert all(0 < float(seconds) <= 3.1 for _, _, seconds in orphans), "an orphan outlived its 3 s TTL"
@@ -64,7 +69,8 @@ def test_demo_runs_its_story_passes_its_checks_and_cleans_up() -> None:
         # at 2.7 s (TTL less its 10% margin), the key gone at 3 s. Dead means past that deadline, not overdue.
         assert 0 < float(overdue) < float(deadline) < float(expired), summary
     killed_jobs = re.findall(
-        r"^  killed job +(invoice:\d) job \d: redelivered and completed with fence (\d+)$", summary, re.M)
+        r"^  killed job +(invoice:\d) job \d: redelivered and completed with fence (\d+)$", summary, re.M
+    )
     assert sorted(k for k, _ in killed_jobs) == sorted(k for k, _, _ in orphans)
     for key, fence in killed_jobs:
         orphan_fence = next(int(f) for k, f, _ in orphans if k == key)
@@ -78,12 +84,17 @@ def test_demo_runs_its_story_passes_its_checks_and_cleans_up() -> None:
 
     # The live part of the story was shown as it happened.
     assert re.search(r"KILL -9 worker \d \(pid \d+\)", out)
-    assert re.search(r"invoice:\d  fence \d+  ahead, from the kill: heartbeat_overdue at \+[\d.]+s, holder_dead at "
-                     r"\+[\d.]+s \(its holder's deadline\), expired by its TTL at \+[\d.]+s", out)
+    assert re.search(
+        r"invoice:\d  fence \d+  ahead, from the kill: heartbeat_overdue at \+[\d.]+s, holder_dead at "
+        r"\+[\d.]+s \(its holder's deadline\), expired by its TTL at \+[\d.]+s",
+        out,
+    )
     # Seen by polling, so either may be missed, but never in the wrong order nor with a wrong meaning.
-    overdue = re.search(r"heartbeat_overdue: no renewal for [\d.]+s, but its holder may still be running until its "
-                        r"deadline in [\d.]+s, and stopping until its TTL runs out in [\d.]+s: nobody may release it before",
-                        out)
+    overdue = re.search(
+        r"heartbeat_overdue: no renewal for [\d.]+s, but its holder may still be running until its "
+        r"deadline in [\d.]+s, and stopping until its TTL runs out in [\d.]+s: nobody may release it before",
+        out,
+    )
     dead = re.search(r"holder_dead: its holder's deadline passed [\d.]+s ago", out)
     if overdue and dead:
         assert overdue.start() < dead.start()

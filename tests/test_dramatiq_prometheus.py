@@ -50,14 +50,18 @@ from .support.processes import (
 
 @pytest.mark.system
 @pytest.mark.parametrize("placement", ["before", "after"], ids=["prometheus-added-first", "prometheus-added-last"])
-def test_busy_skips_are_not_counted_as_processed_messages(placement: str, tmp_path: Path,
-                                                         redis_server: EmbeddedRedis) -> None:
+def test_busy_skips_are_not_counted_as_processed_messages(
+    placement: str, tmp_path: Path, redis_server: EmbeddedRedis
+) -> None:
     total = 16
     port = free_port()
     url = f"http://127.0.0.1:{port}/metrics"
     env = clean_env(
-        OBS_BROKER_URL=redis_server.url(0), OBS_LEASES_URL=redis_server.url(1), OBS_PROMETHEUS=placement,
-        dramatiq_prom_host="127.0.0.1", dramatiq_prom_port=str(port),
+        OBS_BROKER_URL=redis_server.url(0),
+        OBS_LEASES_URL=redis_server.url(1),
+        OBS_PROMETHEUS=placement,
+        dramatiq_prom_host="127.0.0.1",
+        dramatiq_prom_port=str(port),
         dramatiq_prom_db=str(tmp_path / "dramatiq-prometheus"),
     )
     broker = RedisBroker(url=redis_server.url(0), middleware=[])  # type: ignore[no-untyped-call]
@@ -67,14 +71,22 @@ def test_busy_skips_are_not_counted_as_processed_messages(placement: str, tmp_pa
     try:
         with Processes(tmp_path / "logs") as procs:
             procs.start("worker", dramatiq_argv(processes=2, threads=4, queues=[WORK_QUEUE]), env=env)
-            wait_until(lambda: worker_processes(client) == 2 and http_get(url) is not None, timeout=30,
-                       what="2 worker processes and Dramatiq's metrics endpoint", procs=procs)
+            wait_until(
+                lambda: worker_processes(client) == 2 and http_get(url) is not None,
+                timeout=30,
+                what="2 worker processes and Dramatiq's metrics endpoint",
+                procs=procs,
+            )
 
             # All on one key at once: one runs, a few wait in place, the others are parked or sent back.
             for _ in range(total):
                 send(broker, WORK_ACTOR, WORK_QUEUE, "invoice:1", 0.05)
-            wait_until(lambda: sum(e["event"] == "done" for e in events(leases_client)) == total, timeout=60,
-                       what=f"{total} messages to run", procs=procs)
+            wait_until(
+                lambda: sum(e["event"] == "done" for e in events(leases_client)) == total,
+                timeout=60,
+                what=f"{total} messages to run",
+                procs=procs,
+            )
             assert [e for e in events(leases_client) if e["event"] != "start" and e["event"] != "done"] == []
 
             def counted() -> str | None:
@@ -181,8 +193,9 @@ def skip(broker: StubBroker, message: Message, *, prometheus_before: bool) -> No
 
 
 @pytest.mark.parametrize("prometheus_first", [True, False])
-def test_a_requeue_is_neither_counted_nor_left_in_progress(registry: CollectorRegistry, lease_mw: LeaseMiddleware,
-                                                         prometheus_first: bool) -> None:
+def test_a_requeue_is_neither_counted_nor_left_in_progress(
+    registry: CollectorRegistry, lease_mw: LeaseMiddleware, prometheus_first: bool
+) -> None:
     prom, later = prometheus(registry), Later()
     broker = booted([prom, lease_mw, later] if prometheus_first else [lease_mw, prom, later])
     message = Message("m1", options={SKIP_MARK: True, REQUEUED_MARK: True})
@@ -195,8 +208,9 @@ def test_a_requeue_is_neither_counted_nor_left_in_progress(registry: CollectorRe
 
 
 @pytest.mark.parametrize("prometheus_first", [True, False])
-def test_a_final_skip_is_counted_once_and_not_left_in_progress(registry: CollectorRegistry, lease_mw: LeaseMiddleware,
-                                                             prometheus_first: bool) -> None:
+def test_a_final_skip_is_counted_once_and_not_left_in_progress(
+    registry: CollectorRegistry, lease_mw: LeaseMiddleware, prometheus_first: bool
+) -> None:
     # Dropped (given up, or a copy of a message that ran): done, so counted, as Dramatiq counts skips.
     prom = prometheus(registry)
     broker = booted([prom, lease_mw] if prometheus_first else [lease_mw, prom])
@@ -223,8 +237,9 @@ def test_adjusting_twice_wraps_once(registry: CollectorRegistry, lease_mw: Lease
     assert prom.after_skip_message == hook
 
 
-def test_a_copy_of_ours_leaves_the_delay_queue_where_it_entered(registry: CollectorRegistry,
-                                                                 lease_mw: LeaseMiddleware) -> None:
+def test_a_copy_of_ours_leaves_the_delay_queue_where_it_entered(
+    registry: CollectorRegistry, lease_mw: LeaseMiddleware
+) -> None:
     prom = prometheus(registry)
     broker = booted([prom, lease_mw])
 
@@ -233,8 +248,9 @@ def test_a_copy_of_ours_leaves_the_delay_queue_where_it_entered(registry: Collec
         pass
 
     def delayed(queue_name: str) -> float | None:
-        return registry.get_sample_value("dramatiq_delayed_messages_inprogress",
-                                         {"queue_name": queue_name, "actor_name": "leased"})
+        return registry.get_sample_value(
+            "dramatiq_delayed_messages_inprogress", {"queue_name": queue_name, "actor_name": "leased"}
+        )
 
     ours = {ATTEMPTS_OPTION: 1, LINE_OPTION: "k"}
     parked = Message("m1", queue_name="q.DQ", options={**ours, "eta": 1})
@@ -243,8 +259,9 @@ def test_a_copy_of_ours_leaves_the_delay_queue_where_it_entered(registry: Collec
     assert delayed("q.DQ") == 1
     # Sent on to its queue (as Dramatiq does when its eta passes), to be run by any process: this
     # one no longer holds it, whoever runs it.
-    fresh = dramatiq.Message(queue_name="q", actor_name="leased", args=(), kwargs={}, options=dict(ours),
-                             message_id="m1")
+    fresh = dramatiq.Message(
+        queue_name="q", actor_name="leased", args=(), kwargs={}, options=dict(ours), message_id="m1"
+    )
     broker.emit_before("enqueue", fresh, None)
     assert delayed("q.DQ") == 0
     assert prom.delayed_messages == set()
@@ -263,8 +280,11 @@ def test_a_copy_of_ours_leaves_the_delay_queue_where_it_entered(registry: Collec
     other = Message("m2", queue_name="q.DQ", options={"eta": 1})
     other.actor_name = "leased"
     prom.before_delay_message(broker, other)
-    broker.emit_before("enqueue", dramatiq.Message(queue_name="q", actor_name="leased", args=(), kwargs={},
-                                                   options={}, message_id="m2"), None)
+    broker.emit_before(
+        "enqueue",
+        dramatiq.Message(queue_name="q", actor_name="leased", args=(), kwargs={}, options={}, message_id="m2"),
+        None,
+    )
     assert delayed("q.DQ") == 1
 
 

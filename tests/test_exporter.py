@@ -49,8 +49,9 @@ def leases(redis_server: EmbeddedRedis) -> Iterator[Leases]:
 
 
 @contextmanager
-def running(leases: Leases, *, top: int = DEFAULT_TOP, cli_options: list[str] | None = None,
-            interval: float = 0.05) -> Iterator[Exporter]:
+def running(
+    leases: Leases, *, top: int = DEFAULT_TOP, cli_options: list[str] | None = None, interval: float = 0.05
+) -> Iterator[Exporter]:
     """An exporter serving on a free port and scanning every ``interval`` seconds, stopped on exit."""
     exporter = Exporter(leases, host="127.0.0.1", port=0, top=top, cli_options=cli_options or [])
     stop = threading.Event()
@@ -82,9 +83,11 @@ def page(exporter: Exporter, query: str = "") -> dict[str, Any]:
     return doc
 
 
-def page_when(exporter: Exporter, ready: Callable[[dict[str, Any]], bool], what: str,
-              query: str = "") -> dict[str, Any]:
+def page_when(
+    exporter: Exporter, ready: Callable[[dict[str, Any]], bool], what: str, query: str = ""
+) -> dict[str, Any]:
     """The first page that satisfies ``ready``."""
+
     def attempt() -> dict[str, Any] | None:
         doc = page(exporter, query)
         return doc if ready(doc) else None
@@ -96,8 +99,11 @@ def scrape(exporter: Exporter) -> dict[tuple[str, tuple[tuple[str, str], ...]], 
     """The samples of ``/metrics``, by name and labels."""
     status, _, body = get(exporter, "/metrics")
     assert status == 200
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(body.decode()) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(body.decode())
+        for s in family.samples
+    }
 
 
 def names(exposition: bytes) -> set[str]:
@@ -152,8 +158,11 @@ def test_the_busy_page_lists_leases_worst_first_with_their_lines_and_the_hottest
     options = exporter_cli_options(redis_server.url(1), PREFIX)
 
     with running(leases, cli_options=options) as exporter:
-        doc = page_when(exporter, lambda d: [r["state"] for r in d["leases"]][:2] == ["no_ttl", "heartbeat_overdue"],
-                        "the leak and the overdue heartbeat on the Busy page")
+        doc = page_when(
+            exporter,
+            lambda d: [r["state"] for r in d["leases"]][:2] == ["no_ttl", "heartbeat_overdue"],
+            "the leak and the overdue heartbeat on the Busy page",
+        )
         assert doc["scanned_at"] == pytest.approx(time.time(), abs=10)
         assert doc["scan_duration_seconds"] >= 0
         assert (doc["limit"], doc["leases_total"], doc["hot_keys_total"]) == (DEFAULT_TOP, 3, 2)
@@ -163,10 +172,19 @@ def test_the_busy_page_lists_leases_worst_first_with_their_lines_and_the_hottest
         assert leaked["leaked"] is True and leaked["ttl_left_seconds"] is None
         assert overdue["leaked"] is False and overdue["heartbeat_age_seconds"] > 0.7
         assert old == {
-            "key": OLD, "actor": "export_report", "queue": "reports", "message_id": "msg-1",
-            "host": "web-1", "pid": 4242, "fence": 1, "state": "alive", "leaked": False,
-            "age_seconds": old["age_seconds"], "heartbeat_age_seconds": old["heartbeat_age_seconds"],
-            "ttl_left_seconds": old["ttl_left_seconds"], "line_length": 2,
+            "key": OLD,
+            "actor": "export_report",
+            "queue": "reports",
+            "message_id": "msg-1",
+            "host": "web-1",
+            "pid": 4242,
+            "fence": 1,
+            "state": "alive",
+            "leaked": False,
+            "age_seconds": old["age_seconds"],
+            "heartbeat_age_seconds": old["heartbeat_age_seconds"],
+            "ttl_left_seconds": old["ttl_left_seconds"],
+            "line_length": 2,
             "inspect_command": f"dramatiq-leases --redis-url {redis_server.url(1)} --prefix {PREFIX} show '{OLD}'",
         }
         assert old["age_seconds"] >= overdue["age_seconds"] >= leaked["age_seconds"] > 0
@@ -176,9 +194,15 @@ def test_the_busy_page_lists_leases_worst_first_with_their_lines_and_the_hottest
         braced, hot_old = doc["hot_keys"]
         digest = hash_tag(BRACED)
         assert braced == {
-            "key": digest, "line_length": 3, "oldest_wait_seconds": braced["oldest_wait_seconds"],
-            "waiting_in_place": 0, "parked": braced["parked"], "promoted": braced["promoted"],
-            "actor": "send_invoice", "held": False, "state": "free",
+            "key": digest,
+            "line_length": 3,
+            "oldest_wait_seconds": braced["oldest_wait_seconds"],
+            "waiting_in_place": 0,
+            "parked": braced["parked"],
+            "promoted": braced["promoted"],
+            "actor": "send_invoice",
+            "held": False,
+            "state": "free",
             "inspect_command": f"dramatiq-leases --redis-url {redis_server.url(1)} --prefix {PREFIX} show '{digest}'",
         }
         assert braced["parked"] + braced["promoted"] == 3
@@ -241,9 +265,15 @@ def test_top_zero_turns_the_busy_page_off_but_not_the_metrics(leases: Leases) ->
     with running(leases, top=0) as exporter:
         status, _, body = get(exporter, "/leases")
         assert status == 404 and OLD.encode() not in body
-        wait_for(lambda: scrape(exporter).get(("dramatiq_lease_present", (("actor_name", "export_report"),
-                                                                          ("queue_name", "reports")))) == 1,
-                 what="the lease in /metrics")
+        wait_for(
+            lambda: (
+                scrape(exporter).get(
+                    ("dramatiq_lease_present", (("actor_name", "export_report"), ("queue_name", "reports")))
+                )
+                == 1
+            ),
+            what="the lease in /metrics",
+        )
 
 
 def test_the_page_is_served_from_the_last_scan_not_from_redis(leases: Leases) -> None:
@@ -259,10 +289,20 @@ def test_inspect_commands_quote_keys_and_keep_dashes_from_being_options() -> Non
     assert inspect_command("a b'c") == "dramatiq-leases show 'a b'\"'\"'c'"
     assert shlex.split(inspect_command("a b'c")) == ["dramatiq-leases", "show", "a b'c"]
     assert shlex.split(inspect_command("-x", ["--prefix", "my app"])) == [
-        "dramatiq-leases", "--prefix", "my app", "show", "--", "-x"]
+        "dramatiq-leases",
+        "--prefix",
+        "my app",
+        "show",
+        "--",
+        "-x",
+    ]
     assert exporter_cli_options("redis://127.0.0.1:6379/0", "dramatiq-leases") == []
     assert exporter_cli_options("redis://:s3cret@cache:6379/2", "app") == [
-        "--redis-url", "redis://:***@cache:6379/2", "--prefix", "app"]
+        "--redis-url",
+        "redis://:***@cache:6379/2",
+        "--prefix",
+        "app",
+    ]
     assert build_parser().parse_args(["exporter"]).top == DEFAULT_TOP
 
 
@@ -283,8 +323,9 @@ def test_an_exporter_that_never_scans_still_serves_its_last_scan_time_and_counts
         samples = scrape(exporter)
         assert before <= samples[gauge] <= after and samples[errors] == 0
         thread.start()
-        samples = wait_for(lambda: (s := scrape(exporter))[errors] >= 2 and s, timeout=30,
-                           what="failed scans to be counted")
+        samples = wait_for(
+            lambda: (s := scrape(exporter))[errors] >= 2 and s, timeout=30, what="failed scans to be counted"
+        )
         assert before <= samples[gauge] <= after
         doc = page(exporter)
         assert (doc["scanned_at"], doc["leases"], doc["hot_keys"]) == (None, [], [])
@@ -307,17 +348,36 @@ def test_the_last_scan_time_moves_on_with_each_completed_scan(leases: Leases) ->
 # --- the command line ---------------------------------------------------------------------------------
 
 
-def test_the_exporter_command_serves_the_busy_page_with_its_options(redis_server: EmbeddedRedis,
-                                                                    leases: Leases) -> None:
+def test_the_exporter_command_serves_the_busy_page_with_its_options(
+    redis_server: EmbeddedRedis, leases: Leases
+) -> None:
     # Granted in key order too, so a grant within the same millisecond sorts the same way.
     acquire(leases, OVERDUE, meta=WORK)
     acquire(leases, OLD, meta=WEB)
     port = free_port()
     script = str(Path(sys.executable).with_name("dramatiq-leases"))
-    proc = subprocess.Popen([script, "--redis-url", redis_server.url(1), "--prefix", PREFIX, "exporter",
-                             "--host", "127.0.0.1", "--port", str(port), "--interval", "0.1", "--top", "1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            script,
+            "--redis-url",
+            redis_server.url(1),
+            "--prefix",
+            PREFIX,
+            "exporter",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--interval",
+            "0.1",
+            "--top",
+            "1",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     try:
+
         def scanned() -> dict[str, Any] | None:
             assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
             try:
@@ -330,7 +390,8 @@ def test_the_exporter_command_serves_the_busy_page_with_its_options(redis_server
         doc = wait_for(scanned, timeout=20, what="the exporter's Busy page")
         assert doc["limit"] == 1 and [r["key"] for r in doc["leases"]] == [OVERDUE]
         assert doc["leases"][0]["inspect_command"] == (
-            f"dramatiq-leases --redis-url {redis_server.url(1)} --prefix {PREFIX} show '{OVERDUE}'")
+            f"dramatiq-leases --redis-url {redis_server.url(1)} --prefix {PREFIX} show '{OVERDUE}'"
+        )
     finally:
         proc.terminate()
         proc.wait(10)
@@ -351,8 +412,10 @@ def test_messages_waiting_on_a_leaked_key_are_counted_for_that_leak_alone(leases
     wait_in_line(leases, "invoice:9", 3, now, WORK)
     labels = (("actor_name", WORK["actor"]), ("queue_name", WORK["queue"]), ("reason", "no_ttl"))
     with running(leases) as exporter:
-        samples = wait_for(lambda: (s := scrape(exporter)).get(("dramatiq_lease_leaked", labels)) and s,
-                           what="the leak in the exporter's metrics")
+        samples = wait_for(
+            lambda: (s := scrape(exporter)).get(("dramatiq_lease_leaked", labels)) and s,
+            what="the leak in the exporter's metrics",
+        )
         assert samples[("dramatiq_lease_leaked_waiting", labels)] == 2
         assert samples[("dramatiq_lease_waiting", (("actor_name", WORK["actor"]),))] == 5
 
@@ -366,6 +429,7 @@ def test_a_stale_scan_stops_serving_the_lease_gauges(leases: Leases) -> None:
         exporter.observer.stale_after = 0.5
         wait_for(lambda: exporter.observer.scan().leaked, what="a scan that sees the leak")
         assert any(name == "dramatiq_lease_leaked" for name, _ in scrape(exporter))
+
         # No more scans (Redis gone, a hung scan): once the last one is too old, only the exporter's own
         # figures remain, and the last-scan gauge says how old it is.
         def without_leases() -> dict[Any, float] | None:
@@ -401,8 +465,11 @@ def test_a_fence_retention_shorter_than_the_scan_interval_counts_no_release_as_a
         exporter.observer.scan()  # sees both grants
         assert short.release(released)
         # The scan interval outlasts the retention: by the next scan the released grant's counter is gone.
-        wait_for(lambda: not short.client.exists(short.fence_name("invoice:released")), timeout=5,
-                 what="the fence counter to expire")
+        wait_for(
+            lambda: not short.client.exists(short.fence_name("invoice:released")),
+            timeout=5,
+            what="the fence counter to expire",
+        )
         wait_for(lambda: kept.inspect("invoice:expires") is None, timeout=5, what="the short lease to expire")
         exporter.observer.scan()
         samples = scrape(exporter)
@@ -414,19 +481,22 @@ def test_a_fence_retention_shorter_than_the_scan_interval_counts_no_release_as_a
         kept.client.close()
 
 
-@pytest.mark.parametrize(("state", "ending"), [
-    ({}, "unknown"),                                              # the counter is gone
-    ({"released": 7}, "released"),                                # gone during the hold, made again by the release
-    ({"fence": 7, "released": 7}, "released"),
-    ({"fence": 7}, "expired"),                                    # never released, nothing granted since
-    ({"fence": 7, "released": 5}, "expired"),
-    ({"fence": 9, "released": 5, "expired": 8}, "expired"),       # the next grant's record was overwritten since
-    ({"fence": 8, "expired": 7}, "expired"),
-    ({"fence": 9, "released": 8, "expired": 5}, "released"),      # released since, no expiry since
-    ({"fence": 9, "released": 9, "expired": 8}, "unknown"),       # an expiry since, then a release: cannot tell
-    ({"fence": 1_767_225_600_000_000}, "unknown"),                # made again by a later grant (a retention)
-    ({"fence": 1_767_225_600_000_000, "expired": 1_767_225_500_000_000}, "unknown"),
-])
+@pytest.mark.parametrize(
+    ("state", "ending"),
+    [
+        ({}, "unknown"),  # the counter is gone
+        ({"released": 7}, "released"),  # gone during the hold, made again by the release
+        ({"fence": 7, "released": 7}, "released"),
+        ({"fence": 7}, "expired"),  # never released, nothing granted since
+        ({"fence": 7, "released": 5}, "expired"),
+        ({"fence": 9, "released": 5, "expired": 8}, "expired"),  # the next grant's record was overwritten since
+        ({"fence": 8, "expired": 7}, "expired"),
+        ({"fence": 9, "released": 8, "expired": 5}, "released"),  # released since, no expiry since
+        ({"fence": 9, "released": 9, "expired": 8}, "unknown"),  # an expiry since, then a release: cannot tell
+        ({"fence": 1_767_225_600_000_000}, "unknown"),  # made again by a later grant (a retention)
+        ({"fence": 1_767_225_600_000_000, "expired": 1_767_225_500_000_000}, "unknown"),
+    ],
+)
 def test_how_a_grant_ended_is_told_from_its_fence_counter_or_said_unknown(state: dict[str, int], ending: str) -> None:
     from dramatiq_leases.exporter.observer import grant_ending
 
@@ -469,8 +539,11 @@ def test_keys_of_the_wrong_type_are_counted_and_told_once_and_hide_nothing_else(
         samples = wait_for(leak_reported, what="the leak reported beside the bad keys")
         assert samples[("dramatiq_lease_leaked_waiting", LEAK)] == 2
         assert samples[("dramatiq_lease_waiting", (("actor_name", WORK["actor"]),))] == 2
-        unreadable = {dict(labels)["kind"]: value for (name, labels), value in samples.items()
-                      if name == "dramatiq_lease_exporter_unreadable_keys"}
+        unreadable = {
+            dict(labels)["kind"]: value
+            for (name, labels), value in samples.items()
+            if name == "dramatiq_lease_exporter_unreadable_keys"
+        }
         assert unreadable == {"lease": 1, "line": 1, "waiters": 0, "fence": 0}  # the fence: read once, when it ended
         assert samples[EXPIRED] == 0 and samples[UNKNOWN] == 1  # a counter that is not one says nothing
         assert samples[("dramatiq_lease_exporter_unreachable_nodes", ())] == 0
@@ -482,9 +555,11 @@ def test_keys_of_the_wrong_type_are_counted_and_told_once_and_hide_nothing_else(
         exporter.observer.scan()
         told = [r.getMessage() for r in caplog.records if "no dramatiq-leases code wrote it" in r.getMessage()]
         assert len(told) == 3, told  # each bad key once, however many scans
-        assert {bad for bad in (broken_line, broken_lease, leases.fence_name(ending.key))
-                if any(bad in message for message in told)} == {broken_line, broken_lease,
-                                                                 leases.fence_name(ending.key)}
+        assert {
+            bad
+            for bad in (broken_line, broken_lease, leases.fence_name(ending.key))
+            if any(bad in message for message in told)
+        } == {broken_line, broken_lease, leases.fence_name(ending.key)}
         assert not any(wake_list in message for message in told)
     finally:
         exporter.close()

@@ -50,8 +50,9 @@ def run_cli(*argv: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*CLI, *argv], capture_output=True, text=True, timeout=60)
 
 
-def get(port: int, path: str, headers: dict[str, str] | None = None,
-        method: str = "GET") -> tuple[int, dict[str, str], bytes]:
+def get(
+    port: int, path: str, headers: dict[str, str] | None = None, method: str = "GET"
+) -> tuple[int, dict[str, str], bytes]:
     """Status, headers and body of a request to the exporter on this host (errors included)."""
     request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", headers=headers or {}, method=method)
     try:
@@ -70,6 +71,7 @@ class Running:
 
     def page(self, headers: dict[str, str] | None = None) -> dict[str, Any]:
         """The Busy page once a scan has seen the lease (the reader being let in)."""
+
         def scanned() -> dict[str, Any] | None:
             status, _, body = get(self.port, "/leases", headers)
             assert status == 200, body
@@ -85,10 +87,25 @@ def exporter(redis_server: EmbeddedRedis, tmp_path: Path, *flags: str, host: str
     port = free_port()
     log = tmp_path / f"exporter-{port}.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen([*CLI, "--redis-url", redis_server.url(), "exporter", "--host", host,
-                                 "--port", str(port), "--interval", "0.2", *flags],
-                                stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [
+                *CLI,
+                "--redis-url",
+                redis_server.url(),
+                "exporter",
+                "--host",
+                host,
+                "--port",
+                str(port),
+                "--interval",
+                "0.2",
+                *flags,
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     try:
+
         def serving() -> bool:
             assert proc.poll() is None, log.read_text()
             try:
@@ -113,14 +130,15 @@ def test_a_port_out_of_range_is_a_usage_error_found_before_anything_starts(port:
     assert done.returncode == 2, done.stderr
     assert done.stdout == "" and "Traceback" not in done.stderr
     assert done.stderr.startswith("usage: dramatiq-leases exporter ")
-    assert done.stderr.splitlines()[-1] == ("dramatiq-leases exporter: error: argument --port: must be a port "
-                                            f"number from 0 to 65535 (0: any free port), got '{port}'")
+    assert done.stderr.splitlines()[-1] == (
+        "dramatiq-leases exporter: error: argument --port: must be a port "
+        f"number from 0 to 65535 (0: any free port), got '{port}'"
+    )
 
 
 def test_an_unresolvable_host_ends_in_one_line_naming_it_and_exit_5(redis_server: EmbeddedRedis) -> None:
     port = free_port()
-    done = run_cli("--redis-url", redis_server.url(), "exporter", "--host", "no-such-host.invalid",
-                   "--port", str(port))
+    done = run_cli("--redis-url", redis_server.url(), "exporter", "--host", "no-such-host.invalid", "--port", str(port))
     assert done.returncode == 5, done.stderr
     assert done.stderr.startswith(f"dramatiq-leases: cannot listen on no-such-host.invalid:{port}: ")
     assert len(done.stderr.splitlines()) == 1 and "Traceback" not in done.stderr and done.stdout == ""
@@ -148,10 +166,13 @@ def test_the_help_documents_exit_5() -> None:
 
 
 def test_on_every_interface_metrics_are_served_and_the_busy_view_is_refused_saying_how_to_enable_it(
-        redis_server: EmbeddedRedis, leases: Leases, tmp_path: Path) -> None:
+    redis_server: EmbeddedRedis, leases: Leases, tmp_path: Path
+) -> None:
     with exporter(redis_server, tmp_path, host="0.0.0.0") as running:
-        metrics = wait_for(lambda: (b := get(running.port, "/metrics")[2]) and b"dramatiq_lease_present{" in b and b,
-                           what="a scan's gauges")
+        metrics = wait_for(
+            lambda: (b := get(running.port, "/metrics")[2]) and b"dramatiq_lease_present{" in b and b,
+            what="a scan's gauges",
+        )
         assert PERSONAL.encode() not in metrics, "keys never become labels"
         for method in ("GET", "HEAD", "POST"):
             status, headers, body = get(running.port, "/leases?limit=5", method=method)
@@ -168,7 +189,8 @@ def test_on_every_interface_metrics_are_served_and_the_busy_view_is_refused_sayi
                 assert leak.encode() not in body
     # The operator is told at start, on stderr.
     assert f"The Busy view (/leases) is refused (403) on the non-loopback bind 0.0.0.0:{running.port}" in (
-        running.log.read_text())
+        running.log.read_text()
+    )
 
 
 def test_the_library_exporter_on_every_interface_refuses_the_busy_view_too(leases: Leases) -> None:
@@ -180,8 +202,9 @@ def test_the_library_exporter_on_every_interface_refuses_the_busy_view_too(lease
         exporter.close()
 
 
-def test_busy_view_open_serves_it_to_anyone_who_reaches_the_port(redis_server: EmbeddedRedis, leases: Leases,
-                                                                  tmp_path: Path) -> None:
+def test_busy_view_open_serves_it_to_anyone_who_reaches_the_port(
+    redis_server: EmbeddedRedis, leases: Leases, tmp_path: Path
+) -> None:
     with exporter(redis_server, tmp_path, "--busy-view", "open", host="0.0.0.0") as running:
         (row,) = running.page()["leases"]
         assert row["key"] == PERSONAL and row["host"] == META["host"]
@@ -189,16 +212,20 @@ def test_busy_view_open_serves_it_to_anyone_who_reaches_the_port(redis_server: E
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "127.0.0.1"])
-def test_a_token_file_guards_the_busy_view_on_any_bind(redis_server: EmbeddedRedis, leases: Leases,
-                                                       tmp_path: Path, host: str) -> None:
+def test_a_token_file_guards_the_busy_view_on_any_bind(
+    redis_server: EmbeddedRedis, leases: Leases, tmp_path: Path, host: str
+) -> None:
     token_file = tmp_path / "busy-token"
     token_file.write_text(TOKEN + "\n")  # as `echo` writes it: the newline is not part of the token
     with exporter(redis_server, tmp_path, "--busy-token-file", str(token_file), host=host) as running:
         assert get(running.port, "/metrics")[0] == 200, "metrics need no token"
-        for headers, error in (({}, "unauthorized"), ({"Authorization": f"Basic {TOKEN}"}, "unauthorized"),
-                               ({"Authorization": f"Bearer {TOKEN[:-1]}"}, "invalid_token"),
-                               ({"Authorization": f"Bearer {TOKEN}x"}, "invalid_token"),
-                               ({"Authorization": "Bearer "}, "unauthorized")):
+        for headers, error in (
+            ({}, "unauthorized"),
+            ({"Authorization": f"Basic {TOKEN}"}, "unauthorized"),
+            ({"Authorization": f"Bearer {TOKEN[:-1]}"}, "invalid_token"),
+            ({"Authorization": f"Bearer {TOKEN}x"}, "invalid_token"),
+            ({"Authorization": "Bearer "}, "unauthorized"),
+        ):
             status, response_headers, body = get(running.port, "/leases", headers)
             assert (status, json.loads(body)["error"]) == (401, error), headers
             assert response_headers["WWW-Authenticate"].startswith('Bearer realm="dramatiq-leases"')
@@ -208,8 +235,9 @@ def test_a_token_file_guards_the_busy_view_on_any_bind(redis_server: EmbeddedRed
     assert TOKEN not in running.log.read_text()
 
 
-def test_hashed_keys_show_a_digest_and_no_inspect_command(redis_server: EmbeddedRedis, leases: Leases,
-                                                          tmp_path: Path) -> None:
+def test_hashed_keys_show_a_digest_and_no_inspect_command(
+    redis_server: EmbeddedRedis, leases: Leases, tmp_path: Path
+) -> None:
     assert not leases.try_acquire(PERSONAL, 60_000, waiter="msg-10:0")  # a waiter: the key is a hot key too
     digest = "sha256:" + hashlib.sha256(PERSONAL.encode()).hexdigest()[:16]
     with exporter(redis_server, tmp_path, "--busy-keys", "hashed") as running:
@@ -221,16 +249,32 @@ def test_hashed_keys_show_a_digest_and_no_inspect_command(redis_server: Embedded
     assert PERSONAL not in json.dumps(doc)
 
 
-def test_an_ipv6_loopback_in_brackets_is_a_loopback_bind(redis_server: EmbeddedRedis, leases: Leases,
-                                                         tmp_path: Path) -> None:
+def test_an_ipv6_loopback_in_brackets_is_a_loopback_bind(
+    redis_server: EmbeddedRedis, leases: Leases, tmp_path: Path
+) -> None:
     if not socket.has_ipv6:
         pytest.skip("no IPv6 here")
     port = free_port()
     log = tmp_path / "exporter.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen([*CLI, "--redis-url", redis_server.url(), "exporter", "--host", "[::1]",
-                                 "--port", str(port), "--interval", "0.2"], stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [
+                *CLI,
+                "--redis-url",
+                redis_server.url(),
+                "exporter",
+                "--host",
+                "[::1]",
+                "--port",
+                str(port),
+                "--interval",
+                "0.2",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     try:
+
         def page() -> dict[str, Any] | None:
             assert proc.poll() is None, log.read_text()
             try:
@@ -246,21 +290,29 @@ def test_an_ipv6_loopback_in_brackets_is_a_loopback_bind(redis_server: EmbeddedR
         proc.wait(10)
 
 
-@pytest.mark.parametrize(("content", "why"), [
-    (None, "cannot read"), ("", "at least 16 characters"), ("short-token", "at least 16 characters"),
-    ("a token with spaces in it", "visible ASCII characters without spaces"),
-])
-def test_a_bad_token_file_is_a_usage_error_found_before_anything_starts(tmp_path: Path, content: str | None,
-                                                                        why: str) -> None:
+@pytest.mark.parametrize(
+    ("content", "why"),
+    [
+        (None, "cannot read"),
+        ("", "at least 16 characters"),
+        ("short-token", "at least 16 characters"),
+        ("a token with spaces in it", "visible ASCII characters without spaces"),
+    ],
+)
+def test_a_bad_token_file_is_a_usage_error_found_before_anything_starts(
+    tmp_path: Path, content: str | None, why: str
+) -> None:
     path = tmp_path / "token"
     if content is not None:
         path.write_text(content)
     done = run_cli("--redis-url", f"redis://127.0.0.1:{free_port()}/0", "exporter", "--busy-token-file", str(path))
     assert done.returncode == 2, done.stderr
     last = done.stderr.splitlines()[-1]
-    assert last.startswith(f"dramatiq-leases exporter: error: argument --busy-token-file: {str(path)!r}"
-                           if content is not None else
-                           f"dramatiq-leases exporter: error: argument --busy-token-file: cannot read {str(path)!r}")
+    assert last.startswith(
+        f"dramatiq-leases exporter: error: argument --busy-token-file: {str(path)!r}"
+        if content is not None
+        else f"dramatiq-leases exporter: error: argument --busy-token-file: cannot read {str(path)!r}"
+    )
     assert why in last and "Traceback" not in done.stderr
     if content:
         assert content not in done.stderr, "the token is never printed"
@@ -274,10 +326,20 @@ def test_an_open_busy_view_takes_no_token(tmp_path: Path) -> None:
     assert "argument --busy-token-file: not allowed with argument --busy-view" in done.stderr
 
 
-@pytest.mark.parametrize(("address", "loopback"), [
-    ("127.0.0.1", True), ("127.1.2.3", True), ("::1", True), ("::ffff:127.0.0.1", True),
-    ("0.0.0.0", False), ("::", False), ("10.0.0.7", False), ("fe80::1%eth0", False), ("", False),
-])
+@pytest.mark.parametrize(
+    ("address", "loopback"),
+    [
+        ("127.0.0.1", True),
+        ("127.1.2.3", True),
+        ("::1", True),
+        ("::ffff:127.0.0.1", True),
+        ("0.0.0.0", False),
+        ("::", False),
+        ("10.0.0.7", False),
+        ("fe80::1%eth0", False),
+        ("", False),
+    ],
+)
 def test_what_counts_as_a_loopback_bind(address: str, loopback: bool) -> None:
     from dramatiq_leases.exporter.server import is_loopback
 
@@ -287,8 +349,9 @@ def test_what_counts_as_a_loopback_bind(address: str, loopback: bool) -> None:
 # --- the compose bundle ------------------------------------------------------------------------------------
 
 
-def test_the_compose_exporter_serves_the_busy_view_to_grafanas_datasource(redis_server: EmbeddedRedis,
-                                                                          leases: Leases, tmp_path: Path) -> None:
+def test_the_compose_exporter_serves_the_busy_view_to_grafanas_datasource(
+    redis_server: EmbeddedRedis, leases: Leases, tmp_path: Path
+) -> None:
     """Grafana reads /leases over the compose network (a non-loopback bind), as its provisioning says."""
     import yaml
 
@@ -296,8 +359,9 @@ def test_the_compose_exporter_serves_the_busy_view_to_grafanas_datasource(redis_
 
     root = Path(__file__).resolve().parents[1]
     command = yaml.safe_load((root / "docker-compose.yml").read_text())["services"]["exporter"]["command"]
-    (datasource,) = yaml.safe_load(
-        (root / "deploy/grafana/provisioning/datasources/exporter.yml").read_text())["datasources"]
+    (datasource,) = yaml.safe_load((root / "deploy/grafana/provisioning/datasources/exporter.yml").read_text())[
+        "datasources"
+    ]
     assert command[:2] == ["dramatiq-leases", "exporter"]
     args = build_parser().parse_args(command[1:])
     assert args.host == "0.0.0.0", "in its container, the exporter must listen where Grafana reaches it"
@@ -306,7 +370,7 @@ def test_the_compose_exporter_serves_the_busy_view_to_grafanas_datasource(redis_
     flags = list(command[2:])
     for option in ("--redis-url", "--port"):
         at = flags.index(option)
-        del flags[at:at + 2]
+        del flags[at : at + 2]
     with exporter(redis_server, tmp_path, *flags, host="0.0.0.0") as running:
         (row,) = running.page()["leases"]  # what the Infinity datasource asks, without a token
         assert row["key"] == PERSONAL

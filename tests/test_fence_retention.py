@@ -135,6 +135,7 @@ def test_the_middleware_passes_its_retention_on(redis_server: EmbeddedRedis) -> 
 
 def test_a_retention_of_a_day_costs_one_more_command_per_grant(redis_client: redis.Redis) -> None:
     """The price, counted: HGET + HSET + PEXPIRE instead of HINCRBY on each grant, a PEXPIRE on each release."""
+
     def commands(leases: Leases) -> int:
         before = sum(int(v["calls"]) for k, v in redis_client.info("commandstats").items() if k != "cmdstat_info")
         for _ in range(10):
@@ -150,7 +151,8 @@ def test_a_retention_of_a_day_costs_one_more_command_per_grant(redis_client: red
 
 @pytest.mark.parametrize("waited", [False, True], ids=["uncontended", "after-a-line"])
 def test_a_release_by_a_caller_without_the_retention_leaves_no_counter_without_ttl(
-        leases: Leases, redis_client: redis.Redis, waited: bool) -> None:
+    leases: Leases, redis_client: redis.Redis, waited: bool
+) -> None:
     """The CLI's ``release --owner`` knows no retention: a counter the fleet's retention expired during a long
     hold is made again to record the release, but with a TTL, never kept for ever."""
     without = Leases(redis_client)

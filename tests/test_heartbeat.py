@@ -125,7 +125,9 @@ def test_max_hold_ends_renewal(leases: Leases, heartbeat: Heartbeat) -> None:
     wait_for(lambda: leases.inspect("hung") is None, what="the lease to expire after its max hold")
 
 
-def test_one_round_trip_per_round_not_per_lease(leases: Leases, heartbeat: Heartbeat, redis_client: redis.Redis) -> None:
+def test_one_round_trip_per_round_not_per_lease(
+    leases: Leases, heartbeat: Heartbeat, redis_client: redis.Redis
+) -> None:
     held = [acquire(leases, f"job:{i}", ttl=600, interval=200) for i in range(300)]
     before = int(redis_client.info("commandstats")["cmdstat_evalsha"]["calls"])
     for lease in held:

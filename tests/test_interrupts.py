@@ -73,8 +73,9 @@ class Storm(Middleware):
         if slot is not None:
             slot[2] = (lease, on_lost)
 
-    def after_process_message(self, broker: dramatiq.Broker, message: Any, *, result: Any = None,
-                              exception: BaseException | None = None) -> None:
+    def after_process_message(
+        self, broker: dramatiq.Broker, message: Any, *, result: Any = None, exception: BaseException | None = None
+    ) -> None:
         with self.lock:
             self.slots.pop(threading.get_ident(), None)
 
@@ -105,8 +106,9 @@ class Outcomes(Middleware):
     def __init__(self) -> None:
         self.failures: dict[str, tuple[str, str, str]] = {}
 
-    def after_process_message(self, broker: dramatiq.Broker, message: Any, *, result: Any = None,
-                              exception: BaseException | None = None) -> None:
+    def after_process_message(
+        self, broker: dramatiq.Broker, message: Any, *, result: Any = None, exception: BaseException | None = None
+    ) -> None:
         if exception is not None:
             frame = traceback.extract_tb(exception.__traceback__)[-1]
             self.failures[message.message_id] = (type(exception).__name__, frame.filename, frame.name)
@@ -148,16 +150,23 @@ def lease_server() -> Iterator[EmbeddedRedis]:
 
 
 @pytest.mark.usefixtures("survivable_worker_threads")
-def test_thousands_of_interrupts_leave_the_bookkeeping_whole(redis_server: EmbeddedRedis, lease_server: EmbeddedRedis,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_thousands_of_interrupts_leave_the_bookkeeping_whole(
+    redis_server: EmbeddedRedis, lease_server: EmbeddedRedis, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # The standard log handlers take a lock in Python code: an asynchronous exception landing just
     # after it is taken strands it, and every later log call blocks (a hazard of TimeLimit in
     # production too). The storm is about this package's state, so records go to a lock-free list;
     # set here, not in a fixture, to replace pytest's own capturing handlers as well.
     monkeypatch.setattr(logging.getLogger(), "handlers", [LockFreeHandler()])
     registry = CollectorRegistry()
-    stack = Stack(redis_server.url(0), lease_server.url(0), threads=8, lock_min_backoff=1, lock_max_backoff=5,
-                  metrics=PrometheusMetrics(registry=registry))
+    stack = Stack(
+        redis_server.url(0),
+        lease_server.url(0),
+        threads=8,
+        lock_min_backoff=1,
+        lock_max_backoff=5,
+        metrics=PrometheusMetrics(registry=registry),
+    )
     storm = Storm(window=0.006, seed=8)
     outcomes = Outcomes()
     # First, like TimeLimit: its window spans every other middleware's hooks and the actor.
@@ -212,23 +221,32 @@ def test_thousands_of_interrupts_leave_the_bookkeeping_whole(redis_server: Embed
             assert function == "work" or PACKAGE not in filename, (
                 f"message {i} returned, then was failed by {name} raised in {function} ({filename})"
             )
-    landed_in_ours = [f for f in outcomes.failures.values() if PACKAGE in f[1] and f[0] == "LeaseLost"
-                      and f[2] not in ("begin", "guarded")]
+    landed_in_ours = [
+        f
+        for f in outcomes.failures.values()
+        if PACKAGE in f[1] and f[0] == "LeaseLost" and f[2] not in ("begin", "guarded")
+    ]
     assert landed_in_ours == [], f"a LeaseLost landed in the package's own bookkeeping: {landed_in_ours[:5]}"
 
     # Nothing is left renewed, held or counted: every finished message's lease ended.
     heartbeat = stack.leases_mw.heartbeat
     wait_for(lambda: heartbeat.tracked() == [], what="every lease to be untracked", timeout=5)
     wait_for(lambda: list(stack.leases.scan()) == [], what="every lease to be gone from Redis", timeout=5)
-    wait_for(lambda: registry.get_sample_value("dramatiq_lease_held", {"actor_name": "work", "queue_name": "default"})
-             == 0, what="the held gauge to return to zero", timeout=5)
+    wait_for(
+        lambda: registry.get_sample_value("dramatiq_lease_held", {"actor_name": "work", "queue_name": "default"}) == 0,
+        what="the held gauge to return to zero",
+        timeout=5,
+    )
 
     # No thread keeps a place to wait in place, and the lines empty: a waiter whose message was failed
     # by an interruption loses its place by its deadline (at most 12 s for one waiting in place).
     # (A thread may still wait in place for a spare copy of a message sent again after an interruption.)
     wait_for(lambda: stack.leases_mw.waiting.in_place == 0, timeout=15, what="every place to wait in place back")
-    wait_for(lambda: not any(line.length for line in stack.leases.scan_lines()), timeout=15,
-             what="the lines of the settled messages to empty")
+    wait_for(
+        lambda: not any(line.length for line in stack.leases.scan_lines()),
+        timeout=15,
+        what="the lines of the settled messages to empty",
+    )
 
     # The heartbeat still works: a job of three TTLs keeps its lease, renewed, and completes.
     long_runs: list[int] = []
@@ -247,8 +265,10 @@ def test_thousands_of_interrupts_leave_the_bookkeeping_whole(redis_server: Embed
     assert stack.recorder.wait_settled(long_job.send(1).message_id) == "acked"
     assert len(long_runs) == 1
     stack.stop()
-    print(f"interrupts fired: {storm.fired}; messages failed: "
-          f"{sum(1 for v in outcome.values() if v == 'nacked')}/{total}; returned: {len(done)}")
+    print(
+        f"interrupts fired: {storm.fired}; messages failed: "
+        f"{sum(1 for v in outcome.values() if v == 'nacked')}/{total}; returned: {len(done)}"
+    )
 
 
 class ShutdownAtCall(Middleware):
@@ -278,8 +298,11 @@ class ShutdownAtCall(Middleware):
         # its reply parsing, just after a command was sent on a pooled connection of the *broker's* client,
         # returns that connection to the pool with the reply unread (Dramatiq's client, not ours; a real
         # Shutdown lands while the thread waits in the socket read, which redis-py handles).
-        if event != "call" or frame.f_code is self.hook or not any(
-                part in frame.f_code.co_filename for part in ("/dramatiq_leases/", "/dramatiq/")):
+        if (
+            event != "call"
+            or frame.f_code is self.hook
+            or not any(part in frame.f_code.co_filename for part in ("/dramatiq_leases/", "/dramatiq/"))
+        ):
             return
         outer = frame.f_back
         while outer is not None and outer.f_code is not self.hook:
@@ -292,16 +315,18 @@ class ShutdownAtCall(Middleware):
             self.fired[self.local.message_id] = f"{frame.f_code.co_name} ({frame.f_code.co_filename})"
             raise Shutdown
 
-    def after_process_message(self, broker: dramatiq.Broker, message: Any, *, result: Any = None,
-                              exception: BaseException | None = None) -> None:
+    def after_process_message(
+        self, broker: dramatiq.Broker, message: Any, *, result: Any = None, exception: BaseException | None = None
+    ) -> None:
         sys.setprofile(None)
 
     after_skip_message = after_process_message
 
 
 @pytest.mark.usefixtures("survivable_worker_threads")
-def test_a_shutdown_at_any_call_of_the_hook_never_runs_a_message_twice(redis_server: EmbeddedRedis,
-                                                                        lease_server: EmbeddedRedis) -> None:
+def test_a_shutdown_at_any_call_of_the_hook_never_runs_a_message_twice(
+    redis_server: EmbeddedRedis, lease_server: EmbeddedRedis
+) -> None:
     """The hook of a busy message parks it (the copy's enqueue, its reply) or waits in place: an interruption
     landing anywhere in it, the copy in the broker or not, ends with the message run once, never a Retries
     retry beside a copy, never dead-lettered."""
@@ -328,8 +353,11 @@ def test_a_shutdown_at_any_call_of_the_hook_never_runs_a_message_twice(redis_ser
         while time.monotonic() < deadline:
             batch = [work.send(total + i, 1) for i in range(40)]
             total += len(batch)
-            wait_for(lambda n=total: stack.leases.inspect_line("storm:1").length == n, timeout=60,
-                     what="every message so far to wait in the line")
+            wait_for(
+                lambda n=total: stack.leases.inspect_line("storm:1").length == n,
+                timeout=60,
+                what="every message so far to wait in the line",
+            )
             if len(injector.fired) < total - 10:
                 break
         assert stack.leases.release(holder)

@@ -26,10 +26,19 @@ def leases(redis_client: redis.Redis) -> Leases:
     return Leases(redis_client, prefix="t")
 
 
-def join(leases: Leases, key: str, waiter: str, first_ms: int, *, may_wait: bool = False, ready: int = 2,
-         promote_ms: int = 10_000) -> Lease | Busy:
-    return leases.try_acquire(key, TTL, waiter=waiter, first_ms=first_ms, may_wait=may_wait, ready=ready,
-                              promote_ms=promote_ms)
+def join(
+    leases: Leases,
+    key: str,
+    waiter: str,
+    first_ms: int,
+    *,
+    may_wait: bool = False,
+    ready: int = 2,
+    promote_ms: int = 10_000,
+) -> Lease | Busy:
+    return leases.try_acquire(
+        key, TTL, waiter=waiter, first_ms=first_ms, may_wait=may_wait, ready=ready, promote_ms=promote_ms
+    )
 
 
 def busy(reply: Lease | Busy) -> Busy:
@@ -66,8 +75,9 @@ def test_release_wakes_the_head_waiting_in_place(leases: Leases) -> None:
     answer = busy(join(leases, "k", "w", 1, may_wait=True))
     assert answer.wait is Wait.IN_PLACE and 0 < answer.block_ms <= 10_000
     woken: list[float] = []
-    waiter = threading.Thread(target=lambda: woken.append(time.monotonic()) if leases.wait_turn(
-        "k", "w", answer.block_ms) else None)
+    waiter = threading.Thread(
+        target=lambda: woken.append(time.monotonic()) if leases.wait_turn("k", "w", answer.block_ms) else None
+    )
     waiter.start()
     time.sleep(0.05)  # let it block: a wake-up before the block is kept in the list anyway
     released = time.monotonic()
@@ -86,7 +96,8 @@ def test_only_the_first_ready_waiters_wait_in_place(leases: Leases) -> None:
 
 
 def test_a_parked_waiter_is_promoted_on_its_holders_channel_when_its_turn_nears(
-        leases: Leases, redis_client: redis.Redis) -> None:
+    leases: Leases, redis_client: redis.Redis
+) -> None:
     holder = leases.try_acquire("k", TTL)
     assert isinstance(holder, Lease)
     for i in range(3):
@@ -123,8 +134,11 @@ def test_a_waiter_in_place_past_its_deadline_is_not_waiting_any_more(leases: Lea
     answer = busy(join(leases, "k", "w", 1, may_wait=True))
     assert answer.wait is Wait.IN_PLACE
     assert leases.hold("k", ["w"], "chan:x", park_ms=60_000, ready=2) == ["r"]
-    wait_for(lambda: leases.hold("k", ["w"], "chan:x", park_ms=60_000, ready=2) != ["r"],
-             timeout=answer.block_ms / 1000 + 5, what="the waiter in place to pass its deadline")
+    wait_for(
+        lambda: leases.hold("k", ["w"], "chan:x", park_ms=60_000, ready=2) != ["r"],
+        timeout=answer.block_ms / 1000 + 5,
+        what="the waiter in place to pass its deadline",
+    )
     assert leases.hold("k", ["w"], "chan:x", park_ms=60_000, ready=2) == ["p"]
 
 
@@ -148,8 +162,11 @@ def test_a_vanished_waiter_loses_its_place_after_its_deadline(leases: Leases) ->
     busy(join(leases, "k", "next", 2, ready=1, promote_ms=300))
     assert leases.release_token("k", holder.token, promote_ms=300)
     assert isinstance(join(leases, "k", "next", 2, ready=1, promote_ms=300), Busy)  # "gone" still has its turn
-    lease = wait_for(lambda: join(leases, "k", "next", 2, ready=1, promote_ms=300) or None, timeout=3,
-                     what="the vanished head to lose its place")
+    lease = wait_for(
+        lambda: join(leases, "k", "next", 2, ready=1, promote_ms=300) or None,
+        timeout=3,
+        what="the vanished head to lose its place",
+    )
     assert isinstance(lease, Lease)
     # Back later, it takes its place again by its first attempt: first in line.
     assert busy(join(leases, "k", "gone", 1, ready=1)).place == 0
@@ -185,20 +202,24 @@ def test_no_line_key_is_left_without_ttl(leases: Leases, redis_client: redis.Red
             assert redis_client.pttl(name) > 0, name
 
 
-@pytest.mark.parametrize("args", [
-    ["t", "1000", "0", "0", "0", "", "0 1 2 1000 1000 0"],  # joining without a waiter id
-    ["t", "1000", "0", "0", "0", "w", "-1 1 2 1000 1000 0"],
-    ["t", "1000", "0", "0", "0", "w", "0 3 2 1000 1000 0"],
-    ["t", "1000", "0", "0", "0", "w", "0 1 2 0 1000 0"],
-    ["t", "1000", "0", "0", "0", "w", "0 1 2 1000 0 0"],
-    ["t", "1000", "0", "0", "0", "w", "0 1 x 1000 1000 0"],
-    ["t", "1000", "0", "0", "0", "w", "0 1 2 1000 1000"],  # no fence retention
-    ["t", "1000", "0", "0", "0", "w", "0 1 2 1000 1000 -1"],
-    ["t", "1000", "0", "0", "0", "w", "0 1 2 1000 1000 1e3"],
-    ["t", "1000", "0", "0", "0", "w", "0 1 2 1000 1000 10000000000000"],
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["t", "1000", "0", "0", "0", "", "0 1 2 1000 1000 0"],  # joining without a waiter id
+        ["t", "1000", "0", "0", "0", "w", "-1 1 2 1000 1000 0"],
+        ["t", "1000", "0", "0", "0", "w", "0 3 2 1000 1000 0"],
+        ["t", "1000", "0", "0", "0", "w", "0 1 2 0 1000 0"],
+        ["t", "1000", "0", "0", "0", "w", "0 1 2 1000 0 0"],
+        ["t", "1000", "0", "0", "0", "w", "0 1 x 1000 1000 0"],
+        ["t", "1000", "0", "0", "0", "w", "0 1 2 1000 1000"],  # no fence retention
+        ["t", "1000", "0", "0", "0", "w", "0 1 2 1000 1000 -1"],
+        ["t", "1000", "0", "0", "0", "w", "0 1 2 1000 1000 1e3"],
+        ["t", "1000", "0", "0", "0", "w", "0 1 2 1000 1000 10000000000000"],
+    ],
+)
 def test_the_acquire_script_checks_its_line_arguments_before_writing(
-        leases: Leases, redis_client: redis.Redis, args: list[str]) -> None:
+    leases: Leases, redis_client: redis.Redis, args: list[str]
+) -> None:
     names = [lease_name(leases.prefix, "k"), fence_name(leases.prefix, "k")]
     with pytest.raises(redis.ResponseError, match="dramatiq-leases: invalid"):
         redis_client.eval(scripts.ACQUIRE, 2, *names, *args)

@@ -88,16 +88,24 @@ def worker_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     try:
         with Processes(tmp / "logs") as procs:
             env = clean_env(
-                OBS_BROKER_URL=server.url(0), OBS_LEASES_URL=server.url(1), OBS_PROMETHEUS=placement,
-                dramatiq_prom_host="127.0.0.1", dramatiq_prom_port=str(dramatiq_port),
+                OBS_BROKER_URL=server.url(0),
+                OBS_LEASES_URL=server.url(1),
+                OBS_PROMETHEUS=placement,
+                dramatiq_prom_host="127.0.0.1",
+                dramatiq_prom_port=str(dramatiq_port),
                 dramatiq_prom_db=str(tmp / "dramatiq-prometheus"),
-                DRAMATIQ_LEASES_METRICS_HOST="127.0.0.1", DRAMATIQ_LEASES_METRICS_PORT=str(own_port),
+                DRAMATIQ_LEASES_METRICS_HOST="127.0.0.1",
+                DRAMATIQ_LEASES_METRICS_PORT=str(own_port),
                 DRAMATIQ_LEASES_METRICS_DIR=str(tmp / "lease-metrics"),
             )
             procs.start("worker", dramatiq_argv(processes=2, threads=2, queues=[WORK_QUEUE]), env=env)
             url = f"http://127.0.0.1:{own_port if placement == 'none' else dramatiq_port}/metrics"
-            wait_until(lambda: worker_processes(client) == 2 and http_get(url) is not None, timeout=30,
-                       what="2 worker processes and the metrics endpoint", procs=procs)
+            wait_until(
+                lambda: worker_processes(client) == 2 and http_get(url) is not None,
+                timeout=30,
+                what="2 worker processes and the metrics endpoint",
+                procs=procs,
+            )
 
             # Waves of three messages per key at once: contention, busy retries, renewals (a 0.6 s hold
             # with a 1.5 s TTL is renewed). Until both processes have run some, so that the endpoint
@@ -108,8 +116,12 @@ def worker_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
                     for _ in range(3):
                         send(broker, WORK_ACTOR, WORK_QUEUE, key, 0.6)
                         sent += 1
-                wait_until(lambda n=sent: sum(e["event"] == "done" for e in events(leases_client)) == n, timeout=30,
-                           what=f"{sent} messages to run", procs=procs)
+                wait_until(
+                    lambda n=sent: sum(e["event"] == "done" for e in events(leases_client)) == n,
+                    timeout=30,
+                    what=f"{sent} messages to run",
+                    procs=procs,
+                )
                 if len({e["pid"] for e in events(leases_client)}) == 2:
                     break
             runs = events(leases_client)
@@ -119,8 +131,11 @@ def worker_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
                 # Hold times and the held gauge are written by the heartbeat threads once each lease is
                 # released, after the actor returned: wait until all are in, the gauge included.
                 text = http_get(url)
-                if (text and value(text, "dramatiq_lease_hold_duration_seconds_count", actor_name=WORK_ACTOR) == sent
-                        and values(text, "dramatiq_lease_held", actor_name=WORK_ACTOR) == [0]):
+                if (
+                    text
+                    and value(text, "dramatiq_lease_hold_duration_seconds_count", actor_name=WORK_ACTOR) == sent
+                    and values(text, "dramatiq_lease_held", actor_name=WORK_ACTOR) == [0]
+                ):
                     return text
                 return None
 
@@ -178,8 +193,12 @@ def test_an_inherited_multiprocess_dir_does_not_hide_the_metrics(tmp_path: Path,
     port = free_port()
     db = tmp_path / "dramatiq-prometheus"
     env = clean_env(
-        OBS_BROKER_URL=redis_server.url(0), OBS_LEASES_URL=redis_server.url(1), OBS_PROMETHEUS="before",
-        dramatiq_prom_host="127.0.0.1", dramatiq_prom_port=str(port), dramatiq_prom_db=str(db),
+        OBS_BROKER_URL=redis_server.url(0),
+        OBS_LEASES_URL=redis_server.url(1),
+        OBS_PROMETHEUS="before",
+        dramatiq_prom_host="127.0.0.1",
+        dramatiq_prom_port=str(port),
+        dramatiq_prom_db=str(db),
         # Set for another program in the same image, say gunicorn.
         PROMETHEUS_MULTIPROC_DIR=str(tmp_path / "elsewhere"),
     )
@@ -192,8 +211,12 @@ def test_an_inherited_multiprocess_dir_does_not_hide_the_metrics(tmp_path: Path,
             procs.start("worker", dramatiq_argv(processes=1, threads=1, queues=[WORK_QUEUE]), env=env)
             wait_until(lambda: http_get(url) is not None, timeout=30, what="the metrics endpoint", procs=procs)
             send(broker, WORK_ACTOR, WORK_QUEUE, "invoice:1", 0.0)
-            wait_until(lambda: any(e["event"] == "done" for e in events(leases_client)), timeout=20,
-                       what="the message to run", procs=procs)
+            wait_until(
+                lambda: any(e["event"] == "done" for e in events(leases_client)),
+                timeout=20,
+                what="the message to run",
+                procs=procs,
+            )
             # The acquisition is counted before the actor runs: it must be on the endpoint by now.
             text = http_get(url) or ""
             assert value(text, "dramatiq_lease_acquire_duration_seconds_count", actor_name=WORK_ACTOR) == 1
@@ -234,9 +257,16 @@ def test_compose_example_serves_lease_metrics(redis_server: EmbeddedRedis, tmp_p
     port = free_port()
     url = f"http://127.0.0.1:{port}/metrics"
     with Processes(tmp_path / "logs") as procs:
-        procs.start("worker", [*compose_command("worker", compose), "--processes", "1", "--threads", "4"], env={
-            **env, "dramatiq_prom_host": "127.0.0.1", "dramatiq_prom_port": str(port),
-            "dramatiq_prom_db": str(tmp_path / "dramatiq-prometheus")})
+        procs.start(
+            "worker",
+            [*compose_command("worker", compose), "--processes", "1", "--threads", "4"],
+            env={
+                **env,
+                "dramatiq_prom_host": "127.0.0.1",
+                "dramatiq_prom_port": str(port),
+                "dramatiq_prom_db": str(tmp_path / "dramatiq-prometheus"),
+            },
+        )
         wait_until(lambda: http_get(url), timeout=30, what="the worker's metrics endpoint", procs=procs)
         # Two invoices rather than five: contention within seconds.
         procs.start("producer", compose_command("producer", compose), env={**env, "INVOICE_IDS": "2"})
@@ -244,14 +274,18 @@ def test_compose_example_serves_lease_metrics(redis_server: EmbeddedRedis, tmp_p
         def contended() -> str | None:
             # Lease metrics and Dramatiq's own, on one endpoint: busy retries, and messages done.
             text = http_get(url)
-            if text and all(value(text, name, actor_name="send_invoice", queue_name="invoices") > 0 for name in (
-                    "dramatiq_lease_busy_retries_total", "dramatiq_lease_hold_duration_seconds_count",
-                    "dramatiq_messages_total")):
+            if text and all(
+                value(text, name, actor_name="send_invoice", queue_name="invoices") > 0
+                for name in (
+                    "dramatiq_lease_busy_retries_total",
+                    "dramatiq_lease_hold_duration_seconds_count",
+                    "dramatiq_messages_total",
+                )
+            ):
                 return text
             return None
 
-        text = wait_until(contended, timeout=45, what="busy retries and completed send_invoice messages",
-                          procs=procs)
+        text = wait_until(contended, timeout=45, what="busy retries and completed send_invoice messages", procs=procs)
     assert_no_lease_keys(text, ["invoice:1", "invoice:2"])
 
 
@@ -289,15 +323,19 @@ def exporter_exposition(tmp_path_factory: pytest.TempPathFactory) -> Iterator[st
 
             def seen_all() -> str | None:
                 text = http_get(url)
-                if (text and value(text, "dramatiq_lease_leaked", reason="holder_dead", actor_name=WORK_ACTOR) == 1
-                        and value(text, "dramatiq_lease_heartbeat_overdue", actor_name=WORK_ACTOR) == 1
-                        and value(text, "dramatiq_lease_expired_total", actor_name=WORK_ACTOR) == 1
-                        and value(text, "dramatiq_lease_waiting", actor_name="export_report") == 2):
+                if (
+                    text
+                    and value(text, "dramatiq_lease_leaked", reason="holder_dead", actor_name=WORK_ACTOR) == 1
+                    and value(text, "dramatiq_lease_heartbeat_overdue", actor_name=WORK_ACTOR) == 1
+                    and value(text, "dramatiq_lease_expired_total", actor_name=WORK_ACTOR) == 1
+                    and value(text, "dramatiq_lease_waiting", actor_name="export_report") == 2
+                ):
                     return text
                 return None
 
-            text = wait_until(seen_all, timeout=15, what="the overdue heartbeat, the leak and the expiry on the "
-                              "exporter", procs=procs)
+            text = wait_until(
+                seen_all, timeout=15, what="the overdue heartbeat, the leak and the expiry on the exporter", procs=procs
+            )
             assert value(text, "dramatiq_lease_leaked", actor_name=WORK_ACTOR) == 1, "an overdue heartbeat is no leak"
             assert value(text, "dramatiq_lease_present", actor_name="export_report") == 1
             assert value(text, "dramatiq_lease_heartbeat_overdue", actor_name="export_report") == 0
@@ -331,8 +369,12 @@ def test_a_killed_workers_held_leases_are_not_summed_in_forever(tmp_path: Path) 
     def held() -> float:
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry, path=str(directory))
-        return sum(sample.value for family in registry.collect() if family.name == "dramatiq_lease_held"
-                   for sample in family.samples)
+        return sum(
+            sample.value
+            for family in registry.collect()
+            if family.name == "dramatiq_lease_held"
+            for sample in family.samples
+        )
 
     assert held() == 1.0  # what an endpoint would report for good
     forget_dead_processes(str(directory))
@@ -347,12 +389,15 @@ def test_a_worker_without_leased_actors_still_serves_lease_series(redis_server: 
     from dramatiq_leases import LeaseMiddleware, PrometheusMetrics
 
     registry = CollectorRegistry()
-    middleware = LeaseMiddleware(redis_server.url(0), metrics=PrometheusMetrics(registry=registry),
-                                 metrics_endpoint=False)
+    middleware = LeaseMiddleware(
+        redis_server.url(0), metrics=PrometheusMetrics(registry=registry), metrics_endpoint=False
+    )
     broker = StubBroker(middleware=[middleware])  # type: ignore[no-untyped-call]
     broker.emit_after("process_boot")
-    operations = {labels["operation"] for name, labels in
-                  ((s.name, s.labels) for family in registry.collect() for s in family.samples)
-                  if name == "dramatiq_lease_redis_errors_total"}
+    operations = {
+        labels["operation"]
+        for name, labels in ((s.name, s.labels) for family in registry.collect() for s in family.samples)
+        if name == "dramatiq_lease_redis_errors_total"
+    }
     assert operations == {"acquire", "renew", "release"}
     broker.close()

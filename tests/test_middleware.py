@@ -56,33 +56,59 @@ def make_stack(redis_server: EmbeddedRedis, lease_server: EmbeddedRedis) -> Iter
 @pytest.mark.parametrize(
     ("options", "expected"),
     [
-        ({"lock_key": "inv:{invoice_id}", "lock_ttl": 0}, "lock_ttl must be a whole number of milliseconds from 100 to 1000000000000, got 0"),
-        ({"lock_key": "inv:{invoice_id}", "lock_ttl": -5}, "lock_ttl must be a whole number of milliseconds from 100 to 1000000000000, got -5"),
-        ({"lock_key": "inv:{invoice_id}", "lock_ttl": "15s"}, "lock_ttl must be a whole number of milliseconds from 100 to 1000000000000, got '15s'"),
+        (
+            {"lock_key": "inv:{invoice_id}", "lock_ttl": 0},
+            "lock_ttl must be a whole number of milliseconds from 100 to 1000000000000, got 0",
+        ),
+        (
+            {"lock_key": "inv:{invoice_id}", "lock_ttl": -5},
+            "lock_ttl must be a whole number of milliseconds from 100 to 1000000000000, got -5",
+        ),
+        (
+            {"lock_key": "inv:{invoice_id}", "lock_ttl": "15s"},
+            "lock_ttl must be a whole number of milliseconds from 100 to 1000000000000, got '15s'",
+        ),
         ({"lock_key": "inv:{invoice_id}", "lock_ttl": True}, "lock_ttl must be a whole number"),
-        ({"lock_key": "inv:{invoice_id}", "lock_ttl": 0.5}, "lock_ttl must be a whole number of milliseconds from 100 to 1000000000000, got 0.5"),
+        (
+            {"lock_key": "inv:{invoice_id}", "lock_ttl": 0.5},
+            "lock_ttl must be a whole number of milliseconds from 100 to 1000000000000, got 0.5",
+        ),
         ({"lock_key": "inv:{invoice_id}", "lock_ttl": 1500.5}, "got 1500.5"),
         ({"lock_key": "inv:{invoice_id}", "lock_ttl": 50}, "lock_ttl must be a whole number of milliseconds from 100"),
-        ({"lock_key": "inv:{invoice_id}", "lock_max_hold": 2.5}, "lock_max_hold must be a whole number of milliseconds from 1"),
+        (
+            {"lock_key": "inv:{invoice_id}", "lock_max_hold": 2.5},
+            "lock_max_hold must be a whole number of milliseconds from 1",
+        ),
         ({"lock_key": "inv:{invoice_id}", "lock_max_wait": float("nan")}, "lock_max_wait must be a whole number"),
         ({"lock_key": "inv:{invoice_id}", "lock_min_backoff": 0}, "lock_min_backoff must be a whole number"),
         # A message sent back is a delayed message, and Dramatiq's brokers take delays under 7 days.
-        ({"lock_key": "inv:{invoice_id}", "lock_max_backoff": 8 * 86_400_000},
-         "lock_max_backoff must be a whole number of milliseconds from 1 to 604799999, got 691200000"),
+        (
+            {"lock_key": "inv:{invoice_id}", "lock_max_backoff": 8 * 86_400_000},
+            "lock_max_backoff must be a whole number of milliseconds from 1 to 604799999, got 691200000",
+        ),
         ({"lock_key": "inv:{invoice_id}", "time_limit": 1500.5}, "time_limit must be a whole number of milliseconds"),
-        ({"lock_key": "inv:{invoice_id}", "lock_ttl": 3000, "lock_renew_interval": 3000},
-         "lock_renew_interval=3000 must be at most half of lock_ttl=3000"),
-        ({"lock_key": "inv:{invoice_id}", "lock_ttl": 3000, "lock_renew_interval": 5000},
-         "lock_renew_interval=5000 must be at most half of lock_ttl=3000"),
-        ({"lock_key": "inv:{customer}"}, "names parameter 'customer', which is not among its parameters ['invoice_id']"),
+        (
+            {"lock_key": "inv:{invoice_id}", "lock_ttl": 3000, "lock_renew_interval": 3000},
+            "lock_renew_interval=3000 must be at most half of lock_ttl=3000",
+        ),
+        (
+            {"lock_key": "inv:{invoice_id}", "lock_ttl": 3000, "lock_renew_interval": 5000},
+            "lock_renew_interval=5000 must be at most half of lock_ttl=3000",
+        ),
+        (
+            {"lock_key": "inv:{customer}"},
+            "names parameter 'customer', which is not among its parameters ['invoice_id']",
+        ),
         ({"lock_key": "inv:{0}"}, "must name parameters, not positions"),
         ({"lock_key": "inv:{invoice_id"}, "is not a valid template"),
         ({"lock_key": ""}, "lock_key must be a non-empty string, got ''"),
         ({"lock_key": 42}, "lock_key must be a template string or a callable, got 42"),
         ({"lock_ttl": 3000}, "lock_ttl given without lock_key"),
         ({"lock_key": "inv:{invoice_id}", "lock_give_up": "explode"}, "lock_give_up must be one of"),
-        ({"lock_key": "inv:{invoice_id}", "lock_min_backoff": 500, "lock_max_backoff": 100},
-         "lock_max_backoff=100 is below lock_min_backoff=500"),
+        (
+            {"lock_key": "inv:{invoice_id}", "lock_min_backoff": 500, "lock_max_backoff": 100},
+            "lock_max_backoff=100 is below lock_min_backoff=500",
+        ),
     ],
 )
 def test_bad_options_fail_at_declaration(make_stack: Any, options: dict[str, Any], expected: str) -> None:
@@ -100,7 +126,9 @@ def test_bad_options_fail_at_declaration(make_stack: Any, options: dict[str, Any
 def test_bad_middleware_defaults_fail_at_construction(lease_server: EmbeddedRedis) -> None:
     from dramatiq_leases import LeaseMiddleware
 
-    with pytest.raises(LeaseOptionError, match="lock_ttl must be a whole number of milliseconds from 100 to 1000000000000, got 0"):
+    with pytest.raises(
+        LeaseOptionError, match="lock_ttl must be a whole number of milliseconds from 100 to 1000000000000, got 0"
+    ):
         LeaseMiddleware(redis_url=lease_server.url(), lock_ttl=0)
 
 
@@ -119,13 +147,19 @@ def test_unrenderable_messages_are_refused_at_send_time(make_stack: Any) -> None
     def by_name(name: str) -> None:
         pass
 
-    with pytest.raises(LeaseKeyRenderError, match=r"actor 'send_invoice': cannot render lock_key .*missing a required argument: 'invoice_id'"):
+    with pytest.raises(
+        LeaseKeyRenderError,
+        match=r"actor 'send_invoice': cannot render lock_key .*missing a required argument: 'invoice_id'",
+    ):
         send_invoice.send(note="x")
     with pytest.raises(LeaseKeyRenderError, match="rendered by lock_key .* must be a non-empty string, got ''"):
         by_name.send("")
     with pytest.raises(LeaseKeyRenderError, match="KeyError: 'tenant'"):
         by_tenant.send({"name": "x"})
-    with pytest.raises(LeaseOptionError, match="actor 'send_invoice': lock_ttl must be a whole number of milliseconds from 100 to 1000000000000, got -1"):
+    with pytest.raises(
+        LeaseOptionError,
+        match="actor 'send_invoice': lock_ttl must be a whole number of milliseconds from 100 to 1000000000000, got -1",
+    ):
         send_invoice.send_with_options(args=(1,), lock_ttl=-1)
     with pytest.raises(LeaseOptionError, match="actor 'send_invoice': lock_ttl must be .* got 1500.5"):
         send_invoice.send_with_options(args=(1,), lock_ttl=1500.5)
@@ -361,8 +395,9 @@ def test_redis_down_during_renewal_interrupts_before_expiry(make_stack: Any, lea
 # Fail closed and release -------------------------------------------------------------
 
 
-def test_redis_down_at_acquire_means_no_run_until_it_is_back(make_stack: Any, lease_server: EmbeddedRedis,
-                                                             caplog: Any) -> None:
+def test_redis_down_at_acquire_means_no_run_until_it_is_back(
+    make_stack: Any, lease_server: EmbeddedRedis, caplog: Any
+) -> None:
     """Fail closed, with the options table's growing backoff and one WARNING per message, not one per round."""
     stack = make_stack(lock_min_backoff=20, lock_max_backoff=400)
     runs = Runs()
@@ -405,8 +440,11 @@ def test_release_happens_before_retries_requeue(make_stack: Any) -> None:
     assert stack.recorder.wait_settled(message.message_id) == "acked"
     assert attempts.count(n=1) == 3
     # No retry ever found its own previous lease still held.
-    assert all(d is None or opts.get("lease_busy_attempts", 0) == 0
-               for mid, d, opts in stack.recorder.enqueues if mid == message.message_id)
+    assert all(
+        d is None or opts.get("lease_busy_attempts", 0) == 0
+        for mid, d, opts in stack.recorder.enqueues
+        if mid == message.message_id
+    )
     assert list(stack.leases.scan()) == []
 
 

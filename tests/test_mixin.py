@@ -37,9 +37,14 @@ CUSTOM = MixinConfig(
 )
 #: Which selector each series of the rules must carry: the worker's or the exporter's.
 EXPORTER_SERIES = {
-    "dramatiq_lease_leaked", "dramatiq_lease_heartbeat_overdue", "dramatiq_lease_waiting", "dramatiq_lease_leaked_waiting",
-    "dramatiq_lease_expired_total", "dramatiq_lease_exporter_last_scan_timestamp_seconds",
-    "dramatiq_lease_exporter_unreachable_nodes", "dramatiq_lease_exporter_unreadable_keys",
+    "dramatiq_lease_leaked",
+    "dramatiq_lease_heartbeat_overdue",
+    "dramatiq_lease_waiting",
+    "dramatiq_lease_leaked_waiting",
+    "dramatiq_lease_expired_total",
+    "dramatiq_lease_exporter_last_scan_timestamp_seconds",
+    "dramatiq_lease_exporter_unreachable_nodes",
+    "dramatiq_lease_exporter_unreadable_keys",
 }
 
 # PromQL by regex, enough for these queries (promtool parses them in the system tests).
@@ -172,7 +177,9 @@ def test_custom_dashboard_filters_every_query_by_the_cluster() -> None:
     board = json.loads(dashboard_json(CUSTOM))
     variables = {variable["name"]: variable for variable in board["templating"]["list"]}
     assert variables["cluster"]["type"] == "query"
-    assert variables["cluster"]["query"] == f'label_values(dramatiq_lease_redis_errors_total{{job="{WORKER_JOB}"}}, env)'
+    assert (
+        variables["cluster"]["query"] == f'label_values(dramatiq_lease_redis_errors_total{{job="{WORKER_JOB}"}}, env)'
+    )
     queries = prometheus_queries(board)
     del queries["variable cluster"]  # lists the clusters: the one query that cannot filter by one
     assert queries
@@ -183,8 +190,12 @@ def test_custom_dashboard_filters_every_query_by_the_cluster() -> None:
             assert "cluster" not in found, f"{where}: filters the default cluster label"
             if "job" in found:
                 assert found.get("env") == ("=~", "$cluster"), f"{where}: job filter without the cluster: {query}"
-                assert found["job"] in {("=~", "$job"), ("=~", "$exporter_job"), ("=", WORKER_JOB),
-                                        ("=", EXPORTER_JOB)}, f"{where}: {found['job']}"
+                assert found["job"] in {
+                    ("=~", "$job"),
+                    ("=~", "$exporter_job"),
+                    ("=", WORKER_JOB),
+                    ("=", EXPORTER_JOB),
+                }, f"{where}: {found['job']}"
         # Alerts of no actor (the exporter's absent()) have no cluster label either: `|` keeps them.
         assert any(found.get("env") in {("=~", "$cluster"), ("=~", "$cluster|")} for found in blocks), where
     assert variables["job"]["query"].startswith(f'label_values(dramatiq_lease_redis_errors_total{{job="{WORKER_JOB}"')
@@ -203,10 +214,13 @@ def test_without_a_cluster_label_nothing_filters_or_keeps_one() -> None:
 # --- config errors --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("suffix", "text"), [
-    (".yml", "worker_selecter: 'job=\"billing\"'\n"),
-    (".json", '{"worker_selecter": "job=\\"billing\\""}'),
-])
+@pytest.mark.parametrize(
+    ("suffix", "text"),
+    [
+        (".yml", "worker_selecter: 'job=\"billing\"'\n"),
+        (".json", '{"worker_selecter": "job=\\"billing\\""}'),
+    ],
+)
 def test_load_names_an_unknown_setting(tmp_path: Path, suffix: str, text: str) -> None:
     path = tmp_path / f"mixin{suffix}"
     path.write_text(text)
@@ -223,14 +237,17 @@ def test_load_reads_the_settings_it_names(tmp_path: Path) -> None:
     assert load(None) == MixinConfig()
 
 
-@pytest.mark.parametrize(("setting", "value"), [
-    ("worker_selector", "billing"),
-    ("worker_selector", "job=billing"),
-    ("exporter_selector", 'job="x"}'),
-    ("safety_objective", 1.0),
-    ("liveness_objective", 1.0),
-    ("cluster_label", "bad-label"),
-])
+@pytest.mark.parametrize(
+    ("setting", "value"),
+    [
+        ("worker_selector", "billing"),
+        ("worker_selector", "job=billing"),
+        ("exporter_selector", 'job="x"}'),
+        ("safety_objective", 1.0),
+        ("liveness_objective", 1.0),
+        ("cluster_label", "bad-label"),
+    ],
+)
 def test_a_bad_setting_is_named_with_its_value(setting: str, value: Any) -> None:
     with pytest.raises(ValueError, match=rf"\b{setting}\b.*{re.escape(repr(value))}"):
         MixinConfig(**{setting: value})
@@ -244,8 +261,14 @@ def test_an_objective_of_one_in_a_file_is_named(tmp_path: Path) -> None:
 
 
 def render(*args: str | Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "dramatiq_leases.mixin", *map(str, args)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "dramatiq_leases.mixin", *map(str, args)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
 
 
 def test_cli_exits_2_naming_a_bad_setting(tmp_path: Path) -> None:
@@ -261,9 +284,16 @@ def test_cli_exits_2_naming_a_bad_setting(tmp_path: Path) -> None:
 
 def test_cli_renders_a_config_into_a_directory(tmp_path: Path) -> None:
     config = tmp_path / "mixin.json"
-    config.write_text(json.dumps({"cluster_label": "env", "worker_selector": f'job="{WORKER_JOB}"',
-                                  "exporter_selector": f'job="{EXPORTER_JOB}"',
-                                  "runbook_url": "https://wiki.example.com/dramatiq-leases#{alert}"}))
+    config.write_text(
+        json.dumps(
+            {
+                "cluster_label": "env",
+                "worker_selector": f'job="{WORKER_JOB}"',
+                "exporter_selector": f'job="{EXPORTER_JOB}"',
+                "runbook_url": "https://wiki.example.com/dramatiq-leases#{alert}",
+            }
+        )
+    )
     out = tmp_path / "out"
     proc = render("--config", config, "--out", out)
     assert proc.returncode == 0, proc.stderr

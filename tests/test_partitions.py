@@ -77,18 +77,36 @@ class Site:
     def start_workers(self) -> None:
         for label, host in self.net.hosts.items():
             url = f"redis://{host.host_ip}:{self.server.port}"
-            env = clean_env(PART_BROKER_URL=f"{url}/0", PART_LEASES_URL=f"{url}/1", PART_EVENTS=str(self.events_dir),
-                            PART_HOST=label, PART_TTL_MS=str(TTL_MS), PART_RENEW_MS=str(RENEW_MS),
-                            PART_HEARTBEAT_TIMEOUT_MS=str(HEARTBEAT_TIMEOUT_MS))
-            argv = [sys.executable, "-m", "dramatiq", APP, "--processes", "1", "--threads", "2",
-                    "--queues", SHARED_QUEUE, f"part-{label}", "--worker-shutdown-timeout", "2000"]
+            env = clean_env(
+                PART_BROKER_URL=f"{url}/0",
+                PART_LEASES_URL=f"{url}/1",
+                PART_EVENTS=str(self.events_dir),
+                PART_HOST=label,
+                PART_TTL_MS=str(TTL_MS),
+                PART_RENEW_MS=str(RENEW_MS),
+                PART_HEARTBEAT_TIMEOUT_MS=str(HEARTBEAT_TIMEOUT_MS),
+            )
+            argv = [
+                sys.executable,
+                "-m",
+                "dramatiq",
+                APP,
+                "--processes",
+                "1",
+                "--threads",
+                "2",
+                "--queues",
+                SHARED_QUEUE,
+                f"part-{label}",
+                "--worker-shutdown-timeout",
+                "2000",
+            ]
             self.procs.start(f"worker-{label}", host.argv(argv), env=env)
         for label in self.net.hosts:
             self.wait_event(f"host {label}'s worker to boot", 60, event="ready", host=label)
 
     def send(self, actor: str, queue: str, key: str, seconds: float) -> str:
-        message: Message[Any] = Message(queue_name=queue, actor_name=actor, args=(key, seconds), kwargs={},
-                                        options={})
+        message: Message[Any] = Message(queue_name=queue, actor_name=actor, args=(key, seconds), kwargs={}, options={})
         return self.broker.enqueue(message).message_id
 
     def finish(self, message_id: str) -> None:
@@ -104,8 +122,9 @@ class Site:
         return sorted((e for e in found if match.items() <= e.items()), key=lambda e: e["at"])
 
     def wait_event(self, what: str, timeout: float, **match: Any) -> dict[str, Any]:
-        return wait_until(lambda: next(iter(self.events(**match)), None), timeout=timeout, what=what,
-                          procs=self.procs, interval=0.05)
+        return wait_until(
+            lambda: next(iter(self.events(**match)), None), timeout=timeout, what=what, procs=self.procs, interval=0.05
+        )
 
     def dead_letters(self, queue: str) -> list[str]:
         """Ids of the messages in the dead-letter queue of ``queue``."""
@@ -115,14 +134,21 @@ class Site:
     def cli_list(self) -> list[dict[str, Any]]:
         """``dramatiq-leases list --json``: every lease in the store."""
         script = Path(sys.executable).with_name("dramatiq-leases")
-        proc = subprocess.run([str(script), "--redis-url", self.server.url(1), "list", "--json"],
-                              capture_output=True, text=True, timeout=30, check=False)
+        proc = subprocess.run(
+            [str(script), "--redis-url", self.server.url(1), "list", "--json"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
         assert proc.returncode == 0, proc.stdout + proc.stderr
         return list(json.loads(proc.stdout))
 
     def report(self) -> str:
-        acks = {_text(name): sorted(map(_text, self.client.smembers(name)))
-                for name in self.client.scan_iter("dramatiq:__acks__.*")}
+        acks = {
+            _text(name): sorted(map(_text, self.client.smembers(name)))
+            for name in self.client.scan_iter("dramatiq:__acks__.*")
+        }
         return f"events: {json.dumps(self.events(), indent=1)}\nunacknowledged: {acks}\n{self.procs.report()}"
 
 
@@ -181,8 +207,13 @@ def test_a_cut_off_holder_stops_before_its_lease_can_be_granted_elsewhere(site: 
     a, b = site.net[started["host"]], next(h for h in site.net.hosts.values() if h.label != started["host"])
     fence_a = started["fence"]
     # Cut it off once it has renewed its lease at least once: the renewals are what fails.
-    wait_until(lambda: (i := _lease_of(site, key, fence_a)) is not None and i.renewed_ms > i.acquired_ms,
-               timeout=5, what="a first renewal", procs=site.procs, interval=0.05)
+    wait_until(
+        lambda: (i := _lease_of(site, key, fence_a)) is not None and i.renewed_ms > i.acquired_ms,
+        timeout=5,
+        what="a first renewal",
+        procs=site.procs,
+        interval=0.05,
+    )
     cut_at = a.partition()
     # Another message for the key, to b at once: it waits in the key's line until the key can be granted.
     contender = site.send("hold_here", f"part-{b.label}", key, 0.3)
@@ -202,25 +233,35 @@ def test_a_cut_off_holder_stops_before_its_lease_can_be_granted_elsewhere(site: 
     expires_at = (holder.renewed_ms + holder.ttl) / 1000  # the instant the key expires in Redis
 
     # The broker redelivers the interrupted message to b (a's heartbeat stopped): it runs there to completion.
-    b_original = site.wait_event("b to run the redelivered message", 20, event="start", message_id=original,
-                                 host=b.label)
+    b_original = site.wait_event(
+        "b to run the redelivered message", 20, event="start", message_id=original, host=b.label
+    )
     site.finish(original)
     site.wait_event("b to finish the redelivered message", 10, event="done", message_id=original, host=b.label)
     site.wait_event("b to finish the contender", 10, event="done", message_id=contender)
     a_end = site.wait_event("a's actor to end", 5, message_id=original, host=a.label, event="error")
     b_first = site.events(event="start", key=key, host=b.label)[0]  # the contender, normally
     healed_at = a.heal()
-    wait_until(lambda: a.settled(site.server.port), timeout=RECOVERY_S, procs=site.procs,
-               what="what a sent during the partition to reach Redis")
+    wait_until(
+        lambda: a.settled(site.server.port),
+        timeout=RECOVERY_S,
+        procs=site.procs,
+        what="what a sent during the partition to reach Redis",
+    )
     settled_at = time.time()
 
     # a is back: it takes a new job for the same key (free again), on its own queue.
     probe = site.send("hold_here", f"part-{a.label}", key, 0.1)
     a_probe = site.wait_event("a to run a new job after the heal", RECOVERY_S, event="done", message_id=probe)
     # Nothing of the interrupted message is left in the broker: nobody can run it again.
-    wait_until(lambda: site.client.hlen(f"dramatiq:{SHARED_QUEUE}.msgs") == 0
-               and site.client.llen(f"dramatiq:{SHARED_QUEUE}") == 0,
-               timeout=RECOVERY_S, what="the shared queue to be empty", procs=site.procs)
+    wait_until(
+        lambda: (
+            site.client.hlen(f"dramatiq:{SHARED_QUEUE}.msgs") == 0 and site.client.llen(f"dramatiq:{SHARED_QUEUE}") == 0
+        ),
+        timeout=RECOVERY_S,
+        what="the shared queue to be empty",
+        procs=site.procs,
+    )
 
     timings = {
         "renewed (server) -> cut": cut_at - holder.renewed_ms / 1000,
@@ -245,7 +286,11 @@ def test_a_cut_off_holder_stops_before_its_lease_can_be_granted_elsewhere(site: 
     assert b_first["at"] >= expires_at - 0.002, context  # Redis TIME and time.time() are the same clock (ms)
     # Each message ran once to completion, the interrupted one in b; a never ran it again.
     assert [(e["host"], e["event"]) for e in site.events(message_id=original)] == [
-        (a.label, "start"), (a.label, "error"), (b.label, "start"), (b.label, "done")], context
+        (a.label, "start"),
+        (a.label, "error"),
+        (b.label, "start"),
+        (b.label, "done"),
+    ], context
     assert [e["event"] for e in site.events(message_id=contender)] == ["start", "done"], context
     assert [e["event"] for e in site.events(message_id=probe)] == ["start", "done"], context
     # Fences grew with every grant: a, then b's two runs (in either order), then a's new job.
@@ -262,15 +307,18 @@ BLOCKING_READ_TIMEOUT_S = MAX_BLOCK_S + 2
 SEND_BACK_FAILS_S = BLOCKING_READ_TIMEOUT_S + 2 + 5
 
 
-@pytest.mark.parametrize("cut_s", [
-    pytest.param(4.0, id="short"),
-    # Catches a failed wait in place whose Redis error escapes before_process_message: Dramatiq then calls the
-    # actor, whose guard fails the message for want of a lease (dead-lettered here, max_retries=0).
-    pytest.param(BLOCKING_READ_TIMEOUT_S + 1.0, id="longer-than-the-blocking-read-timeout"),
-    # The send-back fails too (one Redis for the broker and the leases): the worker keeps the delivery and sends
-    # it back once Redis answers (middleware/requeue.py), instead of dead-lettering it.
-    pytest.param(SEND_BACK_FAILS_S + 3.0, id="longer-than-the-send-back"),
-])
+@pytest.mark.parametrize(
+    "cut_s",
+    [
+        pytest.param(4.0, id="short"),
+        # Catches a failed wait in place whose Redis error escapes before_process_message: Dramatiq then calls the
+        # actor, whose guard fails the message for want of a lease (dead-lettered here, max_retries=0).
+        pytest.param(BLOCKING_READ_TIMEOUT_S + 1.0, id="longer-than-the-blocking-read-timeout"),
+        # The send-back fails too (one Redis for the broker and the leases): the worker keeps the delivery and sends
+        # it back once Redis answers (middleware/requeue.py), instead of dead-lettering it.
+        pytest.param(SEND_BACK_FAILS_S + 3.0, id="longer-than-the-send-back"),
+    ],
+)
 def test_a_waiter_cut_off_keeps_its_message(site: Site, cut_s: float) -> None:
     """b waits in place for a key a holds; b is cut off, a releases the key meanwhile; b's message still runs."""
     site.start_workers()
@@ -279,14 +327,24 @@ def test_a_waiter_cut_off_keeps_its_message(site: Site, cut_s: float) -> None:
     holding = site.send("hold_here", "part-a", key, 60)
     site.wait_event("a to hold the key", 15, event="start", message_id=holding)
     waiting = site.send("hold_here", "part-b", key, 0.2)
-    wait_until(lambda: site.leases.inspect_line(key).states.get("in_place") == 1, timeout=15,
-               what="b to wait in place for the key", procs=site.procs, interval=0.05)
+    wait_until(
+        lambda: site.leases.inspect_line(key).states.get("in_place") == 1,
+        timeout=15,
+        what="b to wait in place for the key",
+        procs=site.procs,
+        interval=0.05,
+    )
     cut_at = b.partition()
     # The key is released while b is away: its wake-up is lost in the partition.
     site.finish(holding)
     site.wait_event("a to finish", 10, event="done", message_id=holding)
-    wait_until(lambda: time.time() >= cut_at + cut_s, timeout=cut_s + 5, what="the partition's end",
-               procs=site.procs, interval=0.1)
+    wait_until(
+        lambda: time.time() >= cut_at + cut_s,
+        timeout=cut_s + 5,
+        what="the partition's end",
+        procs=site.procs,
+        interval=0.1,
+    )
     healed_at = b.heal()
 
     def ran() -> dict[str, Any] | None:
@@ -297,8 +355,12 @@ def test_a_waiter_cut_off_keeps_its_message(site: Site, cut_s: float) -> None:
     done = wait_until(ran, timeout=RECOVERY_S, what="b to run its waiting message", procs=site.procs)
     print(f"partition of {cut_s:.0f} s: heal -> b's waiting message done: {done['at'] - healed_at:+.3f} s")
     assert [e["event"] for e in site.events(message_id=waiting)] == ["start", "done"], site.report()
-    wait_until(lambda: site.leases.inspect(key) is None and site.leases.inspect_line(key).length == 0,
-               timeout=15, what="the key and its line to be free", procs=site.procs)
+    wait_until(
+        lambda: site.leases.inspect(key) is None and site.leases.inspect_line(key).length == 0,
+        timeout=15,
+        what="the key and its line to be free",
+        procs=site.procs,
+    )
     assert site.cli_list() == []
 
 
@@ -312,8 +374,14 @@ def test_sweep_removes_what_a_crashed_run_left(tmp_path: Path) -> None:
         "print(net['a'].netns, inside.pid, flush=True)\n"
         "sys.stdin.read()\n"
     )
-    crashed = subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).parents[1], stdin=subprocess.PIPE,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    crashed = subprocess.Popen(
+        [sys.executable, "-c", code],
+        cwd=Path(__file__).parents[1],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert crashed.stdout is not None
         line = crashed.stdout.readline().split()
@@ -327,8 +395,11 @@ def test_sweep_removes_what_a_crashed_run_left(tmp_path: Path) -> None:
     removed = sweep()
     assert netns in removed
     assert not any(name.startswith(netns) for name in leftovers())
-    wait_until(lambda: not os.path.exists(f"/proc/{inside}") or _zombie(inside), timeout=10,
-               what="the process left inside to end")
+    wait_until(
+        lambda: not os.path.exists(f"/proc/{inside}") or _zombie(inside),
+        timeout=10,
+        what="the process left inside to end",
+    )
 
 
 def _zombie(pid: int) -> bool:

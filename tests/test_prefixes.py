@@ -22,25 +22,31 @@ def hold_with_a_line(leases: Leases, key: str) -> None:
     assert isinstance(reply, Busy), reply
 
 
-@pytest.mark.parametrize("prefix", [
-    "a\\b",  # SCAN's glob escape: `list` and the exporter matched "ab:lease:*" and saw nothing
-    "app\\",
-])
+@pytest.mark.parametrize(
+    "prefix",
+    [
+        "a\\b",  # SCAN's glob escape: `list` and the exporter matched "ab:lease:*" and saw nothing
+        "app\\",
+    ],
+)
 def test_a_backslash_in_the_prefix_is_refused_naming_the_value_and_why(prefix: str) -> None:
     with pytest.raises(LeaseConfigError, match="backslash escapes the next character in the SCAN") as e:
         Leases(redis.Redis(), prefix=prefix)
     assert repr(prefix) in str(e.value)
 
 
-@pytest.mark.parametrize(("prefix", "kind"), [
-    ("app:line:x", "line"),  # the line's inspection read "app:waiters:x:line:{k}"
-    ("app:line", "line"),  # likewise: its first ":line:" is the prefix's own
-    ("app:lease", "lease"),  # prefix "app" scanning "app:lease:*" took these keys for its own
-    ("app:lease:eu", "lease"),
-    ("a:fence:b", "fence"),
-    ("a:waiters", "waiters"),
-    ("a:done:", "done"),
-])
+@pytest.mark.parametrize(
+    ("prefix", "kind"),
+    [
+        ("app:line:x", "line"),  # the line's inspection read "app:waiters:x:line:{k}"
+        ("app:line", "line"),  # likewise: its first ":line:" is the prefix's own
+        ("app:lease", "lease"),  # prefix "app" scanning "app:lease:*" took these keys for its own
+        ("app:lease:eu", "lease"),
+        ("a:fence:b", "fence"),
+        ("a:waiters", "waiters"),
+        ("a:done:", "done"),
+    ],
+)
 def test_a_prefix_holding_a_kind_of_key_is_refused_naming_the_value_and_why(prefix: str, kind: str) -> None:
     with pytest.raises(LeaseConfigError, match=f"must not contain ':{kind}:' nor end with ':{kind}'") as e:
         Leases(redis.Redis(), prefix=prefix)
@@ -57,17 +63,20 @@ def test_the_cli_refuses_such_a_prefix_as_a_usage_error(
     assert err.startswith("dramatiq-leases: prefix must") and repr(prefix) in err
 
 
-@pytest.mark.parametrize("prefix", [
-    "line",  # a first segment is never mistaken for a kind: every derived name has ":" before its kind
-    "lease:app",
-    "app:leases",
-    "app:lines-eu",
-    "a^b-c",  # special to a glob only inside brackets, which are refused
-    "a.b!c%d",
-    "tenant 7",
-    "été:東京",
-    "app:",
-])
+@pytest.mark.parametrize(
+    "prefix",
+    [
+        "line",  # a first segment is never mistaken for a kind: every derived name has ":" before its kind
+        "lease:app",
+        "app:leases",
+        "app:lines-eu",
+        "a^b-c",  # special to a glob only inside brackets, which are refused
+        "a.b!c%d",
+        "tenant 7",
+        "été:東京",
+        "app:",
+    ],
+)
 def test_every_accepted_prefix_is_read_literally_by_list_show_and_the_exporter(
     capsys: pytest.CaptureFixture[str], redis_server: EmbeddedRedis, redis_client: redis.Redis, prefix: str
 ) -> None:
@@ -93,7 +102,9 @@ def test_every_accepted_prefix_is_read_literally_by_list_show_and_the_exporter(
     assert snap.waiting == {"send_invoice": 2}
     assert sorted(row["key"] for row in snap.page.leases) == ["invoice:1", "invoice:2", "report:{7}"]
     assert sorted((row["key"], row["line_length"]) for row in snap.page.hot_keys) == [
-        ("invoice:1", 1), ("report:{7}", 1)]
+        ("invoice:1", 1),
+        ("report:{7}", 1),
+    ]
 
     assert main(["--redis-url", redis_server.url(), "--prefix", prefix, "list"]) == 0
     rows = capsys.readouterr().out.splitlines()

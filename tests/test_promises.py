@@ -93,7 +93,9 @@ def test_a_handed_over_lease_is_adopted_once(make_stack: Any) -> None:
     assert len(stack.recorder.delays(message.message_id)) <= 3, "a waiting message cost more than 3 enqueues"
     spans = sorted((r["start"], r["end"], r["fence"]) for r in runs.items if "end" in r)
     assert len(spans) == 2, spans
-    assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans)), f"two runs of one handed-over lease overlapped: {spans}"
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans)), (
+        f"two runs of one handed-over lease overlapped: {spans}"
+    )
     assert spans[0][2] == lease.fence < spans[1][2]  # the first adopted the grant; the second was granted anew
     assert list(stack.leases.scan()) == []
 
@@ -132,7 +134,8 @@ def test_an_adopted_lease_honours_lock_max_hold(make_stack: Any) -> None:
 
 
 def test_lease_options_on_an_actor_without_lock_key_are_refused_at_send_time(
-        make_stack: Any, redis_server: EmbeddedRedis) -> None:
+    make_stack: Any, redis_server: EmbeddedRedis
+) -> None:
     stack = make_stack()
 
     @stack.actor(actor_name="plain")
@@ -142,8 +145,14 @@ def test_lease_options_on_an_actor_without_lock_key_are_refused_at_send_time(
     lease = stack.leases.try_acquire("plain:1", ttl=5_000)
     assert not isinstance(lease, Busy)
     options: dict[str, Any] = {
-        "lock_key": "x", "lock_ttl": 1_000, "lock_renew_interval": 100, "lock_max_hold": 1_000,
-        "lock_min_backoff": 10, "lock_max_backoff": 100, "lock_max_wait": 1_000, "lock_give_up": "drop",
+        "lock_key": "x",
+        "lock_ttl": 1_000,
+        "lock_renew_interval": 100,
+        "lock_max_hold": 1_000,
+        "lock_min_backoff": 10,
+        "lock_max_backoff": 100,
+        "lock_max_wait": 1_000,
+        "lock_give_up": "drop",
         "lease": lease,
     }
     for name, value in options.items():
@@ -198,8 +207,9 @@ def test_retries_do_not_inherit_the_wait_clock(make_stack: Any) -> None:
     runs = Runs()
     running = threading.Event()
 
-    @stack.actor(actor_name="flaky", lock_key="r:{n}", lock_max_wait=300, max_retries=1, min_backoff=200,
-                 max_backoff=400)
+    @stack.actor(
+        actor_name="flaky", lock_key="r:{n}", lock_max_wait=300, max_retries=1, min_backoff=200, max_backoff=400
+    )
     def flaky(n: int) -> None:
         runs.add(at=time.monotonic())
         if len(runs.items) == 1:
@@ -215,12 +225,18 @@ def test_retries_do_not_inherit_the_wait_clock(make_stack: Any) -> None:
     assert stack.leases.release(holder)
     assert running.wait(10)
     # The moment the failed run releases, another holder takes the key (Retries waits >= 200 ms).
-    rival = wait_for(lambda: stack.leases.try_acquire("r:1", ttl=10_000) or None, interval=0.005,
-                     what="the failed run to release")
+    rival = wait_for(
+        lambda: stack.leases.try_acquire("r:1", ttl=10_000) or None, interval=0.005, what="the failed run to release"
+    )
     # The Retries copy is a new waiter, with a wait clock of its own: on its first delivery's clock it
     # would be given up at once (over 300 ms have passed).
-    wait_for(lambda: stack.leases.inspect_line("r:1").head == f"{message.message_id}:1"
-             or message.message_id in stack.recorder.nacked, what="the Retries copy to meet the busy key")
+    wait_for(
+        lambda: (
+            stack.leases.inspect_line("r:1").head == f"{message.message_id}:1"
+            or message.message_id in stack.recorder.nacked
+        ),
+        what="the Retries copy to meet the busy key",
+    )
     assert stack.leases.release(rival)
     assert stack.recorder.wait_settled(message.message_id) == "acked", "the retry was given up on its first clock"
     assert len(runs.items) == 2
@@ -234,8 +250,9 @@ def test_retries_do_not_inherit_the_wait_clock(make_stack: Any) -> None:
 
 
 @pytest.mark.parametrize("error", [redis.exceptions.RedisClusterException("slot not covered"), RuntimeError("boom")])
-def test_nothing_after_a_completed_actor_fails_it(make_stack: Any, redis_server: EmbeddedRedis,
-                                                   error: Exception) -> None:
+def test_nothing_after_a_completed_actor_fails_it(
+    make_stack: Any, redis_server: EmbeddedRedis, error: Exception
+) -> None:
     stack = make_stack()
     backend = RedisBackend(url=redis_server.url(2))
     stack.broker.add_middleware(Results(backend=backend))
@@ -375,11 +392,14 @@ class FreezableProxy:
 
 
 @pytest.mark.parametrize("new_job", ["once_the_renewer_is_replaced", "as_soon_as_the_network_is_back"])
-def test_the_heartbeat_survives_a_renewal_hung_on_a_socket(redis_server: EmbeddedRedis, caplog: Any,
-                                                          new_job: str) -> None:
+def test_the_heartbeat_survives_a_renewal_hung_on_a_socket(
+    redis_server: EmbeddedRedis, caplog: Any, new_job: str
+) -> None:
     proxy = FreezableProxy(redis_server.port)
     hanging = redis.Redis(host="127.0.0.1", port=proxy.port, db=1, socket_timeout=None)  # a renewal can hang
-    stack = Stack(redis_server.url(0), "", middleware=LeaseMiddleware(client=hanging, lock_min_backoff=20, lock_max_backoff=60))
+    stack = Stack(
+        redis_server.url(0), "", middleware=LeaseMiddleware(client=hanging, lock_min_backoff=20, lock_max_backoff=60)
+    )
     direct = Leases.from_url(redis_server.url(1))
     runs = Runs()
     started = threading.Event()
@@ -410,8 +430,10 @@ def test_the_heartbeat_survives_a_renewal_hung_on_a_socket(redis_server: Embedde
         stack.start()
         frozen.send(1)
         assert started.wait(10)
-        wait_for(lambda: (i := direct.inspect("frozen:1")) is not None and i.renewed_ms > i.acquired_ms,
-                 what="a first renewal")
+        wait_for(
+            lambda: (i := direct.inspect("frozen:1")) is not None and i.renewed_ms > i.acquired_ms,
+            what="a first renewal",
+        )
         proxy.freeze()
         frozen_at = time.monotonic()
         expires_at = frozen_at + direct.client.pttl(direct.lease_name("frozen:1")) / 1000
@@ -424,8 +446,11 @@ def test_the_heartbeat_survives_a_renewal_hung_on_a_socket(redis_server: Embedde
         proxy.thaw()
         hanging.connection_pool.disconnect(inuse_connections=False)
         if new_job == "once_the_renewer_is_replaced":
-            wait_for(lambda: any("starting a new heartbeat thread" in r.getMessage() for r in caplog.records),
-                     timeout=5, what="the watchdog to replace the hung renewer")
+            wait_for(
+                lambda: any("starting a new heartbeat thread" in r.getMessage() for r in caplog.records),
+                timeout=5,
+                what="the watchdog to replace the hung renewer",
+            )
 
         second = after.send(2)
         wait_for(lambda: direct.inspect("after:2") is not None, what="the new message to acquire")
@@ -468,11 +493,16 @@ def test_release_if_dead_never_frees_a_holder_cut_off_but_still_running(redis_se
         stack.start()
         bill.send(1)
         assert started.wait(10)
-        wait_for(lambda: (i := operator.inspect("bill:1")) is not None and i.renewed_ms > i.acquired_ms,
-                 what="a first renewal")
+        wait_for(
+            lambda: (i := operator.inspect("bill:1")) is not None and i.renewed_ms > i.acquired_ms,
+            what="a first renewal",
+        )
         proxy.freeze()
-        wait_for(lambda: operator.inspect("bill:1").state is State.HEARTBEAT_OVERDUE,  # type: ignore[union-attr]
-                 what="the heartbeat to be overdue", timeout=5)
+        wait_for(
+            lambda: operator.inspect("bill:1").state is State.HEARTBEAT_OVERDUE,  # type: ignore[union-attr]
+            what="the heartbeat to be overdue",
+            timeout=5,
+        )
         refused_while_overdue = 0
         deadline = time.monotonic() + 10
         while True:  # the operator, following the old runbook, tries again and again
@@ -486,7 +516,9 @@ def test_release_if_dead_never_frees_a_holder_cut_off_but_still_running(redis_se
         [run] = wait_for(lambda: runs.items, what="the holder to stop", timeout=5)
         assert refused_while_overdue > 10
         # Freed (or expired) only once the holder could no longer believe it held the key.
-        assert run["stopped"] <= freed_at, f"the key was freed {run['stopped'] - freed_at:.3f}s before its holder stopped"
+        assert run["stopped"] <= freed_at, (
+            f"the key was freed {run['stopped'] - freed_at:.3f}s before its holder stopped"
+        )
     finally:
         proxy.thaw()
         proxy.reset_hung()
@@ -574,8 +606,9 @@ def test_shutdown_wakes_the_threads_waiting_in_place_and_loses_no_message(make_s
     holder = first.leases.try_acquire("export:1", ttl=30_000)
     assert isinstance(holder, Lease)
     messages = [export.send(1, i) for i in range(2)]
-    wait_for(lambda: first.leases.inspect_line("export:1").states.get("in_place") == 2,
-             what="two threads waiting in place")
+    wait_for(
+        lambda: first.leases.inspect_line("export:1").states.get("in_place") == 2, what="two threads waiting in place"
+    )
     started = time.monotonic()
     first.stop()
     assert time.monotonic() - started < 5, "the shutdown waited for the threads waiting in place"

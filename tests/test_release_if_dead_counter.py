@@ -24,8 +24,11 @@ def leak(leases: Leases, client: redis.Redis) -> Lease:
     lease = leases.try_acquire(KEY, 1_000, interval=300, meta=META)
     assert isinstance(lease, Lease), lease
     client.persist(leases.lease_name(KEY))
-    wait_for(lambda: (i := leases.inspect(KEY)) is not None and i.state is State.NO_TTL,
-             timeout=5, what="the holder's deadline to pass")
+    wait_for(
+        lambda: (i := leases.inspect(KEY)) is not None and i.state is State.NO_TTL,
+        timeout=5,
+        what="the holder's deadline to pass",
+    )
     return lease
 
 

@@ -67,43 +67,60 @@ def grant(leases: Leases, key: str, ttl: int = 30_000, **options: Any) -> Lease:
 
 
 def refusal(what: str, key: str, asked: int = 1, acked: int = 0, timeout_ms: int = TIMEOUT_MS) -> str:
-    return (f"could not {what} lease {key!r}: granted, but acknowledged by {acked} of the {asked} replica(s) asked "
-            f"(min_replicas) within {timeout_ms} ms, so a failover could lose it; released")
+    return (
+        f"could not {what} lease {key!r}: granted, but acknowledged by {acked} of the {asked} replica(s) asked "
+        f"(min_replicas) within {timeout_ms} ms, so a failover could lose it; released"
+    )
 
 
 # The Sentinel URL ----------------------------------------------------------------------------------------
 
 
 def test_a_sentinel_url_names_the_sentinels_the_service_and_the_primary_s_options() -> None:
-    client = client_from_url("redis+sentinel://app:p%40ss@s1:26380,s2,[::1]:26381/billing/3"
-                             "?health_check_interval=7&sentinel_password=sp", socket_timeout=1.5)
+    client = client_from_url(
+        "redis+sentinel://app:p%40ss@s1:26380,s2,[::1]:26381/billing/3?health_check_interval=7&sentinel_password=sp",
+        socket_timeout=1.5,
+    )
     pool = client.connection_pool
     assert isinstance(pool, SentinelConnectionPool)
     assert pool.service_name == "billing"
-    expected = {"db": 3, "username": "app", "password": "p@ss", "health_check_interval": 7,
-                "socket_timeout": 1.5, "socket_connect_timeout": 1.5}
+    expected = {
+        "db": 3,
+        "username": "app",
+        "password": "p@ss",
+        "health_check_interval": 7,
+        "socket_timeout": 1.5,
+        "socket_connect_timeout": 1.5,
+    }
     assert {k: pool.connection_kwargs.get(k) for k in expected} == expected
     assert "sentinel_password" not in pool.connection_kwargs
     members = [s.connection_pool.connection_kwargs for s in pool.sentinel_manager.sentinels]
     assert [(m["host"], m["port"]) for m in members] == [("s1", 26380), ("s2", 26379), ("::1", 26381)]
     # The Sentinels get their own password and the timeouts, never the primary's credentials.
     assert {k: members[0].get(k) for k in ("password", "username", "socket_timeout", "db")} == {
-        "password": "sp", "username": None, "socket_timeout": 1.5, "db": 0}
+        "password": "sp",
+        "username": None,
+        "socket_timeout": 1.5,
+        "db": 0,
+    }
 
     tls = client_from_url("rediss+sentinel://s1/billing").connection_pool
     assert tls.connection_class is SentinelManagedSSLConnection and tls.connection_kwargs["db"] == 0
     assert isinstance(Leases.from_url("redis+sentinel://s1/billing").client.connection_pool, SentinelConnectionPool)
 
 
-@pytest.mark.parametrize("url", [
-    "redis+sentinel://s1:26379",          # no service name
-    "redis+sentinel://s1:26379/",
-    "redis+sentinel://s1:26379?db=1",
-    "redis+sentinel://s1:port/billing",
-    "redis+sentinel://s1,/billing",       # an empty member
-    "redis+sentinel://s1/billing/zero",
-    "redis+sentinel://s1/billing/0/more",
-])
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis+sentinel://s1:26379",  # no service name
+        "redis+sentinel://s1:26379/",
+        "redis+sentinel://s1:26379?db=1",
+        "redis+sentinel://s1:port/billing",
+        "redis+sentinel://s1,/billing",  # an empty member
+        "redis+sentinel://s1/billing/zero",
+        "redis+sentinel://s1/billing/0/more",
+    ],
+)
 def test_an_invalid_sentinel_url_is_refused(url: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(ValueError):  # the message varies; the CLI shows it
         client_from_url(url)
@@ -112,8 +129,10 @@ def test_an_invalid_sentinel_url_is_refused(url: str, capsys: pytest.CaptureFixt
 
 
 def test_the_cli_never_prints_a_sentinel_url_s_passwords(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["--redis-url", "redis+sentinel://app:hunter2@s1,s2/billing/x?sentinel_password=swordfish",
-                 "list"]) == EXIT_USAGE
+    assert (
+        main(["--redis-url", "redis+sentinel://app:hunter2@s1,s2/billing/x?sentinel_password=swordfish", "list"])
+        == EXIT_USAGE
+    )
     err = capsys.readouterr().err
     assert "redis+sentinel://app:***@s1,s2/billing/x?sentinel_password=***" in err
     assert "hunter2" not in err and "swordfish" not in err
@@ -133,19 +152,32 @@ def test_min_replicas_must_be_a_whole_number_from_0_to_100(value: Any) -> None:
 
 @pytest.mark.parametrize("value", [0, -5, 0.5, "100"])
 def test_the_replica_timeout_is_whole_milliseconds(value: Any) -> None:
-    with pytest.raises(LeaseConfigError, match=re.escape(f"Leases: replica_timeout_ms must be a whole number of "
-                                                         f"milliseconds from 1 to 1000000000000, got {value!r}")):
+    with pytest.raises(
+        LeaseConfigError,
+        match=re.escape(
+            f"Leases: replica_timeout_ms must be a whole number of milliseconds from 1 to 1000000000000, got {value!r}"
+        ),
+    ):
         Leases(redis.Redis(), min_replicas=1, replica_timeout_ms=value)
-    with pytest.raises(LeaseConfigError, match=re.escape(f"LeaseMiddleware: replica_timeout must be a whole number "
-                                                         f"of milliseconds from 1 to 1000000000000, got {value!r}")):
+    with pytest.raises(
+        LeaseConfigError,
+        match=re.escape(
+            f"LeaseMiddleware: replica_timeout must be a whole number "
+            f"of milliseconds from 1 to 1000000000000, got {value!r}"
+        ),
+    ):
         LeaseMiddleware(redis_url="redis://127.0.0.1:1/0", min_replicas=1, replica_timeout=value)
 
 
 def test_min_replicas_needs_a_replica_timeout_under_the_socket_timeout_and_no_cluster() -> None:
     assert Leases(redis.Redis(), min_replicas=2.0).min_replicas == 2
     assert Leases(redis.Redis(socket_timeout=0.3)).min_replicas == 0  # not asked: nothing to check
-    with pytest.raises(LeaseConfigError, match=re.escape(
-            "Leases: replica_timeout_ms must be shorter than the Redis client's socket_timeout (0.5 s), got 500")):
+    with pytest.raises(
+        LeaseConfigError,
+        match=re.escape(
+            "Leases: replica_timeout_ms must be shorter than the Redis client's socket_timeout (0.5 s), got 500"
+        ),
+    ):
         Leases(redis.Redis(socket_timeout=0.5), min_replicas=1)
     assert Leases(redis.Redis(socket_timeout=0.5), min_replicas=1, replica_timeout_ms=400).replica_timeout_ms == 400
     cluster = RedisCluster.__new__(RedisCluster)  # never connected: refused before it is used
@@ -159,8 +191,12 @@ def test_min_replicas_needs_a_replica_timeout_under_the_socket_timeout_and_no_cl
 @pytest.mark.parametrize("thread_connections", [False, True], ids=["pooled", "per-thread"])
 def test_a_grant_counts_once_a_replica_acknowledged_it(replicated: Replicated, thread_connections: bool) -> None:
     primary, replica = replicated.node(replicated.primary_port), replicated.node(replicated.replica_port)
-    leases = Leases(replicated.node(replicated.primary_port), thread_connections=thread_connections,
-                    min_replicas=1, replica_timeout_ms=TIMEOUT_MS)
+    leases = Leases(
+        replicated.node(replicated.primary_port),
+        thread_connections=thread_connections,
+        min_replicas=1,
+        replica_timeout_ms=TIMEOUT_MS,
+    )
     held = grant(leases, "invoice:1")
     other = grant(leases, "invoice:2", ttl=20_000)  # another TTL: renewed by a second script call
     handed = grant(leases, "invoice:3")
@@ -221,8 +257,9 @@ def test_a_lease_whose_renewals_no_replica_acknowledges_is_lost_at_its_deadline(
 # Sentinel: the middleware end to end ------------------------------------------------------------------------
 
 
-def test_lease_middleware_through_sentinel_with_min_replicas(sentinels: Replicated, redis_server: EmbeddedRedis,
-                                                             capsys: pytest.CaptureFixture[str]) -> None:
+def test_lease_middleware_through_sentinel_with_min_replicas(
+    sentinels: Replicated, redis_server: EmbeddedRedis, capsys: pytest.CaptureFixture[str]
+) -> None:
     # The URL form, and the CLI's --redis-url.
     by_url = LeaseMiddleware(redis_url=sentinels.url(0), metrics_endpoint=False).leases
     shown = grant(by_url, "export:9")
@@ -231,8 +268,9 @@ def test_lease_middleware_through_sentinel_with_min_replicas(sentinels: Replicat
     assert by_url.release(shown)
 
     # client=Sentinel(...).master_for(...), as the README shows it.
-    middleware = LeaseMiddleware(client=sentinels.master_client(), min_replicas=1, replica_timeout=TIMEOUT_MS,
-                                 metrics_endpoint=False)
+    middleware = LeaseMiddleware(
+        client=sentinels.master_client(), min_replicas=1, replica_timeout=TIMEOUT_MS, metrics_endpoint=False
+    )
     stack = Stack(redis_server.url(0), "", middleware=middleware)
     ran: list[tuple[int, int]] = []
 

@@ -57,8 +57,9 @@ class SlowReplies(Middleware):
                 self.waiting -= 1
 
 
-def test_a_worker_stop_while_copies_are_sent_back_runs_each_message_once(make_stack: Any,
-                                                                         redis_server: EmbeddedRedis) -> None:
+def test_a_worker_stop_while_copies_are_sent_back_runs_each_message_once(
+    make_stack: Any, redis_server: EmbeddedRedis
+) -> None:
     runs = Runs()
 
     def declare(stack: Stack) -> Any:
@@ -99,8 +100,9 @@ def test_a_worker_stop_while_copies_are_sent_back_runs_each_message_once(make_st
 # 2. Re-driving a dead letter -------------------------------------------------------------------------------
 
 
-def test_a_failed_message_redriven_from_the_dead_letter_queue_runs_again(make_stack: Any,
-                                                                          redis_server: EmbeddedRedis) -> None:
+def test_a_failed_message_redriven_from_the_dead_letter_queue_runs_again(
+    make_stack: Any, redis_server: EmbeddedRedis
+) -> None:
     stack = make_stack()
     attempts = Runs()
 
@@ -128,8 +130,7 @@ def test_a_failed_message_redriven_from_the_dead_letter_queue_runs_again(make_st
 # 3. Message-level keys -------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("template", ["{n:>300000000}", "{n!r}", "{n.__class__}", "{n[0]}", "x" * 1025,
-                                      "{n:{n}}"])
+@pytest.mark.parametrize("template", ["{n:>300000000}", "{n!r}", "{n.__class__}", "{n[0]}", "x" * 1025, "{n:{n}}"])
 def test_a_message_level_lock_key_may_hold_only_plain_fields(make_stack: Any, template: str) -> None:
     stack = make_stack()
 
@@ -143,10 +144,14 @@ def test_a_message_level_lock_key_may_hold_only_plain_fields(make_stack: Any, te
     assert stack.recorder.enqueues == []
 
 
-@pytest.mark.parametrize(("template", "argument"), [("{n:>300000000}", 1), ("{n}" * 341, "x" * 1_000_000)],
-                         ids=["format-spec", "repeated-field"])
+@pytest.mark.parametrize(
+    ("template", "argument"),
+    [("{n:>300000000}", 1), ("{n}" * 341, "x" * 1_000_000)],
+    ids=["format-spec", "repeated-field"],
+)
 def test_a_message_level_lock_key_costs_a_worker_no_more_than_its_size(
-        make_stack: Any, redis_server: EmbeddedRedis, caplog: Any, template: str, argument: Any) -> None:
+    make_stack: Any, redis_server: EmbeddedRedis, caplog: Any, template: str, argument: Any
+) -> None:
     """23 bytes asked a worker for 300 MB (and a 1 MB argument repeated by a 1 023-character template, for
     341 MB): a producer without the middleware (or anyone who can write to the broker) could OOM-kill every
     worker in turn with one message."""
@@ -159,8 +164,9 @@ def test_a_message_level_lock_key_costs_a_worker_no_more_than_its_size(
 
     stack.start()
     producer = RedisBroker(url=redis_server.url(0), middleware=[])  # type: ignore[no-untyped-call]
-    bomb = dramatiq.Message(queue_name="default", actor_name="charge", args=(argument,), kwargs={},
-                            options={"lock_key": template})
+    bomb = dramatiq.Message(
+        queue_name="default", actor_name="charge", args=(argument,), kwargs={}, options={"lock_key": template}
+    )
     tracemalloc.start()
     try:
         producer.enqueue(bomb)
@@ -171,8 +177,10 @@ def test_a_message_level_lock_key_costs_a_worker_no_more_than_its_size(
         producer.close()
     assert peak < 50 * 2**20, f"the worker allocated {peak / 2**20:.0f} MB for one message"
     assert ran == []
-    assert any(r.levelname == "ERROR" and bomb.message_id in r.getMessage() and "lock_key" in r.getMessage()
-               for r in caplog.records), "no ERROR line names the refused message"
+    assert any(
+        r.levelname == "ERROR" and bomb.message_id in r.getMessage() and "lock_key" in r.getMessage()
+        for r in caplog.records
+    ), "no ERROR line names the refused message"
 
 
 def test_message_level_templates_are_cached_within_bounds(make_stack: Any) -> None:

@@ -38,8 +38,14 @@ from .support.stack import Stack
 from .support.waiting import wait_for
 
 #: The conventions' attributes every Redis span starts with.
-CONVENTIONS = ("db.system.name", "db.operation.name", "db.stored_procedure.name", "db.namespace",
-               "server.address", "server.port")
+CONVENTIONS = (
+    "db.system.name",
+    "db.operation.name",
+    "db.stored_procedure.name",
+    "db.namespace",
+    "server.address",
+    "server.port",
+)
 
 
 @pytest.fixture(scope="session")
@@ -79,12 +85,16 @@ def attrs(span: ReadableSpan) -> dict[str, Any]:
     return dict(span.attributes or {})
 
 
-def redis_spans(exporter: InMemorySpanExporter, server: EmbeddedRedis | int, name: str | None = None
-                ) -> list[ReadableSpan]:
+def redis_spans(
+    exporter: InMemorySpanExporter, server: EmbeddedRedis | int, name: str | None = None
+) -> list[ReadableSpan]:
     """The finished Redis spans of the server (by port), optionally only those named ``name``."""
     port = server if isinstance(server, int) else server.port
-    return [s for s in exporter.get_finished_spans()
-            if attrs(s).get("server.port") == port and (name is None or s.name == name)]
+    return [
+        s
+        for s in exporter.get_finished_spans()
+        if attrs(s).get("server.port") == port and (name is None or s.name == name)
+    ]
 
 
 def test_redis_spans_follow_the_database_conventions(redis_server: EmbeddedRedis, spans: InMemorySpanExporter) -> None:
@@ -96,8 +106,12 @@ def test_redis_spans_follow_the_database_conventions(redis_server: EmbeddedRedis
     assert leases.release(lease)
 
     seen = redis_spans(spans, redis_server)
-    assert [s.name for s in seen] == ["EVALSHA lease.acquire", "EVALSHA lease.acquire", "EVALSHA lease.renew",
-                                      "EVALSHA lease.release"]
+    assert [s.name for s in seen] == [
+        "EVALSHA lease.acquire",
+        "EVALSHA lease.acquire",
+        "EVALSHA lease.renew",
+        "EVALSHA lease.release",
+    ]
     for span in seen:
         assert span.kind is SpanKind.CLIENT
         assert span.status.status_code is not StatusCode.ERROR
@@ -129,14 +143,17 @@ def test_lease_keys_stay_out_of_spans_by_default(redis_server: EmbeddedRedis, sp
     assert all("alice" not in str(value) for s in seen for value in attrs(s).values())
 
 
-def test_lease_keys_are_recorded_when_opted_in(redis_server: EmbeddedRedis, spans: InMemorySpanExporter,
-                                               keys_in_spans: None) -> None:
+def test_lease_keys_are_recorded_when_opted_in(
+    redis_server: EmbeddedRedis, spans: InMemorySpanExporter, keys_in_spans: None
+) -> None:
     leases = Leases(redis.Redis.from_url(redis_server.url(0), socket_timeout=2))
     lease = leases.try_acquire("user:alice@example.com", ttl=5_000)
     assert isinstance(lease, Lease)
     leases.release(lease)
     assert [(s.name, attrs(s)["lease.key"]) for s in redis_spans(spans, redis_server)] == [
-        ("EVALSHA lease.acquire", "user:alice@example.com"), ("EVALSHA lease.release", "user:alice@example.com")]
+        ("EVALSHA lease.acquire", "user:alice@example.com"),
+        ("EVALSHA lease.release", "user:alice@example.com"),
+    ]
 
 
 @pytest.mark.parametrize("value, recorded", [("1", True), ("true", True), ("", False), ("0", False)])
@@ -160,18 +177,31 @@ def test_without_an_sdk_spans_cost_nothing() -> None:
     subprocess.run([sys.executable, "-c", code], env=env, check=True)
 
 
-def test_a_renewal_of_several_script_calls_is_a_pipeline_span(redis_server: EmbeddedRedis,
-                                                             spans: InMemorySpanExporter) -> None:
+def test_a_renewal_of_several_script_calls_is_a_pipeline_span(
+    redis_server: EmbeddedRedis, spans: InMemorySpanExporter
+) -> None:
     leases = Leases(redis.Redis.from_url(redis_server.url(0), socket_timeout=2))
     held = [leases.try_acquire(f"pipe:{n}", ttl=ttl) for n, ttl in enumerate([5_000, 5_000, 6_000])]
     # Two TTLs: two script calls, pipelined in one round trip.
     assert leases.renew_many(held) == [Renewal.OK] * 3  # type: ignore[arg-type]
     (span,) = redis_spans(spans, redis_server, "PIPELINE EVALSHA lease.renew")
     assert span.kind is SpanKind.CLIENT
-    assert {k: attrs(span)[k] for k in ("db.operation.name", "db.stored_procedure.name", "db.operation.batch.size",
-                                        "lease.count", "lease.outcome")} == {
-        "db.operation.name": "PIPELINE EVALSHA", "db.stored_procedure.name": "lease.renew",
-        "db.operation.batch.size": 2, "lease.count": 3, "lease.outcome": "ok"}
+    assert {
+        k: attrs(span)[k]
+        for k in (
+            "db.operation.name",
+            "db.stored_procedure.name",
+            "db.operation.batch.size",
+            "lease.count",
+            "lease.outcome",
+        )
+    } == {
+        "db.operation.name": "PIPELINE EVALSHA",
+        "db.stored_procedure.name": "lease.renew",
+        "db.operation.batch.size": 2,
+        "lease.count": 3,
+        "lease.outcome": "ok",
+    }
 
 
 def test_a_failed_call_records_the_redis_error(spans: InMemorySpanExporter) -> None:
@@ -202,8 +232,12 @@ def test_renewal_rounds_link_to_the_runs_they_renew(redis_server: EmbeddedRedis,
                 assert isinstance(lease, Lease)
                 heartbeat.track(lease, lambda lease, reason: None)
                 runs[lease.key] = run.get_span_context()
-        rounds = wait_for(lambda: [s for s in redis_spans(spans, redis_server, "EVALSHA lease.renew")
-                                   if attrs(s)["lease.count"] == count], what="a round renewing every lease")
+        rounds = wait_for(
+            lambda: [
+                s for s in redis_spans(spans, redis_server, "EVALSHA lease.renew") if attrs(s)["lease.count"] == count
+            ],
+            what="a round renewing every lease",
+        )
     finally:
         heartbeat.stop()
 
@@ -234,8 +268,9 @@ class MessageSpans(Middleware):
         span = self.tracer.start_span(self.NAME, attributes={"messaging.message.id": message.message_id})
         self.active[threading.get_ident()] = (span, context.attach(trace.set_span_in_context(span)))
 
-    def after_process_message(self, broker: dramatiq.Broker, message: Any, *, result: Any = None,
-                              exception: BaseException | None = None) -> None:
+    def after_process_message(
+        self, broker: dramatiq.Broker, message: Any, *, result: Any = None, exception: BaseException | None = None
+    ) -> None:
         span, token = self.active.pop(threading.get_ident())
         context.detach(token)  # type: ignore[arg-type]
         span.end()
@@ -248,8 +283,16 @@ def test_lease_spans_nest_under_the_message_span(redis_server: EmbeddedRedis, sp
     broker = RedisBroker(url=redis_server.url(0))  # type: ignore[no-untyped-call]
     broker.add_middleware(MessageSpans())  # before LeaseMiddleware, as an instrumentation would be
     broker.add_middleware(CurrentMessage())
-    stack = Stack(redis_server.url(0), redis_server.url(1), threads=2, broker=broker, metrics=LeaseMetrics(),
-                  metrics_endpoint=False, lock_min_backoff=20, lock_max_backoff=100)
+    stack = Stack(
+        redis_server.url(0),
+        redis_server.url(1),
+        threads=2,
+        broker=broker,
+        metrics=LeaseMetrics(),
+        metrics_endpoint=False,
+        lock_min_backoff=20,
+        lock_max_backoff=100,
+    )
     suffix = uuid.uuid4().hex[:8]
     key = f"otel:{suffix}"
     fences: dict[str, int] = {}
@@ -284,11 +327,15 @@ def test_lease_spans_nest_under_the_message_span(redis_server: EmbeddedRedis, sp
     def of(name: str, **match: Any) -> list[ReadableSpan]:
         return [span for span in redis_spans(spans, redis_server, name) if match.items() <= attrs(span).items()]
 
-    acquired, busy, released = of("EVALSHA lease.acquire", **{"lease.outcome": "acquired"}), \
-        of("EVALSHA lease.acquire", **{"lease.outcome": "busy"}), of("EVALSHA lease.release")
+    acquired, busy, released = (
+        of("EVALSHA lease.acquire", **{"lease.outcome": "acquired"}),
+        of("EVALSHA lease.acquire", **{"lease.outcome": "busy"}),
+        of("EVALSHA lease.release"),
+    )
     assert all(span.kind is SpanKind.CLIENT for span in acquired + busy + released)
-    assert all(attrs(span)["db.namespace"] == "1" and "lease.key" not in attrs(span)
-               for span in acquired + busy + released)
+    assert all(
+        attrs(span)["db.namespace"] == "1" and "lease.key" not in attrs(span) for span in acquired + busy + released
+    )
     # Each message acquired once, in its own message span, with the fence the actor saw...
     assert {message_of(s): attrs(s)["lease.fence"] for s in acquired} == fences
     assert len(acquired) == 2 and fences[waiter] > fences[holder]
@@ -298,7 +345,8 @@ def test_lease_spans_nest_under_the_message_span(redis_server: EmbeddedRedis, sp
     assert {attrs(s)["lease.fence"] for s in busy} == {fences[holder]}
     # ... and each released its own grant, in its own message span.
     assert sorted((message_of(s), attrs(s)["lease.fence"], attrs(s)["lease.outcome"]) for s in released) == sorted(
-        (mid, fence, "released") for mid, fence in fences.items())
+        (mid, fence, "released") for mid, fence in fences.items()
+    )
 
     # The heartbeat renewed the holder's lease (600 ms TTL, every 200 ms) while it ran, in rounds
     # linked to the holder's message span: the run whose lease they kept alive.
@@ -312,7 +360,8 @@ def test_lease_spans_nest_under_the_message_span(redis_server: EmbeddedRedis, sp
     for renewal in renewals:
         assert renewal.parent is None
         assert [(link.context.trace_id, link.context.span_id) for link in renewal.links] == [
-            (holder_span.context.trace_id, holder_span.context.span_id)]
+            (holder_span.context.trace_id, holder_span.context.span_id)
+        ]
 
 
 def test_the_middleware_parameter_opts_in_to_keys(redis_server: EmbeddedRedis) -> None:

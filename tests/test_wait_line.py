@@ -58,18 +58,35 @@ class LineWorkers:
         log = open(self.tmp_path / f"worker-{len(self.procs)}.log", "wb")  # noqa: SIM115
         env = {**self.env, "DRAMATIQ_LEASES_METRICS_PORT": str(free_port())}
         proc = subprocess.Popen(
-            [sys.executable, "-m", "dramatiq", "tests.apps.line_app", "--processes", str(processes),
-             "--threads", str(threads), "--queues", f"{self.queue}-hold" if holder else self.queue],
-            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            [
+                sys.executable,
+                "-m",
+                "dramatiq",
+                "tests.apps.line_app",
+                "--processes",
+                str(processes),
+                "--threads",
+                str(threads),
+                "--queues",
+                f"{self.queue}-hold" if holder else self.queue,
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         self.procs.append(proc)
         return proc
 
     def send(self, calls: list[tuple[Any, ...]], actor: str = "job", **options: Any) -> None:
-        code = (f"import sys, json; from tests.apps.line_app import {actor} as a\n"
-                "for args in json.loads(sys.argv[1]): a.send_with_options(args=args, **json.loads(sys.argv[2]))")
-        subprocess.run([sys.executable, "-c", code, json.dumps(calls), json.dumps(options)], cwd=ROOT,
-                       env=self.env, check=True)
+        code = (
+            f"import sys, json; from tests.apps.line_app import {actor} as a\n"
+            "for args in json.loads(sys.argv[1]): a.send_with_options(args=args, **json.loads(sys.argv[2]))"
+        )
+        subprocess.run(
+            [sys.executable, "-c", code, json.dumps(calls), json.dumps(options)], cwd=ROOT, env=self.env, check=True
+        )
 
     def hold(self, key: str) -> dict[str, Any]:
         """Start a holder of ``key`` on its own worker process; its run."""
@@ -105,8 +122,11 @@ def line(request: pytest.FixtureRequest, redis_server: EmbeddedRedis, tmp_path: 
 
 
 def check_each_ran_once_in_order(line: LineWorkers, expected: list[int]) -> list[dict[str, Any]]:
-    runs = wait_for(lambda: (r := line.runs()) and len(r) >= len(expected) and r, timeout=120,
-                    what=f"{len(expected)} jobs to run\n{line.logs()}")
+    runs = wait_for(
+        lambda: (r := line.runs()) and len(r) >= len(expected) and r,
+        timeout=120,
+        what=f"{len(expected)} jobs to run\n{line.logs()}",
+    )
     runs = sorted(runs, key=lambda r: r["start"])
     assert sorted(r["n"] for r in runs) == sorted(expected), "a job ran twice or never"
     assert len({r["message_id"] for r in runs}) == len(runs), "a message ran twice"
@@ -161,8 +181,11 @@ def test_a_waiter_that_gives_up_leaves_the_line_moving(line: LineWorkers) -> Non
     line.start(processes=1, threads=4)
     line.send([("give", 0, 0.05)], lock_max_wait=500)  # gives up long before the holder is gone
     line.send([("give", i, 0.05) for i in range(1, 6)])
-    wait_for(lambda: line.leases.inspect_line("give").length == 5 and line.enqueues(), timeout=30,
-             what="the impatient waiter to leave")
+    wait_for(
+        lambda: line.leases.inspect_line("give").length == 5 and line.enqueues(),
+        timeout=30,
+        what="the impatient waiter to leave",
+    )
     os.kill(holder["pid"], signal.SIGKILL)
     runs = check_each_ran_once_in_order(line, list(range(1, 6)))
     assert 0 not in {r["n"] for r in runs}, "the message that gave up ran anyway"

@@ -71,11 +71,16 @@ class Stack:
         return Leases.from_url(self.redis.url(db))
 
     def _spawn(self, name: str, argv: list[str], db: int, ttl_ms: int) -> subprocess.Popen[bytes]:
-        env = {**os.environ, "REDIS_URL": self.redis.url(db), "EXPORT_LOCK_TTL_MS": str(ttl_ms),
-               "PYTHONUNBUFFERED": "1"}
+        env = {
+            **os.environ,
+            "REDIS_URL": self.redis.url(db),
+            "EXPORT_LOCK_TTL_MS": str(ttl_ms),
+            "PYTHONUNBUFFERED": "1",
+        }
         with open(self.logs / f"{name}.log", "wb") as log:
-            proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+            proc = subprocess.Popen(
+                argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
         self.procs.append(proc)
         return proc
 
@@ -86,8 +91,9 @@ class Stack:
         if self.worker_started:
             return
         dramatiq = str(Path(sys.executable).with_name("dramatiq"))
-        proc = self._spawn("worker", [dramatiq, "examples.web_tasks", "--processes", "1", "--threads", "2"],
-                           WORKER_DB, 30_000)
+        proc = self._spawn(
+            "worker", [dramatiq, "examples.web_tasks", "--processes", "1", "--threads", "2"], WORKER_DB, 30_000
+        )
         client = self.client(WORKER_DB)
 
         def polling() -> bool:
@@ -162,15 +168,22 @@ def test_one_export_per_user_the_worker_adopts_the_lease_and_releases_it(stack: 
     # Whole seconds rounded up from the TTL left when it answered; the read after it is a little later.
     assert ttl_left - 0.1 <= retry_after <= ttl_left + 1.1
     ticket = second.headers["Lease-Ticket"]
-    assert second.json() == {"error": "locked", "key": key, "retry_after": retry_after,
-                             "detail": f"A job for {key!r} is already running; retry in {retry_after} s.",
-                             "line_length": 0, "place": None, "ticket": ticket}
+    assert second.json() == {
+        "error": "locked",
+        "key": key,
+        "retry_after": retry_after,
+        "detail": f"A job for {key!r} is already running; retry in {retry_after} s.",
+        "line_length": 0,
+        "place": None,
+        "ticket": ticket,
+    }
 
     other = post(url, user + 100, 0.1)
     assert other.status_code == 202, "the lease is per user: another user's export starts at once"
 
-    started = wait_for(lambda: runs(client, accepted["message_id"]).get("started"), timeout=15,
-                       what="the worker to start the export")
+    started = wait_for(
+        lambda: runs(client, accepted["message_id"]).get("started"), timeout=15, what="the worker to start the export"
+    )
     assert started["fence"] == accepted["fence"], "the worker must adopt the lease taken by the web app"
 
     def accepted_again() -> httpx.Response | None:
@@ -204,8 +217,11 @@ def test_the_lease_expires_by_its_ttl_when_no_worker_takes_the_job(stack: Stack,
     assert math.ceil(after / 1000) <= int(second.headers["Retry-After"]) <= math.ceil(before / 1000)
 
     # Queued, not dead: `dramatiq-leases release --if-dead` must not free it while it waits for a worker.
-    late = wait_for(lambda: (i := leases.inspect(key)) is not None and i.ttl_left < 400 and i, timeout=5,
-                    what="the lease to near its end")
+    late = wait_for(
+        lambda: (i := leases.inspect(key)) is not None and i.ttl_left < 400 and i,
+        timeout=5,
+        what="the lease to near its end",
+    )
     assert late.state is State.ALIVE
 
     started = time.monotonic()
@@ -219,8 +235,9 @@ def test_the_lease_expires_by_its_ttl_when_no_worker_takes_the_job(stack: Stack,
 
 
 @pytest.mark.parametrize("kind", sorted(APPS))
-def test_a_web_caller_that_sends_its_ticket_back_gets_its_export_while_workers_keep_queueing(stack: Stack,
-                                                                                           kind: str) -> None:
+def test_a_web_caller_that_sends_its_ticket_back_gets_its_export_while_workers_keep_queueing(
+    stack: Stack, kind: str
+) -> None:
     """Steady contention: jobs for the same key keep arriving from elsewhere (a scheduler, a batch), so its line
     never empties; a click on "Export" must still start an export, in its turn, not get 423 for ever."""
     from dramatiq import Message
@@ -240,14 +257,17 @@ def test_a_web_caller_that_sends_its_ticket_back_gets_its_export_while_workers_k
     def feed() -> None:
         """Keep four jobs of this key sent and not finished: one runs, the others queue in its line."""
         while len(sent) - finished() < 4:
-            message = Message(queue_name="default", actor_name="export_report", args=(user, 0.3), kwargs={},
-                              options={})
+            message = Message(queue_name="default", actor_name="export_report", args=(user, 0.3), kwargs={}, options={})
             sent.append(producer.enqueue(message).message_id)
 
     try:
         feed()
-        wait_for(lambda: feed() or leases.inspect_line(key).length >= 2, timeout=30, interval=0.05,
-                 what="workers queueing on the key")
+        wait_for(
+            lambda: feed() or leases.inspect_line(key).length >= 2,
+            timeout=30,
+            interval=0.05,
+            what="workers queueing on the key",
+        )
         first = post(url, user, 0.1)
         assert first.status_code == 423, first.text
         body = first.json()

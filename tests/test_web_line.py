@@ -144,8 +144,12 @@ def test_a_ticket_not_sent_back_loses_its_place_and_the_workers_go_on(leases: Le
     assert not worker_asks(leases, "m1:0")
     leases.release(holder)
     # The web client went away (tab closed): the free key waits for it 10 s at most, then goes on down the line.
-    granted = wait_for(lambda: isinstance(r := worker_asks(leases, "m1:0"), Lease) and r, timeout=20, interval=0.25,
-                       what="the worker behind a vanished web caller to get the key")
+    granted = wait_for(
+        lambda: isinstance(r := worker_asks(leases, "m1:0"), Lease) and r,
+        timeout=20,
+        interval=0.25,
+        what="the worker behind a vanished web caller to get the key",
+    )
     assert granted.from_line
     comeback = locked(web.try_acquire(leases, KEY, TTL, ticket=ticket))
     assert comeback.busy.place == 0 and comeback.ticket == ticket, "back late, it joins again (the line was empty)"

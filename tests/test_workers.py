@@ -64,22 +64,41 @@ class Workers:
         log = open(self.tmp_path / f"worker-{len(self.procs)}.log", "wb")  # noqa: SIM115
         env = {**self.env, "DRAMATIQ_LEASES_METRICS_PORT": str(free_port()), **env}
         proc = subprocess.Popen(
-            [sys.executable, "-m", "dramatiq", "tests.apps.lease_app", "--processes", str(processes),
-             "--threads", str(threads), "--worker-shutdown-timeout", "20000"],
-            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            [
+                sys.executable,
+                "-m",
+                "dramatiq",
+                "tests.apps.lease_app",
+                "--processes",
+                str(processes),
+                "--threads",
+                str(threads),
+                "--worker-shutdown-timeout",
+                "20000",
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         self.procs.append(proc)
         return proc
 
     def consuming(self, processes: int) -> None:
         """Wait until ``processes`` worker processes consume the queue."""
+
         def count() -> int:
             if self.broker == "rabbitmq":
                 return rabbitmq_consumers(self.queue)
             return int(self.record.zcard("dramatiq:__heartbeats__"))  # one broker, one heartbeat per process
 
-        wait_for(lambda: count() >= processes, timeout=30, interval=0.1,
-                 what=f"{processes} worker processes to consume\n{self.logs()}")
+        wait_for(
+            lambda: count() >= processes,
+            timeout=30,
+            interval=0.1,
+            what=f"{processes} worker processes to consume\n{self.logs()}",
+        )
 
     def send(self, actor: str, *args: Any) -> None:
         code = f"import sys, json; from tests.apps import lease_app as a; getattr(a, {actor!r}).send(*json.loads(sys.argv[1]))"
@@ -114,8 +133,10 @@ def workers(request: pytest.FixtureRequest, redis_server: EmbeddedRedis, tmp_pat
 
 
 def send_many(workers: Workers, actor: str, calls: list[tuple[Any, ...]]) -> None:
-    code = (f"import sys, json; from tests.apps import lease_app as a\n"
-            f"for args in json.loads(sys.argv[1]): getattr(a, {actor!r}).send(*args)")
+    code = (
+        f"import sys, json; from tests.apps import lease_app as a\n"
+        f"for args in json.loads(sys.argv[1]): getattr(a, {actor!r}).send(*args)"
+    )
     subprocess.run([sys.executable, "-c", code, json.dumps(calls)], cwd=ROOT, env=workers.env, check=True)
 
 
@@ -138,8 +159,11 @@ def test_mutual_exclusion_across_processes_and_threads(workers: Workers) -> None
     assert len({r["message_id"] for r in runs}) == len(runs) == 24, "a message ran twice"
     for key in keys:
         check_one_at_a_time(runs, key)
-    overlaps = [(x, y) for x, y in itertools.combinations(runs, 2)
-                if x["key"] != y["key"] and x["start"] < y["end"] and y["start"] < x["end"]]
+    overlaps = [
+        (x, y)
+        for x, y in itertools.combinations(runs, 2)
+        if x["key"] != y["key"] and x["start"] < y["end"] and y["start"] < x["end"]
+    ]
     assert overlaps, "different keys never ran in parallel"
     assert len({r["pid"] for r in runs}) == 2, "both worker processes took part"
     assert list(workers.leases.scan()) == []
@@ -158,9 +182,14 @@ def test_sigkilled_holder_lease_expires_and_the_job_runs_again(workers: Workers)
     killed = time.time()
     # Gone within its 2 s TTL (plus slack), with no manual step: expired, or already granted to the next
     # holder (on RabbitMQ the killed job itself, redelivered at once, waits for it in the key's line).
-    wait_for(lambda: (i := workers.leases.inspect("crash:x")) is None or i.fence > holder["fence"],
-             timeout=TTL + 2.0, what="the orphaned lease to expire")
-    done = wait_for(lambda: workers.runs("crash-done"), timeout=60, what=f"the redelivered job to complete\n{workers.logs()}")
+    wait_for(
+        lambda: (i := workers.leases.inspect("crash:x")) is None or i.fence > holder["fence"],
+        timeout=TTL + 2.0,
+        what="the orphaned lease to expire",
+    )
+    done = wait_for(
+        lambda: workers.runs("crash-done"), timeout=60, what=f"the redelivered job to complete\n{workers.logs()}"
+    )
     assert done[0]["fence"] > holder["fence"] and done[0]["pid"] != holder["pid"]
     assert done[0]["message_id"] == holder["message_id"], "the killed job ran again, not another"
     # Not before the orphaned lease ended (its key lives TTL ms past its last renewal, which preceded `info`
@@ -194,10 +223,15 @@ def test_sigterm_with_waiters_releases_the_lease_and_loses_no_waiter(workers: Wo
     """
     proc = workers.start(processes=1, threads=3)
     workers.send("gated_job", "z")
-    holder = wait_for(lambda: workers.runs("gated-started"), timeout=30, what=f"the holder to start\n{workers.logs()}")[0]
+    holder = wait_for(lambda: workers.runs("gated-started"), timeout=30, what=f"the holder to start\n{workers.logs()}")[
+        0
+    ]
     send_many(workers, "gated_job", [("z",)] * 4)
-    wait_for(lambda: workers.leases.inspect_line("gated:z").length == 4, timeout=30,
-             what=f"4 waiters in the line: {workers.leases.inspect_line('gated:z')}\n{workers.logs()}")
+    wait_for(
+        lambda: workers.leases.inspect_line("gated:z").length == 4,
+        timeout=30,
+        what=f"4 waiters in the line: {workers.leases.inspect_line('gated:z')}\n{workers.logs()}",
+    )
     proc.send_signal(signal.SIGTERM)
     # The holder finishes during the shutdown: once the worker process has begun it, not before.
     wait_for(lambda: "Shutting down..." in workers.log(0), timeout=30, what=f"the shutdown to begin\n{workers.logs()}")

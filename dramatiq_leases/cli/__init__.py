@@ -163,14 +163,17 @@ def build_parser() -> argparse.ArgumentParser:
     # subcommand's absent flag from overwriting one given before it.
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
-        "--redis-url", default=argparse.SUPPRESS, metavar="URL",
+        "--redis-url",
+        default=argparse.SUPPRESS,
+        metavar="URL",
         help=f"Redis holding the leases (default: $REDIS_URL, else {DEFAULT_REDIS_URL}; "
-             "a Redis Cluster: redis+cluster://HOST:PORT of any one node; "
-             "through Sentinel: redis+sentinel://HOST:PORT[,HOST:PORT...]/SERVICE[/DB]; "
-             "demo: a private Redis unless given)",
+        "a Redis Cluster: redis+cluster://HOST:PORT of any one node; "
+        "through Sentinel: redis+sentinel://HOST:PORT[,HOST:PORT...]/SERVICE[/DB]; "
+        "demo: a private Redis unless given)",
     )
-    common.add_argument("--prefix", default=argparse.SUPPRESS,
-                        help=f"prefix of the lease keys in Redis (default: {DEFAULT_PREFIX})")
+    common.add_argument(
+        "--prefix", default=argparse.SUPPRESS, help=f"prefix of the lease keys in Redis (default: {DEFAULT_PREFIX})"
+    )
     parser = argparse.ArgumentParser(
         prog="dramatiq-leases",
         description="Inspect and release Dramatiq leases in Redis, export their metrics, or run the demo.",
@@ -180,76 +183,125 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("list", aliases=["ls"], parents=[common], help="list leases under the prefix",
-                       description="List leases (and stray keys) under the prefix, using SCAN.",
-                       epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--match", default="*", metavar="GLOB",
-                   help="only leases whose key matches GLOB (default: *)")
+    p = sub.add_parser(
+        "list",
+        aliases=["ls"],
+        parents=[common],
+        help="list leases under the prefix",
+        description="List leases (and stray keys) under the prefix, using SCAN.",
+        epilog=EXIT_CODES_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--match", default="*", metavar="GLOB", help="only leases whose key matches GLOB (default: *)")
     p.add_argument("--json", action="store_true", help="print one JSON array")
 
-    p = sub.add_parser("show", parents=[common], help="everything known about one lease",
-                       epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "show",
+        parents=[common],
+        help="everything known about one lease",
+        epilog=EXIT_CODES_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("key", metavar="KEY", help="the lease key, such as invoice:42")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--show-token", action="store_true",
-                   help="print the owner token (whoever has it can release the lease)")
+    p.add_argument(
+        "--show-token", action="store_true", help="print the owner token (whoever has it can release the lease)"
+    )
 
     p = sub.add_parser(
-        "release", parents=[common], help="release a lease, only if owned or leaked",
+        "release",
+        parents=[common],
+        help="release a lease, only if owned or leaked",
         description="Release a lease. Never a blind delete: prove ownership with --owner, or use --if-dead "
-                    "to release it only if no holder can still believe it holds it: its holder's own deadline "
-                    "(the last renewal plus the TTL, less the holder's safety margin, or the end of its maximum "
-                    "hold) has passed, or the key has no TTL and no holder deadline ahead. An overdue heartbeat "
-                    "is not enough: the holder may still be running.",
-        epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
+        "to release it only if no holder can still believe it holds it: its holder's own deadline "
+        "(the last renewal plus the TTL, less the holder's safety margin, or the end of its maximum "
+        "hold) has passed, or the key has no TTL and no holder deadline ahead. An overdue heartbeat "
+        "is not enough: the holder may still be running.",
+        epilog=EXIT_CODES_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("key", metavar="KEY", help="the lease key, such as invoice:42")
     how = p.add_mutually_exclusive_group(required=True)
     how.add_argument("--owner", metavar="TOKEN", help="release only if TOKEN holds the lease")
-    how.add_argument("--if-dead", action="store_true",
-                     help="release only if the holder's deadline has passed, or the key has no TTL and no "
-                          "holder deadline ahead")
-
-    p = sub.add_parser("exporter", parents=[common], help="serve lease metrics for Prometheus",
-                       description="Scan the leases in Redis; serve their metrics on /metrics (Prometheus)\n"
-                                   "and, on /leases, the leases held now, worst first, and the keys with the\n"
-                                   "longest lines (JSON, for Grafana's Infinity data source).",
-                       epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    # Every interface by default, as Prometheus exporters do: /metrics carries no lease key; the Busy view is
-    # what needs guarding, and --busy-view / --busy-token-file guard it.
-    p.add_argument("--host", type=_host, default="0.0.0.0",
-                   help="address to listen on (default: 0.0.0.0; /leases is then refused unless --busy-view open "
-                        "or --busy-token-file)")
-    p.add_argument("--port", type=_port, default=9808, help="port to listen on, 0 to 65535 (default: 9808)")
-    p.add_argument("--interval", type=_positive_float, default=5.0, metavar="SECONDS",
-                   help="seconds between scans of the leases (default: 5)")
-    # The exporter's modules (prometheus_client) are imported only to run it: its defaults are repeated here.
-    p.add_argument("--top", type=_non_negative_int, default=50, metavar="N",
-                   help="rows of each table of /leases, which shows lease keys (default: 50; "
-                        "?limit= asks for fewer; 0 turns /leases off)")
-    who = p.add_mutually_exclusive_group()
-    who.add_argument("--busy-view", choices=("local", "open"), default="local",
-                     help="who may read /leases without a token: local (default) serves it on a loopback bind only "
-                          "and answers 403 on any other; open serves it to anyone who reaches the port (it shows "
-                          "lease keys, message ids, hosts and pids)")
-    who.add_argument("--busy-token-file", type=_token_file, metavar="FILE", dest="busy_token",
-                     help="serve /leases only to requests sending 'Authorization: Bearer TOKEN', TOKEN being the "
-                          "content of FILE (at least 16 visible characters; read at start), on any bind")
-    p.add_argument("--busy-keys", choices=("plain", "hashed"), default="plain",
-                   help="hashed shows each key of /leases as sha256:<16 hex digits> and no inspect command "
-                        "(default: plain)")
+    how.add_argument(
+        "--if-dead",
+        action="store_true",
+        help="release only if the holder's deadline has passed, or the key has no TTL and no holder deadline ahead",
+    )
 
     p = sub.add_parser(
-        "demo", parents=[common], help="watch workers contend, one die, and its lease expire",
+        "exporter",
+        parents=[common],
+        help="serve lease metrics for Prometheus",
+        description="Scan the leases in Redis; serve their metrics on /metrics (Prometheus)\n"
+        "and, on /leases, the leases held now, worst first, and the keys with the\n"
+        "longest lines (JSON, for Grafana's Infinity data source).",
+        epilog=EXIT_CODES_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    # Every interface by default, as Prometheus exporters do: /metrics carries no lease key; the Busy view is
+    # what needs guarding, and --busy-view / --busy-token-file guard it.
+    p.add_argument(
+        "--host",
+        type=_host,
+        default="0.0.0.0",
+        help="address to listen on (default: 0.0.0.0; /leases is then refused unless --busy-view open "
+        "or --busy-token-file)",
+    )
+    p.add_argument("--port", type=_port, default=9808, help="port to listen on, 0 to 65535 (default: 9808)")
+    p.add_argument(
+        "--interval",
+        type=_positive_float,
+        default=5.0,
+        metavar="SECONDS",
+        help="seconds between scans of the leases (default: 5)",
+    )
+    # The exporter's modules (prometheus_client) are imported only to run it: its defaults are repeated here.
+    p.add_argument(
+        "--top",
+        type=_non_negative_int,
+        default=50,
+        metavar="N",
+        help="rows of each table of /leases, which shows lease keys (default: 50; "
+        "?limit= asks for fewer; 0 turns /leases off)",
+    )
+    who = p.add_mutually_exclusive_group()
+    who.add_argument(
+        "--busy-view",
+        choices=("local", "open"),
+        default="local",
+        help="who may read /leases without a token: local (default) serves it on a loopback bind only "
+        "and answers 403 on any other; open serves it to anyone who reaches the port (it shows "
+        "lease keys, message ids, hosts and pids)",
+    )
+    who.add_argument(
+        "--busy-token-file",
+        type=_token_file,
+        metavar="FILE",
+        dest="busy_token",
+        help="serve /leases only to requests sending 'Authorization: Bearer TOKEN', TOKEN being the "
+        "content of FILE (at least 16 visible characters; read at start), on any bind",
+    )
+    p.add_argument(
+        "--busy-keys",
+        choices=("plain", "hashed"),
+        default="plain",
+        help="hashed shows each key of /leases as sha256:<16 hex digits> and no inspect command (default: plain)",
+    )
+
+    p = sub.add_parser(
+        "demo",
+        parents=[common],
+        help="watch workers contend, one die, and its lease expire",
         description="Start a private Redis (unless --redis-url) and Dramatiq workers, send contending "
-                    "jobs, SIGKILL a worker holding a lease, and show the orphaned lease expire and the job "
-                    "complete.",
-        epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
+        "jobs, SIGKILL a worker holding a lease, and show the orphaned lease expire and the job "
+        "complete.",
+        epilog=EXIT_CODES_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--invoices", type=_positive_int, default=3, help="number of lease keys (default: 3)")
     p.add_argument("--per-invoice", type=_positive_int, default=4, help="messages per key (default: 4)")
-    p.add_argument("--job-seconds", type=_positive_float, default=1.0,
-                   help="duration of each job (default: 1)")
+    p.add_argument("--job-seconds", type=_positive_float, default=1.0, help="duration of each job (default: 1)")
     return parser
 
 
@@ -308,8 +360,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.url = url  # for the exporter's `show` commands
             if args.command == "exporter":
                 return _exporter(leases, args, out, err)
-            command = {"list": cmd_list, "ls": cmd_list, "show": cmd_show, "release": cmd_release,
-                       "exporter": cmd_exporter}[args.command]
+            command = {
+                "list": cmd_list,
+                "ls": cmd_list,
+                "show": cmd_show,
+                "release": cmd_release,
+                "exporter": cmd_exporter,
+            }[args.command]
             return command(leases, args, out)
         except LeaseUnavailableError as e:
             _fail(err, f"cannot use Redis at {redact_url(url)}: {e}")
@@ -327,4 +384,3 @@ def main(argv: Sequence[str] | None = None) -> int:
             leases.client.close()
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
-

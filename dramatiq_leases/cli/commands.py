@@ -65,9 +65,13 @@ def _warn_unanswered(gaps: ReadGaps, err: TextIO | None) -> int:
     if not gaps.nodes:
         return EXIT_OK
     which = "; ".join(f"{node} ({error})" for node, error in sorted(gaps.nodes.items()))
-    (err or sys.stderr).write(printable(
-        f"dramatiq-leases: {len(gaps.nodes)} Redis Cluster master(s) did not answer, so what they hold is not "
-        f"listed: {which}") + "\n")
+    (err or sys.stderr).write(
+        printable(
+            f"dramatiq-leases: {len(gaps.nodes)} Redis Cluster master(s) did not answer, so what they hold is not "
+            f"listed: {which}"
+        )
+        + "\n"
+    )
     return EXIT_PARTIAL
 
 
@@ -97,8 +101,10 @@ def _unreadable_notes(key: str, gaps: ReadGaps, out: TextIO) -> None:
     """A note on each of ``key``'s Redis keys found of the wrong type (the lease's own has its line already)."""
     for name, bad in sorted(gaps.keys.items()):
         if bad.kind != "lease":
-            out.write(f"note: {name} is {bad.problem}; no dramatiq-leases code wrote it, and the scripts of "
-                      f"{key!r} fail on it until it is removed.\n")
+            out.write(
+                f"note: {name} is {bad.problem}; no dramatiq-leases code wrote it, and the scripts of "
+                f"{key!r} fail on it until it is removed.\n"
+            )
 
 
 def cmd_show(leases: Leases, args: argparse.Namespace, out: TextIO) -> int:
@@ -118,8 +124,9 @@ def cmd_show(leases: Leases, args: argparse.Namespace, out: TextIO) -> int:
     if info is None:
         # Free for a moment (its line's head is on its way to take it), or its keys cannot be read.
         if args.json:
-            json.dump({"key": key, "lease": None, "line": line_dict(line), "fence_state": fences, **extra}, out,
-                      indent=2)
+            json.dump(
+                {"key": key, "lease": None, "line": line_dict(line), "fence_state": fences, **extra}, out, indent=2
+            )
             out.write("\n")
         else:
             out.write(f"no lease on {key!r} right now; line: {describe_line(line)}\n")
@@ -129,8 +136,14 @@ def cmd_show(leases: Leases, args: argparse.Namespace, out: TextIO) -> int:
     token = info.token if args.show_token else None
     if args.json:
         data = lease_dict(info, problem)
-        data.update(token=token, overdue_after=overdue_after(info), deadline_in=deadline_in(info),
-                    fence_state=fences, line=line_dict(line), **extra)
+        data.update(
+            token=token,
+            overdue_after=overdue_after(info),
+            deadline_in=deadline_in(info),
+            fence_state=fences,
+            line=line_dict(line),
+            **extra,
+        )
         json.dump(data, out, indent=2)
         out.write("\n")
         return EXIT_OK
@@ -154,8 +167,9 @@ def cmd_release(leases: Leases, args: argparse.Namespace, out: TextIO) -> int:
             return EXIT_OK
         if leases.inspect(key) is None:
             raise NotFoundError(f"the lease on {key!r} ended meanwhile; nothing to release")
-        raise RefusedError(f"refused: {key!r} is held by another owner (fence {info.fence}, "
-                           f"{holder(info)}); nothing changed")
+        raise RefusedError(
+            f"refused: {key!r} is held by another owner (fence {info.fence}, {holder(info)}); nothing changed"
+        )
     # The verdict is the script's, from the facts in Redis at that instant; `info` only describes the holder.
     result = leases.release_if_dead(key)
     if result.released is None:
@@ -176,8 +190,14 @@ def cmd_exporter(leases: Leases, args: argparse.Namespace, out: TextIO) -> int:
         raise LeaseUnavailableError(f"{type(e).__name__}: {e}") from e
     from ..exporter import serve  # type: ignore[import-not-found, unused-ignore]
 
-    serve(leases, host=args.host, port=args.port, interval=args.interval, top=args.top,
-          cli_options=exporter_cli_options(getattr(args, "url", None), leases.prefix))
+    serve(
+        leases,
+        host=args.host,
+        port=args.port,
+        interval=args.interval,
+        top=args.top,
+        cli_options=exporter_cli_options(getattr(args, "url", None), leases.prefix),
+    )
     return EXIT_OK
 
 

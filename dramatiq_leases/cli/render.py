@@ -146,8 +146,14 @@ def lease_dict(info: LeaseInfo, problem: str | None) -> dict[str, Any]:
     if problem is None:
         return {**info.as_dict(), "leaked": info.state.leaked, "holder": _holder(info)}
     # Not a lease hash: its timestamps are absent, so report only what is real.
-    return {"key": info.key, "redis_key": info.redis_key, "state": info.state.value,
-            "leaked": info.state.leaked, "ttl_left": info.ttl_left, "problem": problem}
+    return {
+        "key": info.key,
+        "redis_key": info.redis_key,
+        "state": info.state.value,
+        "leaked": info.state.leaked,
+        "ttl_left": info.ttl_left,
+        "problem": problem,
+    }
 
 
 def _table(rows: list[list[str]], out: TextIO) -> None:
@@ -162,11 +168,19 @@ def write_list(found: list[LeaseInfo], problems: dict[str, str | None], out: Tex
     rows = [["KEY", "ACTOR", "MESSAGE", "HOLDER", "AGE", "TTL LEFT", "HEARTBEAT", "FENCE", "STATE"]]
     for info in found:
         if problems[info.redis_key] is None:
-            rows.append([
-                info.key, info.meta.get("actor", "-"), info.meta.get("message_id", "-"), holder(info),
-                format_duration(info.age), ttl_left(info), format_duration(info.heartbeat_age) + " ago",
-                str(info.fence), info.state.value,
-            ])
+            rows.append(
+                [
+                    info.key,
+                    info.meta.get("actor", "-"),
+                    info.meta.get("message_id", "-"),
+                    holder(info),
+                    format_duration(info.age),
+                    ttl_left(info),
+                    format_duration(info.heartbeat_age) + " ago",
+                    str(info.fence),
+                    info.state.value,
+                ]
+            )
         else:
             rows.append([info.redis_key, "-", "-", "-", "-", ttl_left(info), "-", "-", info.state.value])
     _table(rows, out)
@@ -176,11 +190,15 @@ def write_list(found: list[LeaseInfo], problems: dict[str, str | None], out: Tex
             out.write(f"note: {printable(info.redis_key)} is {problem}; no dramatiq-leases code wrote it.\n")
     states = {info.state for info in found}
     if State.HEARTBEAT_OVERDUE in states:
-        out.write("note: heartbeat_overdue: renewals are late, but the holder may still be running until its "
-                  "deadline; the lease then ends by its TTL. Investigate the holder; do not release it.\n")
+        out.write(
+            "note: heartbeat_overdue: renewals are late, but the holder may still be running until its "
+            "deadline; the lease then ends by its TTL. Investigate the holder; do not release it.\n"
+        )
     if any(state.leaked for state in states):
-        out.write("note: holder_dead, past_max_hold, no_ttl: leaked, no holder can still believe it holds the "
-                  "lease; `release KEY --if-dead` frees it.\n")
+        out.write(
+            "note: holder_dead, past_max_hold, no_ttl: leaked, no holder can still believe it holds the "
+            "lease; `release KEY --if-dead` frees it.\n"
+        )
 
 
 def state_note(info: LeaseInfo) -> str:
@@ -190,27 +208,38 @@ def state_note(info: LeaseInfo) -> str:
         if deadline is None:
             return f"not written by a dramatiq-leases holder (no holder deadline); it ends by its TTL {expires(info)}"
         if not info.interval:
-            return ("not heartbeated (taken outside a worker, waiting to be adopted); its holder may rely on it "
-                    f"until {when(deadline, info.now_ms)}, and {_ends(info)}")
+            return (
+                "not heartbeated (taken outside a worker, waiting to be adopted); its holder may rely on it "
+                f"until {when(deadline, info.now_ms)}, and {_ends(info)}"
+            )
         return f"the holder's heartbeat is renewing it (last {info.heartbeat_age:.1f}s ago)"
     if state is State.HEARTBEAT_OVERDUE:
         assert deadline is not None  # overdue only before a deadline
-        return (f"renewals are late: none for {info.heartbeat_age:.1f}s (expected every "
-                f"{format_duration(info.interval / 1000)}), but the holder may still be running under the lease "
-                f"until its deadline {when(deadline, info.now_ms)}; {_ends(info, 'the lease')}. "
-                "It is not leaked: investigate the holder, and leave the lease alone (ending it now could let "
-                "a second worker run beside the first)")
+        return (
+            f"renewals are late: none for {info.heartbeat_age:.1f}s (expected every "
+            f"{format_duration(info.interval / 1000)}), but the holder may still be running under the lease "
+            f"until its deadline {when(deadline, info.now_ms)}; {_ends(info, 'the lease')}. "
+            "It is not leaked: investigate the holder, and leave the lease alone (ending it now could let "
+            "a second worker run beside the first)"
+        )
     if state is State.NO_TTL:
-        past = (f"its holder's deadline and safety margin passed at {timestamp(deadline + info.margin_ms)} and "
-                if deadline is not None else "")
-        return (f"leaked: {past}the key has no TTL, so it would never expire by itself; "
-                "`release --if-dead` removes it")
+        past = (
+            f"its holder's deadline and safety margin passed at {timestamp(deadline + info.margin_ms)} and "
+            if deadline is not None
+            else ""
+        )
+        return f"leaked: {past}the key has no TTL, so it would never expire by itself; `release --if-dead` removes it"
     assert deadline is not None  # holder_dead and past_max_hold both have a deadline in the past
-    why = ("its maximum hold ended" if state is State.PAST_MAX_HOLD
-           else "its holder's deadline and the safety margin its actor had to stop passed")
-    return (f"leaked: {why} at {when(deadline + info.margin_ms, info.now_ms)}, so no holder can still be "
-            "running under it; its TTL was changed by hand; "
-            f"it ends by its TTL {expires(info)}, or `release --if-dead` ends it now")
+    why = (
+        "its maximum hold ended"
+        if state is State.PAST_MAX_HOLD
+        else "its holder's deadline and the safety margin its actor had to stop passed"
+    )
+    return (
+        f"leaked: {why} at {when(deadline + info.margin_ms, info.now_ms)}, so no holder can still be "
+        "running under it; its TTL was changed by hand; "
+        f"it ends by its TTL {expires(info)}, or `release --if-dead` ends it now"
+    )
 
 
 def describe_line(line: LineInfo) -> str:
@@ -219,14 +248,20 @@ def describe_line(line: LineInfo) -> str:
         return "empty"
     states = ", ".join(f"{n} {state}" for state, n in sorted(line.states.items()))
     # Escaped whole: the head and the states are as the waiters' entries spell them.
-    return printable(f"{line.length} waiting ({states}); head {line.head}; oldest waiting "
-                     f"{format_duration(line.oldest_wait)}")
+    return printable(
+        f"{line.length} waiting ({states}); head {line.head}; oldest waiting {format_duration(line.oldest_wait)}"
+    )
 
 
 def line_dict(line: LineInfo) -> dict[str, Any]:
     """The line of a key for ``--json``."""
-    return {"length": line.length, "head": line.head or None, "oldest_wait": line.oldest_wait,
-            "states": line.states, "actors": line.actors}
+    return {
+        "length": line.length,
+        "head": line.head or None,
+        "oldest_wait": line.oldest_wait,
+        "states": line.states,
+        "actors": line.actors,
+    }
 
 
 def write_show(info: LeaseInfo, token: str | None, fences: dict[str, int], line: LineInfo, out: TextIO) -> None:
@@ -241,17 +276,24 @@ def write_show(info: LeaseInfo, token: str | None, fences: dict[str, int], line:
         ("acquired", f"{timestamp(info.acquired_ms)} ({format_duration(info.age)} ago)"),
         ("last heartbeat", f"{timestamp(info.renewed_ms)} ({format_duration(info.heartbeat_age)} ago)"),
         ("renew interval", format_duration(info.interval / 1000)),
-        ("overdue after", f"{format_duration(overdue)} without a heartbeat (a warning: the holder may still run)"
-         if (overdue := overdue_after(info)) else "never: not heartbeated (waiting to be adopted)"),
-        ("holder deadline", when(deadline, info.now_ms) + ": no holder trusts the lease after it"
-         if (deadline := info.holder_deadline_ms) is not None else "none recorded"),
+        (
+            "overdue after",
+            f"{format_duration(overdue)} without a heartbeat (a warning: the holder may still run)"
+            if (overdue := overdue_after(info))
+            else "never: not heartbeated (waiting to be adopted)",
+        ),
+        (
+            "holder deadline",
+            when(deadline, info.now_ms) + ": no holder trusts the lease after it"
+            if (deadline := info.holder_deadline_ms) is not None
+            else "none recorded",
+        ),
         ("ttl", format_duration(info.ttl / 1000)),
         ("ttl left", ttl_left(info)),
         ("expires", expires(info)),
         ("max hold until", timestamp(info.max_hold_until_ms) if info.max_hold_until_ms else "none"),
         *([("adopted", timestamp(info.adopted_ms))] if info.adopted_ms else []),
-        ("fence counter", ", ".join(f"last {name} {value}" for name, value in sorted(fences.items()))
-         or "none"),
+        ("fence counter", ", ".join(f"last {name} {value}" for name, value in sorted(fences.items())) or "none"),
         ("line", describe_line(line)),
     ]
     # Field names too: the metadata's come from whoever wrote the hash.
@@ -278,19 +320,27 @@ def why_refused(key: str, info: LeaseInfo, result: DeadRelease) -> str:
     unchanged = "nothing changed"
     if result.deadline_in is None:
         what = "is not a lease hash" if not is_lease(info) else "names no holder deadline"
-        return (f"refused: {key!r} (fence {result.fence}) {what}, and expires by itself by its TTL "
-                f"{expires(info)}; {unchanged}")
+        return (
+            f"refused: {key!r} (fence {result.fence}) {what}, and expires by itself by its TTL "
+            f"{expires(info)}; {unchanged}"
+        )
     deadline = f"its deadline plus the safety margin its actor has to stop, in {result.deadline_in:.1f}s"
     if info.ends_ms is not None:
         deadline += f" ({timestamp(info.ends_ms)})"
     ends = _ends(info)
     if not info.interval:
-        return (f"refused: the lease on {key!r} (fence {result.fence}) is not heartbeated (taken outside a worker, "
-                f"waiting to be adopted); its holder may rely on it until {deadline}; {ends}; {unchanged}")
+        return (
+            f"refused: the lease on {key!r} (fence {result.fence}) is not heartbeated (taken outside a worker, "
+            f"waiting to be adopted); its holder may rely on it until {deadline}; {ends}; {unchanged}"
+        )
     who = f"{key!r} (fence {result.fence}, {holder(info)})"
     if info.state is State.HEARTBEAT_OVERDUE:
-        return (f"refused: the heartbeat of {who} is overdue (last renewal {info.heartbeat_age:.1f}s ago), "
-                f"but its holder may still be running under the lease until {deadline}: releasing it now could "
-                f"let a second worker run beside it; {ends}; {unchanged}")
-    return (f"refused: the holder of {who} is alive: its last heartbeat was {info.heartbeat_age:.1f}s ago, "
-            f"and it relies on the lease until {deadline}; {unchanged}")
+        return (
+            f"refused: the heartbeat of {who} is overdue (last renewal {info.heartbeat_age:.1f}s ago), "
+            f"but its holder may still be running under the lease until {deadline}: releasing it now could "
+            f"let a second worker run beside it; {ends}; {unchanged}"
+        )
+    return (
+        f"refused: the holder of {who} is alive: its last heartbeat was {info.heartbeat_age:.1f}s ago, "
+        f"and it relies on the lease until {deadline}; {unchanged}"
+    )

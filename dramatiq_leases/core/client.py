@@ -144,8 +144,12 @@ def sentinel_client_from_url(url: str, *, socket_timeout: float = DEFAULT_SOCKET
     pairs = parse_qsl(query, keep_blank_values=True)
     # The data nodes' options: redis-py's own parsing, of the URL's credentials, database and options.
     node: dict[str, Any] = {"socket_timeout": socket_timeout, "socket_connect_timeout": socket_timeout}
-    node.update(parse_url(f"{base}://{userinfo}{at}sentinel-primary/{db}?"  # type: ignore[no-untyped-call]
-                          + urlencode([(k, v) for k, v in pairs if k not in _SENTINEL_OPTIONS])))
+    node.update(
+        parse_url(
+            f"{base}://{userinfo}{at}sentinel-primary/{db}?"  # type: ignore[no-untyped-call]
+            + urlencode([(k, v) for k, v in pairs if k not in _SENTINEL_OPTIONS])
+        )
+    )
     for name in ("host", "port", "connection_class"):  # found through the Sentinels; TLS below
         node.pop(name, None)
     own = {k: v for k, v in node.items() if k.startswith(("socket_", "ssl"))}
@@ -263,8 +267,9 @@ class ThreadConnections:
         local = self._local
         client = getattr(local, "client", None)
         if client is None:
-            client = local.client = redis.Redis(connection_pool=self.client.connection_pool,
-                                                single_connection_client=True)
+            client = local.client = redis.Redis(
+                connection_pool=self.client.connection_pool, single_connection_client=True
+            )
         elif local.dirty:
             client.connection.disconnect()  # the last call did not complete: never read its reply as ours
             _reconnect(client)

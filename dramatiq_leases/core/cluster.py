@@ -30,7 +30,8 @@ def _try_again(reply: Exception) -> bool:
     """A call that met its slot mid-migration: its keys split between two nodes (``TRYAGAIN``), or, sent
     with ``ASKING`` to the importing node, a key the script derives (a line's) not there yet."""
     return isinstance(reply, redis.exceptions.TryAgainError) or (
-        isinstance(reply, redis.ResponseError) and "non local key" in str(reply))
+        isinstance(reply, redis.ResponseError) and "non local key" in str(reply)
+    )
 
 
 #: How long a call answered ``TRYAGAIN`` waits before it goes again (s), as redis-py's cluster client does.

@@ -280,8 +280,12 @@ class Heartbeat:
             failed = results.count(Renewal.ERROR)
             if failed:  # some hash slots of a Redis Cluster did not answer, or too few replicas acknowledged
                 self.metrics.redis_error("renew")
-                logger.warning("Could not renew %d of %d lease(s): their hash slots did not answer, or fewer "
-                               "replicas than min_replicas acknowledged the round in time.", failed, len(batch))
+                logger.warning(
+                    "Could not renew %d of %d lease(s): their hash slots did not answer, or fewer "
+                    "replicas than min_replicas acknowledged the round in time.",
+                    failed,
+                    len(batch),
+                )
         except LeaseUnavailableError as e:
             self.metrics.redis_error("renew")
             logger.warning("Could not renew %d lease(s): %s", len(batch), e)
@@ -353,8 +357,11 @@ class Heartbeat:
         if not renewer.is_alive():
             logger.error("Heartbeat thread died; restarting it.")
         elif started and now - started > self._round_hung_after:
-            logger.warning("A lease renewal has been in flight for %.1fs, longer than its leases' renew interval; "
-                           "starting a new heartbeat thread.", now - started)
+            logger.warning(
+                "A lease renewal has been in flight for %.1fs, longer than its leases' renew interval; "
+                "starting a new heartbeat thread.",
+                now - started,
+            )
         else:
             return
         self._round_started = 0.0
@@ -372,4 +379,3 @@ class Heartbeat:
 
 
 _LOST = {Renewal.GONE: LostReason.GONE, Renewal.STOLEN: LostReason.STOLEN, Renewal.MAX_HOLD: LostReason.MAX_HOLD}
-

@@ -131,8 +131,20 @@ class LeaseInfo:
 
 
 #: Hash fields the scripts own; holder metadata may not use these names.
-_CORE_FIELDS = frozenset({"token", "fence", "ttl", "interval", "margin_ms", "acquired_ms", "renewed_ms",
-                          "max_hold_until_ms", "adopted_ms", "key"})
+_CORE_FIELDS = frozenset(
+    {
+        "token",
+        "fence",
+        "ttl",
+        "interval",
+        "margin_ms",
+        "acquired_ms",
+        "renewed_ms",
+        "max_hold_until_ms",
+        "adopted_ms",
+        "key",
+    }
+)
 
 
 def text(value: Any) -> str:

@@ -42,9 +42,12 @@ _GLOB = "glob characters in the SCAN patterns that `list` and the exporter build
 _FORBIDDEN_IN_PREFIX = {
     "{": "braces would end the Redis Cluster hash tag early",
     "}": "braces would end the Redis Cluster hash tag early",
-    "*": _GLOB, "?": _GLOB, "[": _GLOB, "]": _GLOB,
+    "*": _GLOB,
+    "?": _GLOB,
+    "[": _GLOB,
+    "]": _GLOB,
     "\\": "a backslash escapes the next character in the SCAN patterns that `list` and the exporter build from "
-          "the prefix, which would then miss the prefix's leases",
+    "the prefix, which would then miss the prefix's leases",
 }
 
 
@@ -152,7 +155,8 @@ class KeyTemplate:
         params = list(self.signature.parameters.values())
         # Names that positional arguments bind to, when binding is that simple (no *args).
         self._positional: list[str] | None = (
-            None if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params)
+            None
+            if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params)
             else [p.name for p in params if p.kind is not inspect.Parameter.KEYWORD_ONLY]
         )
         self._fields: set[str] = set()
@@ -253,6 +257,8 @@ class KeyTemplate:
                 pieces.append(text)
                 length += len(text)
             if length > MAX_KEY_LENGTH:
-                raise LeaseKeyError(f"{self.owner}: the key rendered by lock_key {self.spec!r} is over "
-                                    f"{MAX_KEY_LENGTH} characters long; the limit is {MAX_KEY_LENGTH}")
+                raise LeaseKeyError(
+                    f"{self.owner}: the key rendered by lock_key {self.spec!r} is over "
+                    f"{MAX_KEY_LENGTH} characters long; the limit is {MAX_KEY_LENGTH}"
+                )
         return "".join(pieces)

@@ -54,8 +54,21 @@ class Lease:
       from_line: whether it was granted as the head of the key's line.
     """
 
-    __slots__ = ("_hold_until", "_valid_until", "acquired_at", "fence", "from_line", "handoff", "interval", "key",
-                 "margin", "max_hold", "meta", "token", "ttl")
+    __slots__ = (
+        "_hold_until",
+        "_valid_until",
+        "acquired_at",
+        "fence",
+        "from_line",
+        "handoff",
+        "interval",
+        "key",
+        "margin",
+        "max_hold",
+        "meta",
+        "token",
+        "ttl",
+    )
 
     def __init__(
         self,

@@ -51,8 +51,9 @@ class LeaseLine:
     def _line_keys(self, key: str) -> list[str]:
         return [lease_name(self.prefix, key)]  # the script derives the line's keys from it
 
-    def hold(self, key: str, waiters: Sequence[str], holder: str, *, park_ms: int, ready: int,
-             promote_ms: int = PROMOTE_MS) -> list[str]:
+    def hold(
+        self, key: str, waiters: Sequence[str], holder: str, *, park_ms: int, ready: int, promote_ms: int = PROMOTE_MS
+    ) -> list[str]:
         """This process holds the parked copies of ``waiters`` of ``key``; tell it what to do with each.
 
         Returns one letter per waiter: ``"p"`` keep it parked; ``"m"`` send it

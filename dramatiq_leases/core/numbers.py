@@ -52,8 +52,13 @@ def whole_count(value: Any, name: str, *, maximum: int, owner: str = "") -> int:
     Raises:
       LeaseConfigError: naming ``owner`` (if given), ``name`` and the value.
     """
-    ok = (not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
-          and value == int(value) and 0 <= value <= maximum)
+    ok = (
+        not isinstance(value, bool)
+        and isinstance(value, (int, float))
+        and math.isfinite(value)
+        and value == int(value)
+        and 0 <= value <= maximum
+    )
     if not ok:
         prefix = f"{owner}: " if owner else ""
         raise LeaseConfigError(f"{prefix}{name} must be a whole number from 0 to {maximum}, got {value!r}")

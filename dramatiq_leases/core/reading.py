@@ -123,8 +123,11 @@ class LeaseReading:
         if not self._cluster:
             return [("", self.client)]
         client: Any = self.client
-        return [(node.name, client.get_redis_connection(node)) for node in client.get_primaries()
-                if gaps is None or node.name not in gaps.nodes]
+        return [
+            (node.name, client.get_redis_connection(node))
+            for node in client.get_primaries()
+            if gaps is None or node.name not in gaps.nodes
+        ]
 
     def _by_node(self, names: Sequence[str], gaps: ReadGaps | None) -> dict[str, tuple[Any, list[int]]]:
         """The positions of ``names`` by the node serving them, with its client; names of nodes already
@@ -152,7 +155,8 @@ class LeaseReading:
         if gaps is None or not self._cluster:
             where = f" (master {node})" if node else ""
             raise LeaseUnavailableError(f"could not {what}{where}: {why}") from (
-                None if isinstance(error, str) else error)
+                None if isinstance(error, str) else error
+            )
         gaps.nodes.setdefault(node, why)
 
     def _none_answered(self, asked: Iterable[str], gaps: ReadGaps | None, what: str) -> None:
@@ -191,9 +195,15 @@ class LeaseReading:
         for name, kind in found.items():
             gaps.keys[name] = UnreadableKey(name, kind, types.get(name, ""))
 
-    def _pipelined(self, names: Sequence[str], gaps: ReadGaps | None, what: str,
-                   commands: Callable[[Any, str], None], *,
-                   clock: bool = False) -> tuple[dict[int, tuple[list[Any], int]], set[str]]:
+    def _pipelined(
+        self,
+        names: Sequence[str],
+        gaps: ReadGaps | None,
+        what: str,
+        commands: Callable[[Any, str], None],
+        *,
+        clock: bool = False,
+    ) -> tuple[dict[int, tuple[list[Any], int]], set[str]]:
         """The replies of ``commands(pipe, name)`` for each of ``names``, by position, with the server clock in
         ms if ``clock`` (else 0), and the nodes asked: each node's names on one pipeline of that node's
         connection. A name whose node did not answer is left out (:meth:`_failed`). One whose slot is moving
@@ -228,8 +238,17 @@ class LeaseReading:
             self._refresh()
             for node, (client, positions) in self._by_node([names[i] for i in moved], gaps).items():
                 asked.add(node)
-                replies = self._settled(node, client, list(range(len(positions))),
-                                        [names[moved[j]] for j in positions], gaps, what, commands, clock, False)
+                replies = self._settled(
+                    node,
+                    client,
+                    list(range(len(positions))),
+                    [names[moved[j]] for j in positions],
+                    gaps,
+                    what,
+                    commands,
+                    clock,
+                    False,
+                )
                 out.update({moved[positions[j]]: reply for j, reply in replies.items()})
         return out, asked
 
@@ -239,9 +258,18 @@ class LeaseReading:
         node = client.get_node(host=host, port=port)
         return None if node is None else client.get_redis_connection(node)
 
-    def _settled(self, node: str, client: Any, positions: list[int], names: Sequence[str], gaps: ReadGaps | None,
-                 what: str, commands: Callable[[Any, str], None], clock: bool,
-                 asking: bool) -> dict[int, tuple[list[Any], int]]:
+    def _settled(
+        self,
+        node: str,
+        client: Any,
+        positions: list[int],
+        names: Sequence[str],
+        gaps: ReadGaps | None,
+        what: str,
+        commands: Callable[[Any, str], None],
+        clock: bool,
+        asking: bool,
+    ) -> dict[int, tuple[list[Any], int]]:
         """:meth:`_send`, for names sent again: one still redirected (its slot still moving) fails as its node's."""
         out = {}
         for i, reply in self._send(node, client, positions, names, gaps, what, commands, clock, asking).items():
@@ -252,9 +280,18 @@ class LeaseReading:
                 out[i] = reply
         return out
 
-    def _send(self, node: str, client: Any, positions: list[int], names: Sequence[str], gaps: ReadGaps | None,
-              what: str, commands: Callable[[Any, str], None], clock: bool,
-              asking: bool) -> dict[int, tuple[list[Any], int]]:
+    def _send(
+        self,
+        node: str,
+        client: Any,
+        positions: list[int],
+        names: Sequence[str],
+        gaps: ReadGaps | None,
+        what: str,
+        commands: Callable[[Any, str], None],
+        clock: bool,
+        asking: bool,
+    ) -> dict[int, tuple[list[Any], int]]:
         """The replies of ``names[i]``'s commands for each of ``positions``, on one pipeline of ``client``
         (``asking``: each name's commands after ``ASKING``), with that node's clock if ``clock``; ``{}`` if the
         node did not answer (:meth:`_failed`)."""
@@ -281,7 +318,7 @@ class LeaseReading:
         out = {}
         start = 0
         for i, n in zip(positions, counts):
-            mine = list(replies[start:start + n])
+            mine = list(replies[start : start + n])
             out[i] = (mine[1::2] if asking else mine, now_ms)  # without ASKING's OKs
             start += n
         return out
@@ -359,8 +396,9 @@ class LeaseReading:
             if info.redis_key not in seen and fnmatch.fnmatchcase(info.key, match):
                 yield info
 
-    def _scan_batches(self, pattern: str, count: int, gaps: ReadGaps | None,
-                      keep: Callable[[str], bool] = lambda name: True) -> Iterator[list[str]]:
+    def _scan_batches(
+        self, pattern: str, count: int, gaps: ReadGaps | None, keep: Callable[[str], bool] = lambda name: True
+    ) -> Iterator[list[str]]:
         """The Redis keys matching ``pattern`` that ``keep`` keeps, by ``SCAN`` of each master in turn (each
         key once), in batches of at most ``count``, each of one master."""
         masters = self._masters(gaps)
@@ -414,6 +452,7 @@ class LeaseReading:
 
     def _read_lines(self, names: Sequence[str], gaps: ReadGaps | None) -> tuple[list[LineInfo], set[str]]:
         """:meth:`inspect_lines`, and the nodes asked, without failing when none of them answered."""
+
         def commands(pipe: Any, name: str) -> None:
             pipe.zrange(name, 0, 0, withscores=True)
             pipe.zcard(name)
@@ -445,7 +484,7 @@ class LeaseReading:
         a waiter's wake list (``{prefix}:line:{tag}:w:<waiter>``), which the scan pattern matches too when
         the waiter id ends with ``}``."""
         start = f"{self.prefix}:line:{{"
-        tag = name[len(start):-1]
+        tag = name[len(start) : -1]
         return name.startswith(start) and name.endswith("}") and "{" not in tag and "}" not in tag
 
     def scan_lines(self, *, count: int = 500, gaps: ReadGaps | None = None) -> Iterator[LineInfo]:

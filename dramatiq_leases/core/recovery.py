@@ -59,4 +59,3 @@ class LeaseRecovery:
         if code == 1:
             return DeadRelease(True, -ms / 1000, fence)
         return DeadRelease(False, ms / 1000 if ms >= 0 else None, fence)
-

@@ -26,17 +26,21 @@ DEFAULT_REPLICA_TIMEOUT_MS = 500
 def check_replication(client: RedisClient, timeout_ms: int) -> None:
     """Refuse, at construction, a ``min_replicas`` set-up that cannot work."""
     if isinstance(client, RedisCluster):
-        raise LeaseConfigError("Leases: min_replicas is not available with RedisCluster (WAIT must follow each "
-                               "script on the connection that ran it)")
+        raise LeaseConfigError(
+            "Leases: min_replicas is not available with RedisCluster (WAIT must follow each "
+            "script on the connection that ran it)"
+        )
     socket_timeout = connection_kwargs(client).get("socket_timeout")
     if isinstance(socket_timeout, (int, float)) and timeout_ms >= socket_timeout * 1000:
         raise LeaseConfigError(
             f"Leases: replica_timeout_ms must be shorter than the Redis client's socket_timeout "
-            f"({socket_timeout} s), got {timeout_ms}: a read that times out before WAIT answers fails the call")
+            f"({socket_timeout} s), got {timeout_ms}: a read that times out before WAIT answers fails the call"
+        )
 
 
-def evalsha_acked(client: Any, script: Any, keys: list[str], args: list[Any], replicas: int,
-                  timeout_ms: int) -> tuple[Any, int]:
+def evalsha_acked(
+    client: Any, script: Any, keys: list[str], args: list[Any], replicas: int, timeout_ms: int
+) -> tuple[Any, int]:
     """Run ``script`` then ``WAIT replicas timeout_ms`` on one connection, in one round trip.
 
     Returns the script's reply and how many replicas acknowledged every write this connection made
@@ -54,10 +58,13 @@ def evalsha_acked(client: Any, script: Any, keys: list[str], args: list[Any], re
     return reply, int(acked)
 
 
-def not_replicated(what: str, key: str, acked: int, wanted: int, timeout_ms: int,
-                   released: bool | None) -> LeaseUnavailableError:
+def not_replicated(
+    what: str, key: str, acked: int, wanted: int, timeout_ms: int, released: bool | None
+) -> LeaseUnavailableError:
     """The error for a grant fewer than ``wanted`` replicas acknowledged in time, released (or not: ``None``)."""
     outcome = "not released (it ends by its TTL)" if released is None else "released"
     return LeaseUnavailableError(
         f"could not {what} lease {key!r}: granted, but acknowledged by {acked} of the {wanted} replica(s) asked "
-        f"(min_replicas) within {timeout_ms} ms, so a failover could lose it; {outcome}", key=key)
+        f"(min_replicas) within {timeout_ms} ms, so a failover could lose it; {outcome}",
+        key=key,
+    )

@@ -36,8 +36,10 @@ def plan(leases: Sequence[Lease], name: Callable[[str], str], *, cluster: bool) 
         slot = key_slot(name(lease.key).encode()) if cluster else 0
         groups[(slot, lease.ttl)].append(i)
     batches = [idx[n : n + RENEW_BATCH] for idx in groups.values() for n in range(0, len(idx), RENEW_BATCH)]
-    calls = [([name(leases[i].key) for i in batch], [leases[batch[0]].ttl, *(leases[i].token for i in batch)])
-             for batch in batches]
+    calls = [
+        ([name(leases[i].key) for i in batch], [leases[batch[0]].ttl, *(leases[i].token for i in batch)])
+        for batch in batches
+    ]
     return batches, calls
 
 

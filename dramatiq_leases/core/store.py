@@ -114,20 +114,31 @@ class Leases(LeaseReading, LeaseLine, LeaseRecovery):
       ...     print(f"busy, retry in {lease.retry_after}s")
     """
 
-    def __init__(self, client: RedisClient, *, prefix: str = DEFAULT_PREFIX, thread_connections: bool = False,
-                 fence_retention_ms: int | None = None, min_replicas: int = 0,
-                 replica_timeout_ms: int = DEFAULT_REPLICA_TIMEOUT_MS) -> None:
+    def __init__(
+        self,
+        client: RedisClient,
+        *,
+        prefix: str = DEFAULT_PREFIX,
+        thread_connections: bool = False,
+        fence_retention_ms: int | None = None,
+        min_replicas: int = 0,
+        replica_timeout_ms: int = DEFAULT_REPLICA_TIMEOUT_MS,
+    ) -> None:
         self.client = client
         self.prefix = validate_prefix(prefix)
-        self.fence_retention_ms = (0 if fence_retention_ms is None
-                                   else whole_ms(fence_retention_ms, "fence_retention_ms", owner="Leases"))
+        self.fence_retention_ms = (
+            0 if fence_retention_ms is None else whole_ms(fence_retention_ms, "fence_retention_ms", owner="Leases")
+        )
         self._cluster = isinstance(client, RedisCluster)
         self.min_replicas = whole_count(min_replicas, "min_replicas", maximum=MAX_REPLICAS, owner="Leases")
         self.replica_timeout_ms = whole_ms(replica_timeout_ms, "replica_timeout_ms", owner="Leases")
         if self.min_replicas:
             check_replication(client, self.replica_timeout_ms)
-        self._threads = (ThreadConnections(client) if thread_connections and isinstance(client, redis.Redis)
-                         and not self._cluster else None)
+        self._threads = (
+            ThreadConnections(client)
+            if thread_connections and isinstance(client, redis.Redis) and not self._cluster
+            else None
+        )
         self._acquire = client.register_script(scripts.ACQUIRE)
         self._renew_many = client.register_script(scripts.RENEW_MANY)
         self._release = client.register_script(scripts.RELEASE)
@@ -143,13 +154,22 @@ class Leases(LeaseReading, LeaseLine, LeaseRecovery):
             for name in (_ACQUIRE, _RENEW, _RELEASE)
         }
         self._pipeline_attrs: dict[str, str | int] = {
-            **server, tracing.DB_OPERATION: "PIPELINE EVALSHA", tracing.DB_PROCEDURE: _RENEW,
+            **server,
+            tracing.DB_OPERATION: "PIPELINE EVALSHA",
+            tracing.DB_PROCEDURE: _RENEW,
         }
 
     @classmethod
-    def from_url(cls, url: str, *, prefix: str = DEFAULT_PREFIX, socket_timeout: float = DEFAULT_SOCKET_TIMEOUT,
-                 fence_retention_ms: int | None = None, min_replicas: int = 0,
-                 replica_timeout_ms: int = DEFAULT_REPLICA_TIMEOUT_MS) -> Leases:
+    def from_url(
+        cls,
+        url: str,
+        *,
+        prefix: str = DEFAULT_PREFIX,
+        socket_timeout: float = DEFAULT_SOCKET_TIMEOUT,
+        fence_retention_ms: int | None = None,
+        min_replicas: int = 0,
+        replica_timeout_ms: int = DEFAULT_REPLICA_TIMEOUT_MS,
+    ) -> Leases:
         """Leases on the Redis at ``url``; its calls and connects time out after ``socket_timeout`` seconds.
 
         ``redis://``, ``rediss://`` and ``unix://``: one server, as redis-py reads them.
@@ -165,8 +185,13 @@ class Leases(LeaseReading, LeaseLine, LeaseRecovery):
         The other parameters are the constructor's.
         """
         client = client_from_url(url, socket_timeout=socket_timeout)
-        return cls(client, prefix=prefix, fence_retention_ms=fence_retention_ms, min_replicas=min_replicas,
-                   replica_timeout_ms=replica_timeout_ms)
+        return cls(
+            client,
+            prefix=prefix,
+            fence_retention_ms=fence_retention_ms,
+            min_replicas=min_replicas,
+            replica_timeout_ms=replica_timeout_ms,
+        )
 
     # Names -----------------------------------------------------------------
 
@@ -247,8 +272,16 @@ class Leases(LeaseReading, LeaseLine, LeaseRecovery):
         meta = dict(meta or {})
         mode = 0 if not waiter else 2 if may_wait else 1
         line = f"{first_ms} {mode} {ready} {park_ms} {promote_ms} {self.fence_retention_ms}"
-        args: list[Any] = [token, ttl, max_hold_ms, stored_interval, margin_ms(ttl), waiter or "", line,
-                           *meta_args(key, meta)]
+        args: list[Any] = [
+            token,
+            ttl,
+            max_hold_ms,
+            stored_interval,
+            margin_ms(ttl),
+            waiter or "",
+            line,
+            *meta_args(key, meta),
+        ]
         attributes: dict[str, str | int] = {**self._span_attrs[_ACQUIRE], tracing.TTL: ttl}
         if tracing.keys_recorded():
             attributes[tracing.KEY] = key
@@ -258,9 +291,16 @@ class Leases(LeaseReading, LeaseLine, LeaseRecovery):
                 reply, acked = self._call_acked(self._acquire, self._keys(key), args)
             if int(reply[0]) != 1:
                 span.set_attributes({tracing.OUTCOME: "busy", tracing.FENCE: int(reply[2])})
-                return Busy(key=key, ttl_left=int(reply[1]), fence=int(reply[2]), now_ms=int(reply[3]),
-                            wait=_WAITS[int(reply[4])], place=int(reply[5]), line=int(reply[6]),
-                            block_ms=int(reply[7]))
+                return Busy(
+                    key=key,
+                    ttl_left=int(reply[1]),
+                    fence=int(reply[2]),
+                    now_ms=int(reply[3]),
+                    wait=_WAITS[int(reply[4])],
+                    place=int(reply[5]),
+                    line=int(reply[6]),
+                    block_ms=int(reply[7]),
+                )
             if acked < self.min_replicas:
                 self._not_replicated("acquire", key, token, acked)
             span.set_attributes({tracing.OUTCOME: "acquired", tracing.FENCE: int(reply[1])})
@@ -415,8 +455,9 @@ class Leases(LeaseReading, LeaseLine, LeaseRecovery):
             sent_at = time.monotonic()
             with unavailable(f"renew {len(leases)} lease(s)"):
                 if self.min_replicas:  # never a Cluster: see __init__
-                    replies, acked = rounds.run_acked(self.client, self._renew_many, calls, self.min_replicas,
-                                                      self.replica_timeout_ms)
+                    replies, acked = rounds.run_acked(
+                        self.client, self._renew_many, calls, self.min_replicas, self.replica_timeout_ms
+                    )
                 elif self._cluster:
                     replies, acked = cluster.run(self.client, self._renew_many, calls), 0
                 else:
@@ -445,8 +486,16 @@ class Leases(LeaseReading, LeaseLine, LeaseRecovery):
         """
         return self.release_token(lease.key, lease.token, fence=lease.fence)
 
-    def release_token(self, key: str, token: str, *, fence: int | None = None, waiter: str | None = None,
-                      ready: int = DEFAULT_READY, promote_ms: int = PROMOTE_MS) -> bool:
+    def release_token(
+        self,
+        key: str,
+        token: str,
+        *,
+        fence: int | None = None,
+        waiter: str | None = None,
+        ready: int = DEFAULT_READY,
+        promote_ms: int = PROMOTE_MS,
+    ) -> bool:
         """Release the lease on ``key`` only if ``token`` holds it (``fence`` only labels the span).
 
         ``waiter``: the holder's id in the line if it waited there; it is
@@ -460,8 +509,9 @@ class Leases(LeaseReading, LeaseLine, LeaseRecovery):
             attributes[tracing.FENCE] = fence
         with tracing.span(_RELEASE_SPAN, attributes) as span:
             with unavailable(f"release lease {key!r}", key):
-                reply = self._call(self._release, self._keys(key),
-                                   [token, waiter or "", ready, promote_ms, self.fence_retention_ms])
+                reply = self._call(
+                    self._release, self._keys(key), [token, waiter or "", ready, promote_ms, self.fence_retention_ms]
+                )
                 released = int(reply) == 1
             span.set_attribute(tracing.OUTCOME, "released" if released else "not_held")
         return released

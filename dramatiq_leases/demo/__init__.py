@@ -112,8 +112,19 @@ def _sigterm_unwinds() -> Iterator[None]:
 class _Demo:
     """One run of the demo: sets its processes up, plays the story until it settles, and sums it up."""
 
-    def __init__(self, redis_url: str | None, *, prefix: str, invoices: int, per_invoice: int,
-                 job_seconds: float, workers: int, threads: int, timeout: float, out: TextIO) -> None:
+    def __init__(
+        self,
+        redis_url: str | None,
+        *,
+        prefix: str,
+        invoices: int,
+        per_invoice: int,
+        job_seconds: float,
+        workers: int,
+        threads: int,
+        timeout: float,
+        out: TextIO,
+    ) -> None:
         self.redis_url = redis_url
         self.invoices = invoices
         self.per_invoice = per_invoice
@@ -141,20 +152,26 @@ class _Demo:
 
         metrics_url = stack.start_metrics()
         total = self.invoices * self.per_invoice
-        line(f"dramatiq-leases demo: {self.invoices} invoices x {self.per_invoice} messages, "
-             f"~{self.job_seconds:g}s each, at most one job per invoice at a time")
+        line(
+            f"dramatiq-leases demo: {self.invoices} invoices x {self.per_invoice} messages, "
+            f"~{self.job_seconds:g}s each, at most one job per invoice at a time"
+        )
         where = "a private redis-server that stops with the demo" if stack.embedded else "the given Redis"
         line(f"  redis     {redact_url(url)}  ({where})")
         line(f"  metrics   {metrics_url}")
         interval = LOCK_TTL_MS // 3
-        line(f"  leases    lock_ttl {LOCK_TTL_MS / 1000:g}s, renewed every {interval / 1000:g}s; after the "
-             f"last renewal: heartbeat overdue at {stale_after(interval) / 1000:g}s, holder's deadline at "
-             f"{(LOCK_TTL_MS - margin_ms(LOCK_TTL_MS)) / 1000:g}s, expired at {LOCK_TTL_MS / 1000:g}s")
+        line(
+            f"  leases    lock_ttl {LOCK_TTL_MS / 1000:g}s, renewed every {interval / 1000:g}s; after the "
+            f"last renewal: heartbeat overdue at {stale_after(interval) / 1000:g}s, holder's deadline at "
+            f"{(LOCK_TTL_MS - margin_ms(LOCK_TTL_MS)) / 1000:g}s, expired at {LOCK_TTL_MS / 1000:g}s"
+        )
         line(f"  inspect   dramatiq-leases --redis-url {redact_url(url)} --prefix {self.names.prefix} list")
         self.console.restart_clock()
         stack.start_workers(url)
-        line(f"  workers   {stack.workers} Dramatiq instances x {stack.threads} threads "
-             f"(pids {', '.join(str(p.pid) for p in stack.procs)})")
+        line(
+            f"  workers   {stack.workers} Dramatiq instances x {stack.threads} threads "
+            f"(pids {', '.join(str(p.pid) for p in stack.procs)})"
+        )
         line()
         if not stack.wait_for_workers():
             return EXIT_FAILED
@@ -220,9 +237,17 @@ def run(
       0 if every check passed, 1 if one failed, 4 if Redis could not be
       used, 130 on Ctrl-C, 143 on SIGTERM.
     """
-    demo = _Demo(redis_url, prefix=prefix, invoices=invoices, per_invoice=per_invoice,
-                 job_seconds=job_seconds, workers=workers, threads=threads, timeout=timeout,
-                 out=out or sys.stdout)
+    demo = _Demo(
+        redis_url,
+        prefix=prefix,
+        invoices=invoices,
+        per_invoice=per_invoice,
+        job_seconds=job_seconds,
+        workers=workers,
+        threads=threads,
+        timeout=timeout,
+        out=out or sys.stdout,
+    )
     code = EXIT_FAILED
     with _sigterm_unwinds():
         try:

@@ -85,8 +85,14 @@ _events = client_from_url(REDIS_URL)
 def _record(event: str, invoice_id: int, job: int, **fields: Any) -> None:
     """Append a job event, stamped with Redis server time so all processes share one clock."""
     seconds, micros = _events.time()
-    data = {"event": event, "invoice": invoice_id, "job": job, "pid": os.getpid(),
-            "t_ms": seconds * 1000 + micros // 1000, **fields}
+    data = {
+        "event": event,
+        "invoice": invoice_id,
+        "job": job,
+        "pid": os.getpid(),
+        "t_ms": seconds * 1000 + micros // 1000,
+        **fields,
+    }
     _events.rpush(EVENTS_KEY, json.dumps(data))
 
 
@@ -138,5 +144,6 @@ def _exit_with_demo(parent: int) -> None:
 
 
 if os.environ.get(ENV_PARENT_PID):
-    threading.Thread(target=_exit_with_demo, args=(int(os.environ[ENV_PARENT_PID]),), daemon=True,
-                     name="dramatiq-leases-demo-watch").start()
+    threading.Thread(
+        target=_exit_with_demo, args=(int(os.environ[ENV_PARENT_PID]),), daemon=True, name="dramatiq-leases-demo-watch"
+    ).start()

@@ -61,12 +61,16 @@ def state_news(info: LeaseInfo) -> str:
     until = (deadline - info.now_ms) / 1000 if deadline is not None else 0.0
     expires = info.ttl_left / 1000
     if info.state is State.HEARTBEAT_OVERDUE:
-        return (f"heartbeat_overdue: no renewal for {info.heartbeat_age:.1f}s, but its holder may still be "
-                f"running until its deadline in {until:.1f}s, and stopping until its TTL runs out in "
-                f"{expires:.1f}s: nobody may release it before")
+        return (
+            f"heartbeat_overdue: no renewal for {info.heartbeat_age:.1f}s, but its holder may still be "
+            f"running until its deadline in {until:.1f}s, and stopping until its TTL runs out in "
+            f"{expires:.1f}s: nobody may release it before"
+        )
     if info.state is State.HOLDER_DEAD:
-        return (f"holder_dead: its holder's deadline passed {-until:.1f}s ago, no holder can still believe it "
-                f"holds it; its TTL runs out in {expires:.1f}s")
+        return (
+            f"holder_dead: its holder's deadline passed {-until:.1f}s ago, no holder can still believe it "
+            f"holds it; its TTL runs out in {expires:.1f}s"
+        )
     return f"{info.state.value}: its TTL runs out in {expires:.1f}s"
 
 
@@ -107,9 +111,11 @@ class Chaos:
                 orphan.gone_at, orphan.released = time.monotonic(), released
                 if not released:
                     expired_ms = before.now_ms + before.ttl_left - self.kill.kill_ms
-                    self.console.say(f"{key}  fence {before.fence}  EXPIRED by its TTL {expired_ms / 1000:.1f}s "
-                                     "after its holder was killed: the orphaned lease is gone, "
-                                     "the invoice is free again")
+                    self.console.say(
+                        f"{key}  fence {before.fence}  EXPIRED by its TTL {expired_ms / 1000:.1f}s "
+                        "after its holder was killed: the orphaned lease is gone, "
+                        "the invoice is free again"
+                    )
             elif not released:
                 self.console.say(f"{key}  fence {before.fence}  expired by its TTL (no release seen)")
         self.leases_seen = now
@@ -136,10 +142,16 @@ class Chaos:
             if picky and per_pid[info.meta.get("pid", "")] > 1:
                 continue
             pid = int(info.meta.get("pid", "0") or 0)
-            running = [a for a in self.jobs.attempts
-                       if a.key == info.key and a.fence == info.fence and a.end_ms is None]
-            if (info.state is not State.ALIVE or not running or info.meta.get("host") != host or pid <= 0
-                    or now_ms - running[0].start_ms < KILL_AFTER * 1000):
+            running = [
+                a for a in self.jobs.attempts if a.key == info.key and a.fence == info.fence and a.end_ms is None
+            ]
+            if (
+                info.state is not State.ALIVE
+                or not running
+                or info.meta.get("host") != host
+                or pid <= 0
+                or now_ms - running[0].start_ms < KILL_AFTER * 1000
+            ):
                 continue
             if Path("/proc").is_dir() and self.stack.instance_of(pid) is None:
                 continue  # not one of our workers: never kill a stranger
@@ -158,14 +170,20 @@ class Chaos:
             multiprocess.mark_process_dead(pid, str(self.stack.metrics_dir))  # type: ignore[no-untyped-call]
         # Every lease the process held is now an orphan, not only the one that picked it.
         self.leases_seen = {i.key: i for i in leases.scan()}
-        kill.orphans = [Orphan(i.key, i.fence, i) for i in self.leases_seen.values()
-                        if i.meta.get("pid") == str(pid) and i.meta.get("host") == host]
+        kill.orphans = [
+            Orphan(i.key, i.fence, i)
+            for i in self.leases_seen.values()
+            if i.meta.get("pid") == str(pid) and i.meta.get("host") == host
+        ]
         held = ", ".join(f"{o.key} (fence {o.fence})" for o in kill.orphans)
         left = "that lease stays" if len(kill.orphans) == 1 else "those leases stay"
-        self.console.say(f"KILL -9 {label}, {into:.1f}s into a job; it held {held}: {left} behind, "
-                         "and nobody will release it")
+        self.console.say(
+            f"KILL -9 {label}, {into:.1f}s into a job; it held {held}: {left} behind, and nobody will release it"
+        )
         for o in kill.orphans:
             overdue, deadline, expiry = o.timeline(kill.kill_ms)
             dead = f", holder_dead at +{deadline:.1f}s (its holder's deadline)" if deadline is not None else ""
-            self.console.say(f"{o.key}  fence {o.fence}  ahead, from the kill: heartbeat_overdue at +{overdue:.1f}s"
-                             f"{dead}, expired by its TTL at +{expiry:.1f}s")
+            self.console.say(
+                f"{o.key}  fence {o.fence}  ahead, from the kill: heartbeat_overdue at +{overdue:.1f}s"
+                f"{dead}, expired by its TTL at +{expiry:.1f}s"
+            )

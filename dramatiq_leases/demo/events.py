@@ -44,13 +44,19 @@ class Jobs:
         from dramatiq.brokers.redis import RedisBroker
 
         broker = RedisBroker(  # type: ignore[no-untyped-call]
-            client=client, namespace=namespace, middleware=[])
+            client=client, namespace=namespace, middleware=[]
+        )
         for job in range(self.per_invoice):
             for invoice in range(1, invoices + 1):
-                message = broker.enqueue(Message(
-                    queue_name=QUEUE_NAME, actor_name=ACTOR_NAME, args=(invoice, job, job_seconds),
-                    kwargs={}, options={},
-                ))
+                message = broker.enqueue(
+                    Message(
+                        queue_name=QUEUE_NAME,
+                        actor_name=ACTOR_NAME,
+                        args=(invoice, job, job_seconds),
+                        kwargs={},
+                        options={},
+                    )
+                )
                 self.messages[message.message_id] = (invoice, job)
 
     def read(self, client: redis.Redis, label: Callable[[int], str], killed_pid: int | None) -> None:
@@ -65,8 +71,7 @@ class Jobs:
             key = f"invoice:{e['invoice']}"
             job = f"job {e['job'] + 1}/{self.per_invoice}"
             if e["event"] == "start":
-                self.attempts.append(
-                    Attempt(key, e["job"], e["fence"], e["message_id"], e["pid"], e["t_ms"]))
+                self.attempts.append(Attempt(key, e["job"], e["fence"], e["message_id"], e["pid"], e["t_ms"]))
                 again = "  <- a killed job, redelivered" if e["message_id"] in self.killed_messages(killed_pid) else ""
                 self.console.say(f"{key}  fence {e['fence']}  {job} started on {label(e['pid'])}{again}")
                 continue

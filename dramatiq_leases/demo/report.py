@@ -21,10 +21,17 @@ def max_overlap(intervals: list[tuple[int, int]]) -> int:
 
 def status(console: Console, jobs: Jobs, leases_seen: dict[str, LeaseInfo], busy_retries: int) -> None:
     """Say how many jobs are done, how many messages were parked in a line, and which leases are held."""
-    held = " ".join(f"{k}#{i.fence}" + ("" if i.state is State.ALIVE else f"({i.state.value})")
-                    for k, i in sorted(leases_seen.items())) or "-"
-    console.say(f"status: {len(jobs.done_ids() & jobs.messages.keys())}/{len(jobs.messages)} done, "
-                f"busy retries {busy_retries}, held: {held}")
+    held = (
+        " ".join(
+            f"{k}#{i.fence}" + ("" if i.state is State.ALIVE else f"({i.state.value})")
+            for k, i in sorted(leases_seen.items())
+        )
+        or "-"
+    )
+    console.say(
+        f"status: {len(jobs.done_ids() & jobs.messages.keys())}/{len(jobs.messages)} done, "
+        f"busy retries {busy_retries}, held: {held}"
+    )
 
 
 def summary(console: Console, jobs: Jobs, kill: Kill, stack: Stack, metrics_url: str, took: float) -> list[str]:
@@ -56,8 +63,10 @@ def summary(console: Console, jobs: Jobs, kill: Kill, stack: Stack, metrics_url:
         failures.append("an orphaned lease was released by someone instead of expiring")
     order = [State.HEARTBEAT_OVERDUE, State.HOLDER_DEAD]
     if any(o.seen != [s for s in order if s in o.seen] for o in kill.orphans):
-        failures.append("an orphaned lease was seen in an unexpected state or order: "
-                        + "; ".join(f"{o.key} {[s.value for s in o.seen]}" for o in kill.orphans))
+        failures.append(
+            "an orphaned lease was seen in an unexpected state or order: "
+            + "; ".join(f"{o.key} {[s.value for s in o.seen]}" for o in kill.orphans)
+        )
     killed = jobs.killed_messages(kill.pid)
     redone = {a.message_id: a for a in done if a.message_id in killed and a.start_ms > kill.kill_ms}
     if not killed:
@@ -69,24 +78,28 @@ def summary(console: Console, jobs: Jobs, kill: Kill, stack: Stack, metrics_url:
     console.line("summary")
     note = "each message exactly once" if not twice else f"{twice} redelivered and completed twice"
     console.line(f"  jobs completed          {once}/{total} ({note})")
-    console.line(f"  busy retries            {stack.busy_retries()} "
-                 "(messages parked in their invoice's line until their turn)")
+    console.line(
+        f"  busy retries            {stack.busy_retries()} (messages parked in their invoice's line until their turn)"
+    )
     console.line(f"  max concurrent per key  {concurrency}")
-    console.line(f"  killed                  pid {kill.pid} (SIGKILL) while it held "
-                 + ", ".join(f"{o.key} fence {o.fence}" for o in kill.orphans))
+    console.line(
+        f"  killed                  pid {kill.pid} (SIGKILL) while it held "
+        + ", ".join(f"{o.key} fence {o.fence}" for o in kill.orphans)
+    )
     for o in kill.orphans:
         overdue, deadline, expired = o.timeline(kill.kill_ms)
         steps = f"heartbeat overdue {overdue:.1f}s, "
         if deadline is not None:
             steps += f"holder's deadline {deadline:.1f}s, "
-        fate = ("released by someone" if o.released
-                else f"expired {expired:.1f}s after the kill (never released)")
+        fate = "released by someone" if o.released else f"expired {expired:.1f}s after the kill (never released)"
         console.line(f"  orphaned lease          {o.key} fence {o.fence}: {steps}{fate}")
     for a in sorted(redone.values(), key=lambda a: a.key):
-        console.line(f"  killed job              {a.key} job {a.job + 1}: redelivered and completed "
-                     f"with fence {a.fence}")
-    console.line("  fences per key          " + "  ".join(f"{k} {','.join(map(str, f))}"
-                                                        for k, f in sorted(fences.items())))
+        console.line(
+            f"  killed job              {a.key} job {a.job + 1}: redelivered and completed with fence {a.fence}"
+        )
+    console.line(
+        "  fences per key          " + "  ".join(f"{k} {','.join(map(str, f))}" for k, f in sorted(fences.items()))
+    )
     console.line(f"  metrics                 {metrics_url} (served until the demo exits)")
     console.line(f"  took                    {took:.1f}s")
     return failures

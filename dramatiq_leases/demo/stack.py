@@ -120,13 +120,29 @@ class Stack:
         # processes dies, and the point is to watch the surviving workers carry on.
         for i in range(self.workers):
             with open(self.tmp / f"worker-{i + 1}.log", "wb") as log:  # the child keeps its own copy
-                self.procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "dramatiq", "dramatiq_leases.demo.app", "--processes", "1",
-                     "--threads", str(self.threads), "--worker-shutdown-timeout", "5000"],
-                    cwd=self.tmp, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                    # Its own process group: stopped as one, and spared the terminal's Ctrl-C.
-                    start_new_session=True,
-                ))
+                self.procs.append(
+                    subprocess.Popen(
+                        [
+                            sys.executable,
+                            "-m",
+                            "dramatiq",
+                            "dramatiq_leases.demo.app",
+                            "--processes",
+                            "1",
+                            "--threads",
+                            str(self.threads),
+                            "--worker-shutdown-timeout",
+                            "5000",
+                        ],
+                        cwd=self.tmp,
+                        env=env,
+                        stdin=subprocess.DEVNULL,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        # Its own process group: stopped as one, and spared the terminal's Ctrl-C.
+                        start_new_session=True,
+                    )
+                )
 
     def wait_for_workers(self, timeout: float = 30.0) -> bool:
         """Wait until every worker process polls the queue, so that all of them get messages."""
@@ -176,8 +192,10 @@ class Stack:
         for i, proc in enumerate(self.procs):
             if proc.poll() is not None and i not in self.announced_exit:
                 self.announced_exit.add(i)
-                self.console.say(f"worker {i + 1} (instance pid {proc.pid}) exited ({proc.returncode}): Dramatiq "
-                                 "stops an instance when one of its processes dies; the other workers carry on")
+                self.console.say(
+                    f"worker {i + 1} (instance pid {proc.pid}) exited ({proc.returncode}): Dramatiq "
+                    "stops an instance when one of its processes dies; the other workers carry on"
+                )
 
     def show_logs(self, lines: int = 15) -> None:
         """Write the last ``lines`` lines of every worker's log."""

@@ -179,8 +179,9 @@ class Exporter:
         cli_options: Sequence[str] = (),
         interval: float = 5.0,
     ) -> None:
-        self.observer = LeaseObserver(leases, match=match, top=top, cli_options=cli_options,
-                                      stale_after=max(3 * interval, 30.0))
+        self.observer = LeaseObserver(
+            leases, match=match, top=top, cli_options=cli_options, stale_after=max(3 * interval, 30.0)
+        )
         self.interval = interval
         self.registry = CollectorRegistry()
         self.registry.register(self.observer)
@@ -229,13 +230,17 @@ def serve(
     ``top``: rows per table of ``/leases`` (0 turns it off); ``cli_options``:
     global ``dramatiq-leases`` arguments for its ``show`` commands.
     """
-    exporter = Exporter(leases, host=host, port=port, match=match, top=top, cli_options=cli_options,
-                        interval=interval)
+    exporter = Exporter(leases, host=host, port=port, match=match, top=top, cli_options=cli_options, interval=interval)
     stop = stop or threading.Event()
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    logger.info("Serving lease metrics on http://%s:%d/metrics%s, scanning every %.1fs.", host, exporter.port,
-                f" and the Busy page on {LEASES_PATH}" if top > 0 else "", interval)
+    logger.info(
+        "Serving lease metrics on http://%s:%d/metrics%s, scanning every %.1fs.",
+        host,
+        exporter.port,
+        f" and the Busy page on {LEASES_PATH}" if top > 0 else "",
+        interval,
+    )
     try:
         exporter.run(stop)
     finally:

@@ -93,7 +93,7 @@ def inspect_command(key: str, cli_options: Sequence[str] = ()) -> str:
 def hash_tag_of(name: str, prefix: str, kind: str) -> str | None:
     """The hash tag of a Redis key ``{prefix}:{kind}:{tag}``, or ``None`` if it is not one."""
     head = f"{prefix}:{kind}:{{"
-    return name[len(head):-1] if name.startswith(head) and name.endswith("}") else None
+    return name[len(head) : -1] if name.startswith(head) and name.endswith("}") else None
 
 
 def _show_key(prefix: str, redis_key: str, candidates: Iterable[str]) -> str | None:
@@ -142,23 +142,25 @@ def build(
         waiting = line_of.get(tag)
         state = info.state
         key = _show_key(prefix, info.redis_key, (info.key, tag))
-        rows.append(LeaseRow(
-            key=info.key,
-            actor=info.meta.get("actor", ""),
-            queue=info.meta.get("queue", ""),
-            message_id=info.meta.get("message_id", ""),
-            host=info.meta.get("host", ""),
-            pid=_pid(info.meta.get("pid", "")),
-            fence=info.fence,
-            state=state.value,
-            leaked=state.leaked,
-            # A hash without these fields (debris) has no age to show.
-            age_seconds=info.age if info.acquired_ms else None,
-            heartbeat_age_seconds=info.heartbeat_age if info.renewed_ms else None,
-            ttl_left_seconds=info.ttl_left / 1000 if info.ttl_left >= 0 else None,
-            line_length=waiting.length if waiting else 0,
-            inspect_command=inspect_command(key, cli_options) if key is not None else None,
-        ))
+        rows.append(
+            LeaseRow(
+                key=info.key,
+                actor=info.meta.get("actor", ""),
+                queue=info.meta.get("queue", ""),
+                message_id=info.meta.get("message_id", ""),
+                host=info.meta.get("host", ""),
+                pid=_pid(info.meta.get("pid", "")),
+                fence=info.fence,
+                state=state.value,
+                leaked=state.leaked,
+                # A hash without these fields (debris) has no age to show.
+                age_seconds=info.age if info.acquired_ms else None,
+                heartbeat_age_seconds=info.heartbeat_age if info.renewed_ms else None,
+                ttl_left_seconds=info.ttl_left / 1000 if info.ttl_left >= 0 else None,
+                line_length=waiting.length if waiting else 0,
+                inspect_command=inspect_command(key, cli_options) if key is not None else None,
+            )
+        )
 
     # A held key is shown by its own name; a free one (between holders) by its hash tag, which `show` accepts.
     hot: list[tuple[str, LineInfo, LeaseInfo | None]] = []
@@ -171,18 +173,20 @@ def build(
     for name, line, held in heapq.nsmallest(top, hot, key=lambda h: (-h[1].length, h[1].oldest_first_ms, h[0])):
         redis_key = held.redis_key if held is not None else lease_name(prefix, name)
         key = _show_key(prefix, redis_key, (name, hash_tag_of(redis_key, prefix, "lease") or ""))
-        hot_rows.append(HotKeyRow(
-            key=name,
-            line_length=line.length,
-            oldest_wait_seconds=line.oldest_wait,
-            waiting_in_place=line.states.get("in_place", 0),
-            parked=line.states.get("parked", 0),
-            promoted=line.states.get("promoted", 0),
-            actor=_most_waiting(line.actors),
-            held=held is not None,
-            state=held.state.value if held is not None else "free",
-            inspect_command=inspect_command(key, cli_options) if key is not None else None,
-        ))
+        hot_rows.append(
+            HotKeyRow(
+                key=name,
+                line_length=line.length,
+                oldest_wait_seconds=line.oldest_wait,
+                waiting_in_place=line.states.get("in_place", 0),
+                parked=line.states.get("parked", 0),
+                promoted=line.states.get("promoted", 0),
+                actor=_most_waiting(line.actors),
+                held=held is not None,
+                state=held.state.value if held is not None else "free",
+                inspect_command=inspect_command(key, cli_options) if key is not None else None,
+            )
+        )
     return BusyPage(rows, hot_rows, len(infos), len(hot))
 
 
@@ -191,8 +195,9 @@ def _most_waiting(actors: Mapping[str, int]) -> str:
     return min(actors.items(), key=lambda a: (-a[1], a[0]))[0] if actors else ""
 
 
-def as_json(page: BusyPage, *, scanned_at: float | None, scan_duration: float, top: int,
-            limit: int | None = None) -> dict[str, Any]:
+def as_json(
+    page: BusyPage, *, scanned_at: float | None, scan_duration: float, top: int, limit: int | None = None
+) -> dict[str, Any]:
     """The JSON document of ``GET /leases``: ``page`` cut to ``limit`` rows (at most ``top``)."""
     limit = top if limit is None else max(0, min(limit, top))
     return {

@@ -106,8 +106,15 @@ class LeaseObserver(Collector):
         ``show`` commands (the exporter's non-default ``--redis-url``, ``--prefix``).
     """
 
-    def __init__(self, leases: Leases, *, match: str = "*", top: int = DEFAULT_TOP,
-                 cli_options: Sequence[str] = (), stale_after: float | None = None) -> None:
+    def __init__(
+        self,
+        leases: Leases,
+        *,
+        match: str = "*",
+        top: int = DEFAULT_TOP,
+        cli_options: Sequence[str] = (),
+        stale_after: float | None = None,
+    ) -> None:
         self.leases = leases
         #: Seconds after which the last scan no longer describes Redis: its lease gauges are then not served
         #: (they go stale in Prometheus) rather than keep a resolved leak paging, or hide a new one.
@@ -145,8 +152,9 @@ class LeaseObserver(Collector):
                 self.scan_errors += 1
             raise
         snap = Snapshot(at=time.time(), leases=infos, unreachable=dict(gaps.nodes), unreadable=dict(gaps.keys))
-        snap.page = busy_page.build(infos, lines, prefix=self.leases.prefix, top=self.top,
-                                    cli_options=self.cli_options, match=self.match)
+        snap.page = busy_page.build(
+            infos, lines, prefix=self.leases.prefix, top=self.top, cli_options=self.cli_options, match=self.match
+        )
         for info in infos:
             labels = (info.meta.get("actor", ""), info.meta.get("queue", ""))
             snap.present[labels] += 1
@@ -162,14 +170,18 @@ class LeaseObserver(Collector):
             for actor, count in line.actors.items():
                 snap.waiting[actor] += count
         # What waits on each leaked key: a leak with a line is one users are waiting on.
-        waiting_on = {tag: line.length for line in lines
-                      if (tag := busy_page.hash_tag_of(line.name, self.leases.prefix, "line")) is not None}
+        waiting_on = {
+            tag: line.length
+            for line in lines
+            if (tag := busy_page.hash_tag_of(line.name, self.leases.prefix, "line")) is not None
+        }
         for info in infos:
             state = info.state
             if state.leaked:
                 tag = busy_page.hash_tag_of(info.redis_key, self.leases.prefix, "lease") or ""
                 snap.leaked_waiting[(info.meta.get("actor", ""), info.meta.get("queue", ""), state.value)] += (
-                    waiting_on.get(tag, 0))
+                    waiting_on.get(tag, 0)
+                )
         snap.duration = time.monotonic() - started
         self._tell_gaps(gaps)
         with self._lock:
@@ -177,8 +189,9 @@ class LeaseObserver(Collector):
                 labels = (info.meta.get("actor", ""), info.meta.get("queue", ""))
                 if ending is Ending.EXPIRED:
                     self.expired[labels] += 1
-                    logger.warning("Lease %r (fence %d) of %s ended by TTL, not released.",
-                                   info.key, info.fence, labels[0])
+                    logger.warning(
+                        "Lease %r (fence %d) of %s ended by TTL, not released.", info.key, info.fence, labels[0]
+                    )
                 elif ending is Ending.UNKNOWN:
                     self.ended_unknown[labels] += 1
             self._labels_seen.update(snap.present)
@@ -192,17 +205,22 @@ class LeaseObserver(Collector):
             logger.warning(
                 "Lease %r (fence %d) ended, but its fence counter no longer says whether by release or by TTL "
                 "(gone: a fence_retention shorter than the scan interval?, or rewritten by later grants): counted "
-                "in dramatiq_lease_ended_unknown_total, not as an expiry. Said once.", unknown.key, unknown.fence)
+                "in dramatiq_lease_ended_unknown_total, not as an expiry. Said once.",
+                unknown.key,
+                unknown.fence,
+            )
         return snap
 
-    def _ended_grants(self, infos: list[LeaseInfo],
-                      gaps: ReadGaps) -> tuple[list[tuple[LeaseInfo, Ending]], list[LeaseInfo]]:
+    def _ended_grants(
+        self, infos: list[LeaseInfo], gaps: ReadGaps
+    ) -> tuple[list[tuple[LeaseInfo, Ending]], list[LeaseInfo]]:
         """How each grant seen last scan that has ended since ended; and the grants not seen this scan because
         their master did not answer (not known to have ended)."""
         now = {info.redis_key: info.fence for info in infos}
         gone = [old for name, old in self._previous.items() if now.get(name) != old.fence]
-        unseen = [old for old in gone
-                  if old.redis_key not in now and self.leases.node_name(old.redis_key) in gaps.nodes]
+        unseen = [
+            old for old in gone if old.redis_key not in now and self.leases.node_name(old.redis_key) in gaps.nodes
+        ]
         blind = {old.redis_key for old in unseen}
         # A key that was no grant (debris, fence 0) has nothing to judge.
         gone = [old for old in gone if old.fence and old.redis_key not in blind]
@@ -227,8 +245,12 @@ class LeaseObserver(Collector):
     def _tell_gaps(self, gaps: ReadGaps) -> None:
         """Log each master that stops (or starts again) answering, and each key of the wrong type, once."""
         for node in sorted(gaps.nodes.keys() - self._unreachable_logged):
-            logger.warning("Redis master %s did not answer the scan (%s): what it holds is not counted until it "
-                           "does (dramatiq_lease_exporter_unreachable_nodes).", node, gaps.nodes[node])
+            logger.warning(
+                "Redis master %s did not answer the scan (%s): what it holds is not counted until it "
+                "does (dramatiq_lease_exporter_unreachable_nodes).",
+                node,
+                gaps.nodes[node],
+            )
         for node in sorted(self._unreachable_logged - gaps.nodes.keys()):
             logger.info("Redis master %s answers the scan again.", node)
         self._unreachable_logged = set(gaps.nodes)
@@ -236,10 +258,17 @@ class LeaseObserver(Collector):
         for name in new[:_LOGGED_PER_SCAN]:
             bad = gaps.keys[name]
             # A lease key of another type still blocks its key as a lease does: it stays in the lease figures.
-            what = ("counted as a lease without holder (it blocks its key as one)" if bad.kind == "lease"
-                    else "left out of the scan")
-            logger.warning("Key %r is %s: %s (dramatiq_lease_exporter_unreadable_keys); no dramatiq-leases code "
-                           "wrote it.", name, bad.problem, what)
+            what = (
+                "counted as a lease without holder (it blocks its key as one)"
+                if bad.kind == "lease"
+                else "left out of the scan"
+            )
+            logger.warning(
+                "Key %r is %s: %s (dramatiq_lease_exporter_unreadable_keys); no dramatiq-leases code wrote it.",
+                name,
+                bad.problem,
+                what,
+            )
         if len(new) > _LOGGED_PER_SCAN:
             logger.warning("%d more keys of the wrong type left out of the scan.", len(new) - _LOGGED_PER_SCAN)
         # Only the keys still there are remembered: the memory is bounded by the keys, and one that comes back
@@ -250,8 +279,9 @@ class LeaseObserver(Collector):
         """The Busy page of the last scan as the JSON document of ``GET /leases`` (no Redis call)."""
         with self._lock:
             snap = self.snapshot
-        doc = busy_page.as_json(snap.page, scanned_at=snap.at or None, scan_duration=snap.duration,
-                                top=self.top, limit=limit)
+        doc = busy_page.as_json(
+            snap.page, scanned_at=snap.at or None, scan_duration=snap.duration, top=self.top, limit=limit
+        )
         # The blind spots of that scan: what the tables cannot show. Counts only for the keys, whose names the
         # log has: the page may be served with its keys hashed.
         doc["unreachable_nodes"] = [{"node": node, "error": error} for node, error in sorted(snap.unreachable.items())]
@@ -275,24 +305,30 @@ class LeaseObserver(Collector):
             labels=names,
         )
         leaked = GaugeMetricFamily(
-            "dramatiq_lease_leaked", "Leases in Redis that no holder can still believe it holds (leaked).",
+            "dramatiq_lease_leaked",
+            "Leases in Redis that no holder can still believe it holds (leaked).",
             labels=[*names, "reason"],
         )
         leaked_waiting = GaugeMetricFamily(
-            "dramatiq_lease_leaked_waiting", "Messages waiting in the lines of leaked leases' keys.",
+            "dramatiq_lease_leaked_waiting",
+            "Messages waiting in the lines of leaked leases' keys.",
             labels=[*names, "reason"],
         )
         oldest = GaugeMetricFamily(
             "dramatiq_lease_oldest_acquired_timestamp_seconds",
-            "Unix time at which the oldest lease present was acquired.", labels=names,
+            "Unix time at which the oldest lease present was acquired.",
+            labels=names,
         )
         ended = CounterMetricFamily(
-            "dramatiq_lease_expired", "Leases that ended by TTL instead of being released.", labels=names,
+            "dramatiq_lease_expired",
+            "Leases that ended by TTL instead of being released.",
+            labels=names,
         )
         ended_unknown = CounterMetricFamily(
             "dramatiq_lease_ended_unknown",
             "Leases that ended while their fence counter no longer said how (gone, or rewritten by later grants): "
-            "not counted as expired.", labels=names,
+            "not counted as expired.",
+            labels=names,
         )
         # Keep every label set ever seen, at zero, so increase() sees the first event and gauges fall to 0.
         for labels in sorted(labels_seen | set(expired) | set(unknown)):
@@ -307,7 +343,9 @@ class LeaseObserver(Collector):
             if labels in snap.oldest:
                 oldest.add_metric(list(labels), snap.oldest[labels])
         waiting = GaugeMetricFamily(
-            "dramatiq_lease_waiting", "Messages waiting in the line of a busy key, by actor.", labels=["actor_name"],
+            "dramatiq_lease_waiting",
+            "Messages waiting in the line of a busy key, by actor.",
+            labels=["actor_name"],
         )
         for actor in actors_waiting:
             waiting.add_metric([actor], snap.waiting.get(actor, 0))
@@ -341,7 +379,8 @@ class LeaseObserver(Collector):
             value=snap.duration,
         )
         errors = CounterMetricFamily(
-            "dramatiq_lease_redis_errors", "Redis errors by operation (acquire, renew, release, scan).",
+            "dramatiq_lease_redis_errors",
+            "Redis errors by operation (acquire, renew, release, scan).",
             labels=["operation"],
         )
         errors.add_metric(["scan"], scan_errors)

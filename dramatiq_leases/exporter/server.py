@@ -109,8 +109,10 @@ class BusyAccess:
         elif loopback:
             rule = f"served without a token on the loopback bind {bound}"
         else:
-            rule = (f"refused (403) on the non-loopback bind {bound}: start the exporter with --busy-token-file "
-                    "FILE or --busy-view open to serve it there")
+            rule = (
+                f"refused (403) on the non-loopback bind {bound}: start the exporter with --busy-token-file "
+                "FILE or --busy-view open to serve it there"
+            )
         return rule + (", keys hashed" if self.hash_keys else "")
 
 
@@ -217,9 +219,12 @@ class ExporterApp:
       loopback: whether ``bound`` is a loopback address.
     """
 
-    def __init__(self, registry: CollectorRegistry,
-                 busy_json: Callable[[int | None], dict[str, Any]] | None,
-                 access: BusyAccess | None = None) -> None:
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        busy_json: Callable[[int | None], dict[str, Any]] | None,
+        access: BusyAccess | None = None,
+    ) -> None:
         self.metrics = make_wsgi_app(registry)
         self.busy_json = busy_json
         self.access = access or _ACCESS.get() or BusyAccess()
@@ -249,8 +254,11 @@ class ExporterApp:
                 if limit < 0:
                     raise ValueError
             except ValueError:
-                return _json(start_response, "400 Bad Request",
-                             {"error": f"limit must be a non-negative integer, got {values[-1]!r}"})
+                return _json(
+                    start_response,
+                    "400 Bad Request",
+                    {"error": f"limit must be a non-negative integer, got {values[-1]!r}"},
+                )
         doc = self.busy_json(limit)
         if self.access.hash_keys:
             doc = _hash_keys(doc)
@@ -262,26 +270,39 @@ class ExporterApp:
         if self._token_digest is not None:
             scheme, _, given = str(environ.get("HTTP_AUTHORIZATION", "")).strip().partition(" ")
             if scheme.lower() != "bearer" or not given.strip():
-                return ("401 Unauthorized",
-                        {"error": "unauthorized",
-                         "detail": "The Busy view needs the exporter's token: send 'Authorization: Bearer <token>', "
-                                   "the token being the content of the exporter's --busy-token-file."},
-                        [("WWW-Authenticate", f'Bearer realm="{REALM}"')])
+                return (
+                    "401 Unauthorized",
+                    {
+                        "error": "unauthorized",
+                        "detail": "The Busy view needs the exporter's token: send 'Authorization: Bearer <token>', "
+                        "the token being the content of the exporter's --busy-token-file.",
+                    },
+                    [("WWW-Authenticate", f'Bearer realm="{REALM}"')],
+                )
             if not hmac.compare_digest(_digest(given.strip()), self._token_digest):
-                return ("401 Unauthorized", {"error": "invalid_token", "detail": "The bearer token is not the "
-                                             "exporter's (the content of its --busy-token-file)."},
-                        [("WWW-Authenticate", f'Bearer realm="{REALM}", error="invalid_token"')])
+                return (
+                    "401 Unauthorized",
+                    {
+                        "error": "invalid_token",
+                        "detail": "The bearer token is not the exporter's (the content of its --busy-token-file).",
+                    },
+                    [("WWW-Authenticate", f'Bearer realm="{REALM}", error="invalid_token"')],
+                )
             return None
         if self.access.open or self.loopback:
             return None
-        return ("403 Forbidden",
-                {"error": "forbidden",
-                 "detail": f"The Busy view shows lease keys, which may carry personal data, so without a token it "
-                           f"is served only on a loopback bind, and this exporter listens on {self.bound}. To serve "
-                           "it here, start the exporter with --busy-token-file FILE (clients then send "
-                           "'Authorization: Bearer <token>') or, on a network only trusted readers reach, "
-                           "--busy-view open. --busy-keys hashed shows keys as digests. /metrics needs neither."},
-                [])
+        return (
+            "403 Forbidden",
+            {
+                "error": "forbidden",
+                "detail": f"The Busy view shows lease keys, which may carry personal data, so without a token it "
+                f"is served only on a loopback bind, and this exporter listens on {self.bound}. To serve "
+                "it here, start the exporter with --busy-token-file FILE (clients then send "
+                "'Authorization: Bearer <token>') or, on a network only trusted readers reach, "
+                "--busy-view open. --busy-keys hashed shows keys as digests. /metrics needs neither.",
+            },
+            [],
+        )
 
 
 def _digest(token: str) -> bytes:
@@ -297,11 +318,19 @@ def _hash_keys(doc: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _json(start_response: StartResponse, status: str, doc: dict[str, Any],
-          headers: list[tuple[str, str]] | None = None) -> list[bytes]:
+def _json(
+    start_response: StartResponse, status: str, doc: dict[str, Any], headers: list[tuple[str, str]] | None = None
+) -> list[bytes]:
     body = json.dumps(doc, separators=(",", ":")).encode()
-    start_response(status, [("Content-Type", "application/json"), ("Content-Length", str(len(body))),
-                            ("Cache-Control", "no-store"), *(headers or [])])
+    start_response(
+        status,
+        [
+            ("Content-Type", "application/json"),
+            ("Content-Length", str(len(body))),
+            ("Cache-Control", "no-store"),
+            *(headers or []),
+        ],
+    )
     return [body]
 
 

@@ -57,8 +57,17 @@ def gives_up(opts: Options, first_ms: int, now_ms: int) -> bool:
     return opts.max_wait is not None and now_ms - first_ms >= opts.max_wait
 
 
-def on_busy(broker: dramatiq.Broker, message: Any, opts: Options, busy: Busy, meta: dict[str, str],
-            metrics: LeaseMetrics, waiting: Waiting, first_ms: int, deadline: float) -> None:
+def on_busy(
+    broker: dramatiq.Broker,
+    message: Any,
+    opts: Options,
+    busy: Busy,
+    meta: dict[str, str],
+    metrics: LeaseMetrics,
+    waiting: Waiting,
+    first_ms: int,
+    deadline: float,
+) -> None:
     """Park ``message`` (or send it back soon) to wait for ``busy.key``; give up on it past ``lock_max_wait``.
 
     ``deadline`` (``time.monotonic()``): how long a broker outage may be waited out to send it back.
@@ -67,8 +76,11 @@ def on_busy(broker: dramatiq.Broker, message: Any, opts: Options, busy: Busy, me
       LeaseWaitExceeded: given up with ``lock_give_up="fail"`` (the message is dead-lettered).
     """
     if busy.wait is Wait.DUPLICATE:
-        logger.info("Message %s is a copy of one that already ran under lease %r; not running it again.",
-                    message.message_id, busy.key)
+        logger.info(
+            "Message %s is a copy of one that already ran under lease %r; not running it again.",
+            message.message_id,
+            busy.key,
+        )
         mark_skipped(message)
         return
     now_ms = busy.now_ms or int(time.time() * 1000)
@@ -83,7 +95,12 @@ def on_busy(broker: dramatiq.Broker, message: Any, opts: Options, busy: Busy, me
         logger.error(
             "Gave up on message %s of actor %r: lease %r stayed busy for %d attempts over %.1fs "
             "(lock_max_wait=%d ms); %s.",
-            message.message_id, message.actor_name, busy.key, attempts, waited / 1000, opts.max_wait,
+            message.message_id,
+            message.actor_name,
+            busy.key,
+            attempts,
+            waited / 1000,
+            opts.max_wait,
             "moving it to the dead-letter queue" if opts.give_up == "fail" else "dropping it",
         )
         if opts.give_up == "fail":
@@ -91,19 +108,34 @@ def on_busy(broker: dramatiq.Broker, message: Any, opts: Options, busy: Busy, me
             message.options[SKIP_MARK] = True
             raise LeaseWaitExceeded(
                 f"lease {busy.key!r} stayed busy for {attempts} attempts over {waited / 1000:.1f}s",
-                key=busy.key, actor=message.actor_name,
+                key=busy.key,
+                actor=message.actor_name,
             )
         mark_skipped(message)
         return
     metrics.busy_retry(meta)
     if busy.wait is Wait.SOON or busy.wait is Wait.NONE:
-        logger.debug("Lease %r is busy; message %s (place %d of %d) comes again soon.",
-                     busy.key, message.message_id, busy.place, busy.line)
-        send_back(broker, message, opts, deadline, count_attempt=True, first_ms=first_ms, now_ms=now_ms,
-                  holder_ttl=busy.ttl_left)
+        logger.debug(
+            "Lease %r is busy; message %s (place %d of %d) comes again soon.",
+            busy.key,
+            message.message_id,
+            busy.place,
+            busy.line,
+        )
+        send_back(
+            broker,
+            message,
+            opts,
+            deadline,
+            count_attempt=True,
+            first_ms=first_ms,
+            now_ms=now_ms,
+            holder_ttl=busy.ttl_left,
+        )
         return
-    logger.debug("Lease %r is busy; message %s parks at place %d of %d.", busy.key, message.message_id,
-                 busy.place, busy.line)
+    logger.debug(
+        "Lease %r is busy; message %s parks at place %d of %d.", busy.key, message.message_id, busy.place, busy.line
+    )
     copy, delay = waiting.parked_copy(message, busy.key, busy, first_ms, opts.max_wait)
     _hand_back(broker, message, copy, delay, deadline)
 
@@ -152,8 +184,9 @@ def _hand_back(broker: dramatiq.Broker, message: Any, copy: Any, delay: int, dea
             sent = enqueue_back(broker, copy, delay, deadline)
             break
         except Interrupt as e:
-            logger.info("Sending message %s back was interrupted (%s); sending it again.", message.message_id,
-                        type(e).__name__)
+            logger.info(
+                "Sending message %s back was interrupted (%s); sending it again.", message.message_id, type(e).__name__
+            )
         except Exception:
             logger.exception("Could not send message %s back to the queue; failing it instead.", message.message_id)
             break

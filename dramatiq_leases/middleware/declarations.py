@@ -32,23 +32,29 @@ def check_message_template(spec: object, actor: str) -> str:
     """
     owner = f"actor {actor!r}"
     if not isinstance(spec, str):
-        raise LeaseOptionError(f"{owner}: a message's lock_key must be a template string, got {spec!r}",
-                               actor=actor)
+        raise LeaseOptionError(f"{owner}: a message's lock_key must be a template string, got {spec!r}", actor=actor)
     if len(spec) > MAX_KEY_LENGTH:
-        raise LeaseOptionError(f"{owner}: a message's lock_key is {len(spec)} characters long; the limit is "
-                               f"{MAX_KEY_LENGTH}: {spec[:64]!r}...", actor=actor)
+        raise LeaseOptionError(
+            f"{owner}: a message's lock_key is {len(spec)} characters long; the limit is "
+            f"{MAX_KEY_LENGTH}: {spec[:64]!r}...",
+            actor=actor,
+        )
     try:
-        fields = [(name, conversion, fmt) for _, name, fmt, conversion in string.Formatter().parse(spec)
-                  if name is not None]
+        fields = [
+            (name, conversion, fmt) for _, name, fmt, conversion in string.Formatter().parse(spec) if name is not None
+        ]
     except ValueError as e:
-        raise LeaseOptionError(f"{owner}: a message's lock_key {spec!r} is not a valid template: {e}",
-                               actor=actor) from None
+        raise LeaseOptionError(
+            f"{owner}: a message's lock_key {spec!r} is not a valid template: {e}", actor=actor
+        ) from None
     for name, conversion, fmt in fields:
         if conversion is not None or fmt or not name.isidentifier():
             raise LeaseOptionError(
                 f"{owner}: a message's lock_key {spec!r} may only use plain {{parameter}} fields, got "
                 f"{{{name}{'!' + conversion if conversion else ''}{':' + fmt if fmt else ''}}} (format specs, "
-                "conversions and attribute or index access are for the actor's own lock_key)", actor=actor)
+                "conversions and attribute or index access are for the actor's own lock_key)",
+                actor=actor,
+            )
     return spec
 
 
@@ -168,7 +174,8 @@ class Declarations:
             if stray and message.actor_name in broker.actors:
                 raise LeaseOptionError(
                     f"{owner}: message option {stray[0]}={options[stray[0]]!r} needs an actor declared with "
-                    "lock_key; without it the message would run with no lease", actor=message.actor_name
+                    "lock_key; without it the message would run with no lease",
+                    actor=message.actor_name,
                 )
             return
         if not ACTOR_OPTIONS.isdisjoint(options):
@@ -183,7 +190,8 @@ class Declarations:
             if handed.key != key:
                 raise LeaseKeyRenderError(
                     f"{owner}: the lease handed over is on {handed.key!r}, but this message's key is {key!r}",
-                    key=key, actor=message.actor_name,
+                    key=key,
+                    actor=message.actor_name,
                 )
             options[LEASE_OPTION] = {"key": handed.key, "token": handed.token}
 

@@ -42,8 +42,14 @@ from .options import ATTEMPTS_OPTION
 logger = logging.getLogger(__name__)
 
 #: The attributes of Dramatiq's ``Prometheus`` read or adjusted here (Dramatiq 2.x).
-_READS = ("message_start_times", "delayed_messages", "inprogress_messages", "inprogress_delayed_messages",
-          "total_messages", "message_durations")
+_READS = (
+    "message_start_times",
+    "delayed_messages",
+    "inprogress_messages",
+    "inprogress_delayed_messages",
+    "total_messages",
+    "message_durations",
+)
 #: Set on an adjusted ``Prometheus`` instance, so that a second boot does not wrap its hooks twice.
 ADJUSTED = "_dramatiq_leases_adjusted"
 
@@ -77,8 +83,11 @@ class DramatiqPrometheus:
             missing = [name for name in _READS if not hasattr(prom, name)]
             if missing:
                 # Another Dramatiq version: leave its accounting alone rather than guess.
-                logger.warning("Dramatiq's Prometheus middleware has no %s: its metrics will count busy rounds "
-                               "of leased actors as processed messages.", ", ".join(missing))
+                logger.warning(
+                    "Dramatiq's Prometheus middleware has no %s: its metrics will count busy rounds "
+                    "of leased actors as processed messages.",
+                    ", ".join(missing),
+                )
                 continue
             self.instances.append(prom)
             if getattr(prom, ADJUSTED, False):
@@ -88,8 +97,10 @@ class DramatiqPrometheus:
             prom.after_skip_message = _after_skip(prom.after_skip_message, prom, counted_in)
             prom.after_enqueue = _after_enqueue(prom.after_enqueue)
             setattr(prom, ADJUSTED, True)
-            logger.debug("Dramatiq's Prometheus middleware adjusted for lease requeues (it comes %s LeaseMiddleware).",
-                         "before" if counted_in else "after")
+            logger.debug(
+                "Dramatiq's Prometheus middleware adjusted for lease requeues (it comes %s LeaseMiddleware).",
+                "before" if counted_in else "after",
+            )
 
     def left_delay_queue(self, message: Any) -> None:
         """A delayed copy of ours left this process's delay queue (sent on to its queue, or dropped).

@@ -50,8 +50,7 @@ class LeaseLost(Interrupt):
       reason: the :class:`LostReason`, or ``None`` when the actor was refused before it started.
     """
 
-    def __init__(self, *args: object, key: str | None = None, fence: int = 0,
-                 reason: LostReason | None = None) -> None:
+    def __init__(self, *args: object, key: str | None = None, fence: int = 0, reason: LostReason | None = None) -> None:
         super().__init__(*args)
         self.key = key
         self.fence = fence
@@ -77,8 +76,22 @@ class Run:
     release by token.
     """
 
-    __slots__ = ("coroutine_running", "end_deferred", "injected", "key", "lease", "lock", "lost_reason",
-                 "release_tried", "released", "returned", "state", "thread_id", "token", "waiter")
+    __slots__ = (
+        "coroutine_running",
+        "end_deferred",
+        "injected",
+        "key",
+        "lease",
+        "lock",
+        "lost_reason",
+        "release_tried",
+        "released",
+        "returned",
+        "state",
+        "thread_id",
+        "token",
+        "waiter",
+    )
 
     def __init__(self, key: str, token: str, thread_id: int) -> None:
         self.key = key
@@ -110,8 +123,9 @@ class Run:
                 self.lost_reason = LostReason.MAX_HOLD if past_hold else LostReason.UNREACHABLE
             if self.lost_reason is not None:
                 self.state = DONE
-                raise LeaseLost(self.describe(), key=self.key, fence=lease.fence if lease else 0,
-                                reason=self.lost_reason)
+                raise LeaseLost(
+                    self.describe(), key=self.key, fence=lease.fence if lease else 0, reason=self.lost_reason
+                )
             self.state = RUNNING
 
     def finish(self) -> None:
@@ -154,8 +168,9 @@ async def coroutine_under(run: Run, coro: Coroutine[Any, Any, Any], end: Callabl
             end(run)
 
 
-def call_under(run: Run, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-               end: Callable[[Run], None]) -> Any:
+def call_under(
+    run: Run, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], end: Callable[[Run], None]
+) -> Any:
     """Call ``fn`` while ``run`` holds its lease, then ``end(run)``; return what ``fn`` returned.
 
     ``end`` must be idempotent: it is called again if an interruption lands

@@ -151,20 +151,28 @@ class LeaseMiddleware(Middleware):
             client = client_from_url(redis_url or "")
         else:
             _warn_without_socket_timeout(client)
-        self.declarations = Declarations({
-            "lock_ttl": lock_ttl,
-            "lock_renew_interval": lock_renew_interval,
-            "lock_max_hold": lock_max_hold,
-            "lock_min_backoff": lock_min_backoff,
-            "lock_max_backoff": lock_max_backoff,
-            "lock_max_wait": lock_max_wait,
-            "lock_give_up": lock_give_up,
-        })
+        self.declarations = Declarations(
+            {
+                "lock_ttl": lock_ttl,
+                "lock_renew_interval": lock_renew_interval,
+                "lock_max_hold": lock_max_hold,
+                "lock_min_backoff": lock_min_backoff,
+                "lock_max_backoff": lock_max_backoff,
+                "lock_max_wait": lock_max_wait,
+                "lock_give_up": lock_give_up,
+            }
+        )
         if trace_keys is not None:
             record_keys(trace_keys)
         # Worker threads can be interrupted mid-command: each gets a connection of its own.
-        self.leases = Leases(client, prefix=prefix, thread_connections=True, fence_retention_ms=fence_retention,
-                             min_replicas=min_replicas, replica_timeout_ms=replica_timeout)
+        self.leases = Leases(
+            client,
+            prefix=prefix,
+            thread_connections=True,
+            fence_retention_ms=fence_retention,
+            min_replicas=min_replicas,
+            replica_timeout_ms=replica_timeout,
+        )
         self.metrics = metrics if metrics is not None else PrometheusMetrics()
         self.heartbeat = Heartbeat(self.leases, metrics=self.metrics)
         self.runs = Runs(self.leases, self.heartbeat, self.metrics)
@@ -266,8 +274,11 @@ class LeaseMiddleware(Middleware):
             raise error  # not a leased actor: Dramatiq's usual handling
         self.waiting.forget_thread()  # its place to wait in place, if it held one: given back at once
         if not (message.options.get(REQUEUED_MARK) or message.failed):  # else: settled before the interruption
-            logger.info("Message %s was interrupted (%s) before its actor started; sending it back.",
-                        message.message_id, type(error).__name__)
+            logger.info(
+                "Message %s was interrupted (%s) before its actor started; sending it back.",
+                message.message_id,
+                type(error).__name__,
+            )
             try:
                 actor = broker.get_actor(message.actor_name)
                 opts = self.declarations.message_options(message, actor)
@@ -275,8 +286,16 @@ class LeaseMiddleware(Middleware):
             except Exception as e:  # options the interruption came before checking: refused, as they would be
                 self._refuse(message, e)
             first = int(message.options.get(FIRST_ATTEMPT_OPTION) or 0)
-            send_back(broker, message, opts, time.monotonic() + (math.inf if limit is None else limit / 2000),
-                      count_attempt=True, first_ms=first or None, now_ms=int(time.time() * 1000), remember=True)
+            send_back(
+                broker,
+                message,
+                opts,
+                time.monotonic() + (math.inf if limit is None else limit / 2000),
+                count_attempt=True,
+                first_ms=first or None,
+                now_ms=int(time.time() * 1000),
+                remember=True,
+            )
         _skip(message, f"interrupted ({type(error).__name__}) before the actor started")
 
     def _acquire_or_skip(self, broker: dramatiq.Broker, message: Any) -> None:
@@ -333,9 +352,14 @@ class LeaseMiddleware(Middleware):
                     self.metrics.redis_error("acquire")
                     # One WARNING per message, not per round: an outage would otherwise log one every backoff.
                     repeated = bool(message.options.get(SENT_BACK_OPTION))
-                    logger.log(logging.DEBUG if repeated else logging.WARNING,
-                               "Could not acquire lease %r for message %s: %s. Retrying later%s.", key,
-                               message.message_id, e, " (again)" if repeated else ", with growing backoff")
+                    logger.log(
+                        logging.DEBUG if repeated else logging.WARNING,
+                        "Could not acquire lease %r for message %s: %s. Retrying later%s.",
+                        key,
+                        message.message_id,
+                        e,
+                        " (again)" if repeated else ", with growing backoff",
+                    )
                     self.waiting.forget_thread()
                     send_back(broker, message, opts, hand_back_by, count_attempt=True, remember=True)
                     _skip(message, f"lease {key!r} unavailable: {e}")
@@ -346,8 +370,11 @@ class LeaseMiddleware(Middleware):
                     first = result.now_ms
                     meta["first_attempt_ms"] = str(first)  # stored with the lease it gets: how long it waited
                     message.options[FIRST_ATTEMPT_OPTION] = first  # its place, if it is interrupted and sent back
-                if (result.wait is Wait.IN_PLACE and not gives_up(opts, first, result.now_ms)
-                        and not self.waiting.stopping):
+                if (
+                    result.wait is Wait.IN_PLACE
+                    and not gives_up(opts, first, result.now_ms)
+                    and not self.waiting.stopping
+                ):
                     block_ms = min(result.block_ms, max(1, int((budget - in_place) * 1000)))
                     if opts.max_wait is not None:  # wake up in time to give up
                         block_ms = max(1, min(block_ms, first + opts.max_wait - result.now_ms))
@@ -359,8 +386,9 @@ class LeaseMiddleware(Middleware):
                         # backoff, as a failed acquire does. Raised from here, the error would fail the message:
                         # Dramatiq logs it and calls the actor, whose guard fails it for want of a lease.
                         self.metrics.redis_error("acquire")
-                        logger.warning("Could not wait in place for lease %r for message %s: %s.", key,
-                                       message.message_id, e)
+                        logger.warning(
+                            "Could not wait in place for lease %r for message %s: %s.", key, message.message_id, e
+                        )
                         in_place = budget
                         continue
                     in_place += time.monotonic() - started
@@ -395,22 +423,53 @@ class LeaseMiddleware(Middleware):
         message.fail()
         _skip(message, str(error))
 
-    def _acquire(self, run: Run, key: str, opts: Options, max_hold: int | None, meta: dict[str, str],
-                 options: dict[str, Any], waiter: str, first: int, may_wait: bool) -> Lease | Busy:
+    def _acquire(
+        self,
+        run: Run,
+        key: str,
+        opts: Options,
+        max_hold: int | None,
+        meta: dict[str, str],
+        options: dict[str, Any],
+        waiter: str,
+        first: int,
+        may_wait: bool,
+    ) -> Lease | Busy:
         handed = options.get(LEASE_OPTION)
         if isinstance(handed, dict) and handed.get("key") == key and handed.get("token"):
-            adopted = self.leases.adopt(key, handed["token"], opts.ttl, interval=opts.renew_interval,
-                                        max_hold=max_hold, meta=meta, new_token=run.token)
+            adopted = self.leases.adopt(
+                key,
+                handed["token"],
+                opts.ttl,
+                interval=opts.renew_interval,
+                max_hold=max_hold,
+                meta=meta,
+                new_token=run.token,
+            )
             if isinstance(adopted, Lease):
                 return adopted
             # Ended, or held by another token (an earlier adopter: a token replaced never holds again). Its
             # copies must not carry it: the message waits in the key's line like any other.
             options.pop(LEASE_OPTION, None)
-            logger.info("Lease %r handed over with message %s has %s; acquiring anew.", key, meta["message_id"],
-                        "ended" if adopted is None else "been adopted or taken by another holder")
-        return self.leases.try_acquire(key, opts.ttl, interval=opts.renew_interval, max_hold=max_hold, meta=meta,
-                                       token=run.token, waiter=waiter, first_ms=first, may_wait=may_wait,
-                                       ready=READY_PER_KEY, park_ms=PARK_MS)
+            logger.info(
+                "Lease %r handed over with message %s has %s; acquiring anew.",
+                key,
+                meta["message_id"],
+                "ended" if adopted is None else "been adopted or taken by another holder",
+            )
+        return self.leases.try_acquire(
+            key,
+            opts.ttl,
+            interval=opts.renew_interval,
+            max_hold=max_hold,
+            meta=meta,
+            token=run.token,
+            waiter=waiter,
+            first_ms=first,
+            may_wait=may_wait,
+            ready=READY_PER_KEY,
+            park_ms=PARK_MS,
+        )
 
     def after_process_message(
         self, broker: dramatiq.Broker, message: Any, *, result: Any = None, exception: BaseException | None = None
@@ -441,8 +500,12 @@ class LeaseMiddleware(Middleware):
         running = self.runs.active_tokens()
         for lease in self.heartbeat.tracked():
             if lease.token in running:
-                logger.warning("Actor holding lease %r is still running at shutdown; the lease is kept until "
-                               "this process exits, then expires within %d ms.", lease.key, lease.ttl)
+                logger.warning(
+                    "Actor holding lease %r is still running at shutdown; the lease is kept until "
+                    "this process exits, then expires within %d ms.",
+                    lease.key,
+                    lease.ttl,
+                )
                 continue
             self.heartbeat.untrack(lease)
             try:
@@ -464,5 +527,7 @@ def _warn_without_socket_timeout(client: Any) -> None:
     """A renewal hanging on a socket without timeout cannot confirm a lease; say so at construction."""
     kwargs = connection_kwargs(client)
     if kwargs and kwargs.get("socket_timeout") is None:
-        logger.warning("The Redis client given to LeaseMiddleware has no socket_timeout: a renewal that hangs "
-                       "is abandoned by the watchdog, but give it one shorter than your TTLs.")
+        logger.warning(
+            "The Redis client given to LeaseMiddleware has no socket_timeout: a renewal that hangs "
+            "is abandoned by the watchdog, but give it one shorter than your TTLs."
+        )

@@ -14,16 +14,18 @@ from ..core.scripts import MAX_MS
 from .errors import LeaseOptionError
 
 #: Actor options, each also accepted as a message option (``send_with_options``).
-ACTOR_OPTIONS = frozenset({
-    "lock_key",
-    "lock_ttl",
-    "lock_renew_interval",
-    "lock_max_hold",
-    "lock_min_backoff",
-    "lock_max_backoff",
-    "lock_max_wait",
-    "lock_give_up",
-})
+ACTOR_OPTIONS = frozenset(
+    {
+        "lock_key",
+        "lock_ttl",
+        "lock_renew_interval",
+        "lock_max_hold",
+        "lock_min_backoff",
+        "lock_max_backoff",
+        "lock_max_wait",
+        "lock_give_up",
+    }
+)
 
 #: Message option carrying a lease acquired by the producer, to be adopted by the worker.
 LEASE_OPTION = "lease"

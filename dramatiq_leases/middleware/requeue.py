@@ -42,8 +42,17 @@ TRANSIENT_BROKER_ERRORS: tuple[type[BaseException], ...] = (
 
 #: Error replies of a Redis that is up but refuses writes for now (too few replicas, a failed save, a script
 #: running, a replica that lost its primary, a cluster reconfiguring, out of memory, a read-only replica).
-TRANSIENT_REPLIES = ("NOREPLICAS", "MISCONF", "BUSY", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN", "LOADING", "OOM",
-                     "READONLY")
+TRANSIENT_REPLIES = (
+    "NOREPLICAS",
+    "MISCONF",
+    "BUSY",
+    "MASTERDOWN",
+    "CLUSTERDOWN",
+    "TRYAGAIN",
+    "LOADING",
+    "OOM",
+    "READONLY",
+)
 
 # Before Redis 7, an error inside a script (Dramatiq's Redis broker enqueues with one) arrives wrapped:
 # "Error running script (call to f_...): @user_script:1: @user_script: 1: -NOREPLICAS Not enough good replicas".
@@ -92,17 +101,33 @@ def enqueue_back(broker: dramatiq.Broker, message: Any, delay: int, deadline: fl
                 raise
             left = deadline - time.monotonic()
             if attempts == 1:
-                logger.warning("Could not send message %s back to queue %r: %s. Trying again for up to %.0f s.",
-                               message.message_id, message.queue_name, e, max(0.0, left))
+                logger.warning(
+                    "Could not send message %s back to queue %r: %s. Trying again for up to %.0f s.",
+                    message.message_id,
+                    message.queue_name,
+                    e,
+                    max(0.0, left),
+                )
             if left <= 0:
-                logger.error("Gave up sending message %s back to queue %r after %d attempts over %.1f s, near its "
-                             "time limit (%s): failing it. It goes to the dead-letter queue once the broker answers.",
-                             message.message_id, message.queue_name, attempts, time.monotonic() - started, e)
+                logger.error(
+                    "Gave up sending message %s back to queue %r after %d attempts over %.1f s, near its "
+                    "time limit (%s): failing it. It goes to the dead-letter queue once the broker answers.",
+                    message.message_id,
+                    message.queue_name,
+                    attempts,
+                    time.monotonic() - started,
+                    e,
+                )
                 return False
             time.sleep(min(left, random.uniform(pause / 2, pause)))
             pause = min(MAX_PAUSE_S, pause * 2)
             continue
         if attempts > 1:
-            logger.warning("Sent message %s back to queue %r after %d attempts over %.1f s.", message.message_id,
-                           message.queue_name, attempts, time.monotonic() - started)
+            logger.warning(
+                "Sent message %s back to queue %r after %d attempts over %.1f s.",
+                message.message_id,
+                message.queue_name,
+                attempts,
+                time.monotonic() - started,
+            )
         return True

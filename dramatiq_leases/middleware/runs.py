@@ -145,16 +145,21 @@ class Runs:
         try:
             # Only a run whose actor returned is remembered as done: a message that failed may be
             # re-driven from the dead-letter queue (same id, same retry count), and must then run.
-            released = self.leases.release_token(run.key, run.token, fence=lease.fence if lease else None,
-                                                 waiter=run.waiter if run.returned else None)
+            released = self.leases.release_token(
+                run.key, run.token, fence=lease.fence if lease else None, waiter=run.waiter if run.returned else None
+            )
         except Exception as e:
             run.released = True
             self.metrics.redis_error("release")
             # Never confirmed granted (the acquire failed too): released in case the grant was applied all the
             # same, quietly, since the acquire's failure was logged already.
-            logger.log(logging.WARNING if lease is not None else logging.DEBUG,
-                       "Could not release lease %r: %s: %s. It expires within its TTL.", run.key,
-                       type(e).__name__, e)
+            logger.log(
+                logging.WARNING if lease is not None else logging.DEBUG,
+                "Could not release lease %r: %s: %s. It expires within its TTL.",
+                run.key,
+                type(e).__name__,
+                e,
+            )
             return
         run.released = True
         if not released and first_try and lease is not None and run.lost_reason is None:

@@ -194,8 +194,9 @@ class Waiting:
         try:
             [state] = self.leases.hold(key, [waiter], self.channel, park_ms=PARK_MS, ready=READY_PER_KEY)
         except Exception as e:
-            logger.warning("Could not register the parked copy of message %s: %s; it comes back by itself.",
-                           message.message_id, e)
+            logger.warning(
+                "Could not register the parked copy of message %s: %s; it comes back by itself.", message.message_id, e
+            )
             return
         if state in ("p", "r"):
             self._parked.setdefault(waiter, []).append(_Parked(threading.current_thread(), message, key))
@@ -265,8 +266,11 @@ class Waiting:
         try:
             self._broker.enqueue(fresh)
         except Exception as e:
-            logger.warning("Could not send the parked copy of message %s back: %s; it comes back by itself.",
-                           parked.proxy.message_id, e)
+            logger.warning(
+                "Could not send the parked copy of message %s back: %s; it comes back by itself.",
+                parked.proxy.message_id,
+                e,
+            )
             delay_queue.put(item)
             delay_queue.task_done()
             return False
@@ -292,8 +296,11 @@ class Waiting:
                         self.unpark(data.decode() if isinstance(data, bytes) else str(data))
             except Exception as e:
                 if not self._stop.is_set():
-                    logger.log(logging.WARNING if connected else logging.DEBUG,
-                               "Line listener lost its connection (%s); reconnecting.", e)
+                    logger.log(
+                        logging.WARNING if connected else logging.DEBUG,
+                        "Line listener lost its connection (%s); reconnecting.",
+                        e,
+                    )
                     connected = False
                     self._stop.wait(0.5)
             finally:

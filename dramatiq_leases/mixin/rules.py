@@ -134,8 +134,7 @@ def alert_rules(cfg: MixinConfig) -> list[Rule]:
     # Users are affected when messages wait in the line of the leaked key itself (the exporter counts them
     # per leaked lease), not merely somewhere on the same actor.
     waiting_on = (
-        f"{leaked}\nand on ({by}, reason)\n"
-        f"max by ({by}, reason) (dramatiq_lease_leaked_waiting{_sel(e, _LEAKED)}) > 0"
+        f"{leaked}\nand on ({by}, reason)\nmax by ({by}, reason) (dramatiq_lease_leaked_waiting{_sel(e, _LEAKED)}) > 0"
     )
     leak_text = (
         "{{ $value }} lease(s) " + where + " are leaked ({{ $labels.reason }}): still in Redis, but no "

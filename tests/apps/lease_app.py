@@ -34,7 +34,9 @@ else:
 
     # Redeliver a dead worker's messages within seconds, not Dramatiq's default minute.
     broker = RedisBroker(url=BROKER_URL, heartbeat_timeout=3_000, maintenance_chance=MAINTENANCE_SCALE)
-broker.add_middleware(LeaseMiddleware(redis_url=os.environ["LEASES_TEST_LEASES_URL"], lock_min_backoff=20, lock_max_backoff=200))
+broker.add_middleware(
+    LeaseMiddleware(redis_url=os.environ["LEASES_TEST_LEASES_URL"], lock_min_backoff=20, lock_max_backoff=200)
+)
 
 
 class SlowBoot(Middleware):

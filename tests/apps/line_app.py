@@ -54,8 +54,16 @@ def _run(key: str, n: int, seconds: float) -> None:
     lease = current_lease()
     time.sleep(seconds)
     first = int(lease.meta.get("first_attempt_ms") or lease.acquired_at * 1000)
-    note(kind="run", key=key, n=n, start=start, end=time.time(), fence=lease.fence, first=first,
-         message_id=lease.meta["message_id"])
+    note(
+        kind="run",
+        key=key,
+        n=n,
+        start=start,
+        end=time.time(),
+        fence=lease.fence,
+        first=first,
+        message_id=lease.meta["message_id"],
+    )
 
 
 @dramatiq.actor(queue_name=QUEUE, lock_key="{key}", lock_ttl=2_000, max_retries=0)

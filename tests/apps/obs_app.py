@@ -94,8 +94,9 @@ def work(key: str, seconds: float) -> None:
     hold(key, seconds)
 
 
-@dramatiq.actor(queue_name=LONG_QUEUE, lock_key="{key}", lock_ttl=LONG_TTL_MS, lock_renew_interval=LONG_RENEW_MS,
-                max_retries=0)
+@dramatiq.actor(
+    queue_name=LONG_QUEUE, lock_key="{key}", lock_ttl=LONG_TTL_MS, lock_renew_interval=LONG_RENEW_MS, max_retries=0
+)
 def long_work(key: str, seconds: float) -> None:
     """Hold the lease ``key`` for ``seconds``, with a long TTL."""
     hold(key, seconds)

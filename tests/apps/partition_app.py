@@ -44,8 +44,12 @@ HEARTBEAT_TIMEOUT_MS = int(os.environ.get("PART_HEARTBEAT_TIMEOUT_MS", "3000"))
 
 def record(event: str, **fields: Any) -> None:
     """Append one event to this host's file (one ``write`` with ``O_APPEND``: lines never interleave)."""
-    line = json.dumps({"event": event, "host": HOST, "pid": os.getpid(), "at": time.time(),
-                       "mono": time.monotonic(), **fields}) + "\n"
+    line = (
+        json.dumps(
+            {"event": event, "host": HOST, "pid": os.getpid(), "at": time.time(), "mono": time.monotonic(), **fields}
+        )
+        + "\n"
+    )
     fd = os.open(EVENTS / f"{HOST}.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         os.write(fd, line.encode())
@@ -60,11 +64,17 @@ class Ready(Middleware):
         record("ready")
 
 
-broker = RedisBroker(url=os.environ["PART_BROKER_URL"], heartbeat_timeout=HEARTBEAT_TIMEOUT_MS,  # type: ignore[no-untyped-call]
-                     maintenance_chance=MAINTENANCE_SCALE)
+broker = RedisBroker(
+    url=os.environ["PART_BROKER_URL"],
+    heartbeat_timeout=HEARTBEAT_TIMEOUT_MS,  # type: ignore[no-untyped-call]
+    maintenance_chance=MAINTENANCE_SCALE,
+)
 broker.add_middleware(CurrentMessage())
-broker.add_middleware(LeaseMiddleware(redis_url=os.environ["PART_LEASES_URL"], metrics_endpoint=False,
-                                      lock_min_backoff=50, lock_max_backoff=300))
+broker.add_middleware(
+    LeaseMiddleware(
+        redis_url=os.environ["PART_LEASES_URL"], metrics_endpoint=False, lock_min_backoff=50, lock_max_backoff=300
+    )
+)
 broker.add_middleware(Ready())
 dramatiq.set_broker(broker)
 
@@ -81,21 +91,32 @@ def _hold(key: str, seconds: float) -> None:
             time.sleep(min(0.05, left))
     except BaseException as e:
         reason = getattr(e, "reason", None)
-        record("error", key=key, message_id=message_id, fence=fence, error=type(e).__name__,
-               reason=getattr(reason, "value", reason))
+        record(
+            "error",
+            key=key,
+            message_id=message_id,
+            fence=fence,
+            error=type(e).__name__,
+            reason=getattr(reason, "value", reason),
+        )
         raise
     record("done", key=key, message_id=message_id, fence=fence)
 
 
-@dramatiq.actor(queue_name=SHARED_QUEUE, lock_key="{key}", lock_ttl=TTL_MS, lock_renew_interval=RENEW_MS,
-                max_retries=0)
+@dramatiq.actor(queue_name=SHARED_QUEUE, lock_key="{key}", lock_ttl=TTL_MS, lock_renew_interval=RENEW_MS, max_retries=0)
 def hold(key: str, seconds: float) -> None:
     """Hold the lease ``key`` for ``seconds`` (or until told to finish); any host may run it."""
     _hold(key, seconds)
 
 
-@dramatiq.actor(actor_name="hold_here", queue_name=HERE_QUEUE, lock_key="{key}", lock_ttl=TTL_MS,
-                lock_renew_interval=RENEW_MS, max_retries=0)
+@dramatiq.actor(
+    actor_name="hold_here",
+    queue_name=HERE_QUEUE,
+    lock_key="{key}",
+    lock_ttl=TTL_MS,
+    lock_renew_interval=RENEW_MS,
+    max_retries=0,
+)
 def hold_here(key: str, seconds: float) -> None:
     """The same, on this host's own queue."""
     _hold(key, seconds)

@@ -47,9 +47,13 @@ _where = urllib.parse.urlsplit(RABBITMQ_URL)  # no credentials in a skip reason
 #: ``@pytest.fixture(params=BROKERS)``: a test's variants on each broker.
 BROKERS = [
     "redis",
-    pytest.param("rabbitmq", marks=pytest.mark.skipif(
-        not rabbitmq_up(),
-        reason=f"RabbitMQ not reachable at {_where.hostname}:{_where.port or 5672} ($LEASES_TEST_RABBITMQ_URL)")),
+    pytest.param(
+        "rabbitmq",
+        marks=pytest.mark.skipif(
+            not rabbitmq_up(),
+            reason=f"RabbitMQ not reachable at {_where.hostname}:{_where.port or 5672} ($LEASES_TEST_RABBITMQ_URL)",
+        ),
+    ),
 ]
 
 

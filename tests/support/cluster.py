@@ -32,8 +32,16 @@ NODE_TIMEOUT_MS = 5_000
 
 def _node_args(bus_port: int) -> tuple[str, ...]:
     # The bus port is chosen too: the default (port + 10 000) may be taken, or past 65 535.
-    return ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-port", str(bus_port),
-            "--cluster-node-timeout", str(NODE_TIMEOUT_MS))
+    return (
+        "--cluster-enabled",
+        "yes",
+        "--cluster-config-file",
+        "nodes.conf",
+        "--cluster-port",
+        str(bus_port),
+        "--cluster-node-timeout",
+        str(NODE_TIMEOUT_MS),
+    )
 
 
 def _start_node() -> EmbeddedRedis:
@@ -66,9 +74,18 @@ class RedisClusterNodes:
             for _ in range(self.masters_wanted * (1 + self.replicas)):
                 self.nodes.append(_start_node())
             done = subprocess.run(
-                ["redis-cli", "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in self.nodes),
-                 "--cluster-replicas", str(self.replicas), "--cluster-yes"],
-                capture_output=True, text=True, timeout=timeout,
+                [
+                    "redis-cli",
+                    "--cluster",
+                    "create",
+                    *(f"127.0.0.1:{n.port}" for n in self.nodes),
+                    "--cluster-replicas",
+                    str(self.replicas),
+                    "--cluster-yes",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=timeout,
             )
             if done.returncode != 0:
                 raise RuntimeError(f"redis-cli --cluster create failed:\n{done.stdout}\n{done.stderr}")
@@ -203,9 +220,22 @@ class RedisClusterNodes:
     def reshard(self, source: int, target: int, slots: int = 1, timeout: float = 30.0) -> None:
         """Move the ``slots`` lowest slots of ``source`` to ``target`` with ``redis-cli --cluster reshard``."""
         done = subprocess.run(
-            ["redis-cli", "--cluster", "reshard", f"127.0.0.1:{source}", "--cluster-from", self.node_id(source),
-             "--cluster-to", self.node_id(target), "--cluster-slots", str(slots), "--cluster-yes"],
-            capture_output=True, text=True, timeout=timeout,
+            [
+                "redis-cli",
+                "--cluster",
+                "reshard",
+                f"127.0.0.1:{source}",
+                "--cluster-from",
+                self.node_id(source),
+                "--cluster-to",
+                self.node_id(target),
+                "--cluster-slots",
+                str(slots),
+                "--cluster-yes",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
         )
         if done.returncode != 0:
             raise RuntimeError(f"redis-cli --cluster reshard failed:\n{done.stdout}\n{done.stderr}")
@@ -288,7 +318,11 @@ class SlotMove:
         """Move whatever is left, then give the slot to the target on every master (target first, as redis-cli)."""
         self.migrate(self.keys())
         target_id = self.cluster.node_id(self.target)
-        for port in [self.target, self.source, *(p for p in self.cluster.masters() if p not in (self.target, self.source))]:
+        for port in [
+            self.target,
+            self.source,
+            *(p for p in self.cluster.masters() if p not in (self.target, self.source)),
+        ]:
             client = self.cluster.node(port)
             try:
                 client.execute_command("CLUSTER", "SETSLOT", self.slot, "NODE", target_id)

@@ -72,8 +72,9 @@ def _namespaces() -> list[str]:
 def _links() -> list[str]:
     proc = _run(["ip", "-o", "link", "show"], check=False)
     # "12: dlp123-0ah@if11: <...>": the name ends at "@" (a veth's peer) or ":".
-    return [re.split(r"[@:]", line.split(": ", 1)[1], maxsplit=1)[0] for line in proc.stdout.splitlines()
-            if ": " in line]
+    return [
+        re.split(r"[@:]", line.split(": ", 1)[1], maxsplit=1)[0] for line in proc.stdout.splitlines() if ": " in line
+    ]
 
 
 def _kill_inside(netns: str) -> None:
@@ -220,8 +221,9 @@ class Network:
         _run([*inside, "ip", "link", "set", "lo", "up"])
         # Static neighbours: a partition must not turn into failed ARP lookups (fast "no route to host").
         _run(["ip", "neigh", "replace", ns_ip, "lladdr", _mac(inside, ns_if), "dev", host_if, "nud", "permanent"])
-        _run([*inside, "ip", "neigh", "replace", host_ip, "lladdr", _mac([], host_if), "dev", ns_if, "nud",
-              "permanent"])
+        _run(
+            [*inside, "ip", "neigh", "replace", host_ip, "lladdr", _mac([], host_if), "dev", ns_if, "nud", "permanent"]
+        )
         # Fail here, not mid-test, if the qdisc that makes partitions is missing.
         _run(["tc", "qdisc", "replace", "dev", host_if, "root", "blackhole"])
         _run(["tc", "qdisc", "del", "dev", host_if, "root"])

@@ -71,12 +71,20 @@ class Processes:
     def __exit__(self, *exc: object) -> None:
         self.stop_all()
 
-    def start(self, name: str, argv: list[str], *, env: dict[str, str] | None = None,
-              cwd: Path = ROOT) -> subprocess.Popen[bytes]:
+    def start(
+        self, name: str, argv: list[str], *, env: dict[str, str] | None = None, cwd: Path = ROOT
+    ) -> subprocess.Popen[bytes]:
         assert name not in self.procs, name
         with open(self.logs / f"{name}.log", "wb") as log:  # the child keeps its own descriptor
-            proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=log,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen(
+                argv,
+                cwd=cwd,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         self.procs[name] = proc
         return proc
 
@@ -112,8 +120,14 @@ class Processes:
             self.stop(name)
 
 
-def wait_until(predicate: Callable[[], T | None], *, timeout: float, what: str, procs: Processes | None = None,
-               interval: float = 0.1) -> T:
+def wait_until(
+    predicate: Callable[[], T | None],
+    *,
+    timeout: float,
+    what: str,
+    procs: Processes | None = None,
+    interval: float = 0.1,
+) -> T:
     """Poll ``predicate`` until it returns something truthy; fail at the deadline or if a process died."""
     deadline = time.monotonic() + timeout
     while True:
@@ -143,16 +157,38 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 
 def dramatiq_argv(*, processes: int, threads: int, queues: Iterable[str]) -> list[str]:
-    return [sys.executable, "-m", "dramatiq", APP, "--processes", str(processes), "--threads", str(threads),
-            "--queues", *queues, "--worker-shutdown-timeout", "5000"]
+    return [
+        sys.executable,
+        "-m",
+        "dramatiq",
+        APP,
+        "--processes",
+        str(processes),
+        "--threads",
+        str(threads),
+        "--queues",
+        *queues,
+        "--worker-shutdown-timeout",
+        "5000",
+    ]
 
 
 def exporter_argv(redis_url: str, port: int, interval: float) -> list[str]:
     """``dramatiq-leases exporter``, the console script of this environment."""
     script = Path(sys.executable).with_name("dramatiq-leases")
     assert script.exists(), f"{script}: is the package installed (pip install -e .)?"
-    return [str(script), "exporter", "--redis-url", redis_url, "--host", "127.0.0.1", "--port", str(port),
-            "--interval", str(interval)]
+    return [
+        str(script),
+        "exporter",
+        "--redis-url",
+        redis_url,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--interval",
+        str(interval),
+    ]
 
 
 def worker_processes(client: redis.Redis) -> int:
@@ -190,14 +226,22 @@ def listening(port: int) -> bool:
 
 
 def lease_samples(exposition: str) -> list[Sample]:
-    return [sample for family in text_string_to_metric_families(exposition) if family.name.startswith("dramatiq_lease")
-            for sample in family.samples]
+    return [
+        sample
+        for family in text_string_to_metric_families(exposition)
+        if family.name.startswith("dramatiq_lease")
+        for sample in family.samples
+    ]
 
 
 def values(exposition: str, name: str, **labels: str) -> list[float]:
     """The values of the samples named ``name`` whose labels include ``labels``."""
-    return [sample.value for family in text_string_to_metric_families(exposition) for sample in family.samples
-            if sample.name == name and labels.items() <= sample.labels.items()]
+    return [
+        sample.value
+        for family in text_string_to_metric_families(exposition)
+        for sample in family.samples
+        if sample.name == name and labels.items() <= sample.labels.items()
+    ]
 
 
 def value(exposition: str, name: str, **labels: str) -> float:
@@ -207,8 +251,14 @@ def value(exposition: str, name: str, **labels: str) -> float:
 
 def promtool_check_metrics(exposition: str) -> tuple[int, list[str]]:
     """``promtool check metrics`` on an exposition: its exit code and its problem lines."""
-    proc = subprocess.run([require("promtool"), "check", "metrics"], input=exposition, capture_output=True,
-                          text=True, timeout=60, check=False)
+    proc = subprocess.run(
+        [require("promtool"), "check", "metrics"],
+        input=exposition,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     return proc.returncode, [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
 
 

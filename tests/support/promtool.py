@@ -106,19 +106,25 @@ def scrape_series(expositions: Sequence[str], target: Mapping[str, str]) -> list
     for i, text in enumerate(expositions):
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                labels = ",".join(f"{name}={json.dumps(value)}" for name, value in
-                                  sorted({**sample.labels, **target}.items()))
+                labels = ",".join(
+                    f"{name}={json.dumps(value)}" for name, value in sorted({**sample.labels, **target}.items())
+                )
                 points.setdefault(f"{sample.name}{{{labels}}}", ["_"] * i).append(repr(float(sample.value)))
         for values in points.values():
             values.extend(["_"] * (i + 1 - len(values)))
     return [{"series": series, "values": " ".join(values)} for series, values in points.items()]
 
 
-def run_rule_tests(rule_files: Sequence[Path], tests: list[dict[str, Any]], workdir: Path,
-                   evaluation_interval: str = "1m") -> str:
+def run_rule_tests(
+    rule_files: Sequence[Path], tests: list[dict[str, Any]], workdir: Path, evaluation_interval: str = "1m"
+) -> str:
     """Run ``promtool test rules`` on ``tests`` (its ``tests:`` list) against ``rule_files``; fails the test
     with promtool's report unless every case passes."""
     path = workdir / "rules.test.yml"
-    path.write_text(yaml.safe_dump({"rule_files": [str(f) for f in rule_files],
-                                    "evaluation_interval": evaluation_interval, "tests": tests}, sort_keys=False))
+    path.write_text(
+        yaml.safe_dump(
+            {"rule_files": [str(f) for f in rule_files], "evaluation_interval": evaluation_interval, "tests": tests},
+            sort_keys=False,
+        )
+    )
     return run("promtool", "test", "rules", path.name, cwd=workdir)

@@ -76,7 +76,11 @@ class SentinelProcess:
     def start(self, primary_port: int, replica_port: int, others: list[SentinelProcess], quorum: int) -> None:
         """Write the configuration and start; raises ``RuntimeError`` if it does not answer PING in time."""
         lines = [
-            f"port {self.port}", "bind 127.0.0.1", f'dir "{self.dir}"', "daemonize no", "loglevel warning",
+            f"port {self.port}",
+            "bind 127.0.0.1",
+            f'dir "{self.dir}"',
+            "daemonize no",
+            "loglevel warning",
             f"sentinel myid {self.myid}",
             f"sentinel monitor {SERVICE} 127.0.0.1 {primary_port} {quorum}",
             f"sentinel down-after-milliseconds {SERVICE} {DOWN_AFTER_MS}",
@@ -87,12 +91,16 @@ class SentinelProcess:
         ]
         config = self.dir / "sentinel.conf"
         config.write_text("\n".join(lines) + "\n")
-        self.process = subprocess.Popen([redis_server_binary(), str(config), "--sentinel"],
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.process = subprocess.Popen(
+            [redis_server_binary(), str(config), "--sentinel"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
         client = self.client()
         try:
-            _wait(lambda: self.process is not None and self.process.poll() is None and client.ping(), 10,
-                  f"sentinel on port {self.port} answering")
+            _wait(
+                lambda: self.process is not None and self.process.poll() is None and client.ping(),
+                10,
+                f"sentinel on port {self.port} answering",
+            )
         finally:
             client.close()
 
@@ -133,20 +141,42 @@ class Replicated:
         """Start the primary, the replica (and wait until it is in sync), then the Sentinels."""
         try:
             # No diskless-sync delay: the replica's first full sync starts at once, not after 5 s.
-            self.primary = EmbeddedRedis(extra_args=(
-                "--repl-diskless-sync-delay", "0",
-                "--user", _USER, "on", f">{_PASSWORD}", "+psync", "+replconf", "+ping")).start()
-            self.replica = EmbeddedRedis(extra_args=(
-                "--replicaof", "127.0.0.1", str(self.primary.port),
-                "--masteruser", _USER, "--masterauth", _PASSWORD)).start()
+            self.primary = EmbeddedRedis(
+                extra_args=(
+                    "--repl-diskless-sync-delay",
+                    "0",
+                    "--user",
+                    _USER,
+                    "on",
+                    f">{_PASSWORD}",
+                    "+psync",
+                    "+replconf",
+                    "+ping",
+                )
+            ).start()
+            self.replica = EmbeddedRedis(
+                extra_args=(
+                    "--replicaof",
+                    "127.0.0.1",
+                    str(self.primary.port),
+                    "--masteruser",
+                    _USER,
+                    "--masterauth",
+                    _PASSWORD,
+                )
+            ).start()
             self.wait_in_sync(timeout)
             self.sentinels = [SentinelProcess() for _ in range(self.sentinel_count)]
             for sentinel in self.sentinels:
-                sentinel.start(self.primary.port, self.replica.port,
-                               [o for o in self.sentinels if o is not sentinel], self.quorum)
+                sentinel.start(
+                    self.primary.port, self.replica.port, [o for o in self.sentinels if o is not sentinel], self.quorum
+                )
             for sentinel in self.sentinels:
-                _wait(lambda s=sentinel: s.master_address() == ("127.0.0.1", self.primary_port), timeout,
-                      f"sentinel {sentinel.port} watching the primary")
+                _wait(
+                    lambda s=sentinel: s.master_address() == ("127.0.0.1", self.primary_port),
+                    timeout,
+                    f"sentinel {sentinel.port} watching the primary",
+                )
         except BaseException:
             self.close()
             raise
@@ -199,7 +229,8 @@ class Replicated:
     def master_client(self, socket_timeout: float = 2.0) -> redis.Redis:
         """``Sentinel(...).master_for(SERVICE, socket_timeout=...)``: what users pass as ``client=``."""
         client = self.sentinel(socket_timeout=socket_timeout).master_for(
-            SERVICE, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout)
+            SERVICE, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout
+        )
         self._clients.append(client)
         return client
 
@@ -228,8 +259,14 @@ class Replicated:
         primary, replica = self.node(self.primary_port), self.node(self.replica_port)
         primary.execute_command("ACL", "SETUSER", _USER, "off")
         primary.execute_command("CLIENT", "KILL", "TYPE", "replica")
-        _wait(lambda: _info(primary, "replication").get("connected_slaves") == 0
-              and _info(replica, "replication").get("master_link_status") == "down", timeout, "replication cut")
+        _wait(
+            lambda: (
+                _info(primary, "replication").get("connected_slaves") == 0
+                and _info(replica, "replication").get("master_link_status") == "down"
+            ),
+            timeout,
+            "replication cut",
+        )
 
     def heal(self, timeout: float = 10.0) -> None:
         """Let the replica log in again, and wait until it has caught up."""
@@ -250,9 +287,14 @@ class Replicated:
         started = time.monotonic()
         replica = self.node(self.replica_port)
         expected = ("127.0.0.1", self.replica_port)
-        _wait(lambda: all(s.master_address() == expected for s in self.sentinels)
-              and replica.execute_command("ROLE")[0] in (b"master", "master"), timeout,
-              "the replica's promotion")
+        _wait(
+            lambda: (
+                all(s.master_address() == expected for s in self.sentinels)
+                and replica.execute_command("ROLE")[0] in (b"master", "master")
+            ),
+            timeout,
+            "the replica's promotion",
+        )
         return time.monotonic() - started
 
 

@@ -64,8 +64,16 @@ class Recorder(Middleware):
 class Stack:
     """Broker + LeaseMiddleware + Recorder; call :meth:`start` once the actors are declared."""
 
-    def __init__(self, broker_url: str, leases_url: str, *, threads: int = 4, broker: Any = None,
-                 middleware: LeaseMiddleware | None = None, **lease_options: Any) -> None:
+    def __init__(
+        self,
+        broker_url: str,
+        leases_url: str,
+        *,
+        threads: int = 4,
+        broker: Any = None,
+        middleware: LeaseMiddleware | None = None,
+        **lease_options: Any,
+    ) -> None:
         self.broker = broker or RedisBroker(url=broker_url)
         self.recorder = Recorder()
         self.leases_mw = middleware or LeaseMiddleware(redis_url=leases_url, **lease_options)
