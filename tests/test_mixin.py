@@ -9,7 +9,9 @@ dashboard that select only their jobs and keep their cluster label.
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -20,6 +22,7 @@ import pytest
 import yaml
 
 from dramatiq_leases.mixin import MixinConfig, dashboard_json, load, rules_yaml
+from dramatiq_leases.mixin.__main__ import checkout
 
 from .support.promtool import check_promql, grafana_to_promql, run
 
@@ -300,3 +303,78 @@ def test_cli_renders_a_config_into_a_directory(tmp_path: Path) -> None:
     assert sorted(path.name for path in out.iterdir()) == ["dramatiq-leases.json", "dramatiq-leases.rules.yml"]
     assert (out / "dramatiq-leases.rules.yml").read_text() == rules_yaml(CUSTOM)
     assert (out / "dramatiq-leases.json").read_text() == dashboard_json(CUSTOM)
+
+
+# --- where the CLI writes, and what it needs ------------------------------------------------------
+
+
+def installed_copy(tmp_path: Path) -> Path:
+    """A copy of the package laid out as pip installs it: ``<prefix>/lib/pythonX.Y/site-packages``."""
+    site = tmp_path / "prefix" / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+    shutil.copytree(ROOT / "dramatiq_leases", site / "dramatiq_leases", ignore=shutil.ignore_patterns("__pycache__"))
+    return site
+
+
+def files_under(path: Path) -> set[Path]:
+    return {p for p in path.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
+
+
+def test_checkout_is_the_repository_and_never_an_installed_copy(tmp_path: Path) -> None:
+    assert checkout(ROOT / "dramatiq_leases") == ROOT
+    assert checkout(installed_copy(tmp_path) / "dramatiq_leases") is None
+    # Another project's checkout that vendors this package is not ours to regenerate.
+    other = tmp_path / "other"
+    (other / "alerts").mkdir(parents=True)
+    (other / "pyproject.toml").write_text('[project]\nname = "billing"\n')
+    assert checkout(other / "dramatiq_leases") is None
+
+
+def test_an_installed_copy_without_out_writes_nothing_and_asks_for_it(tmp_path: Path) -> None:
+    site = installed_copy(tmp_path)
+    before = files_under(tmp_path)
+    work = tmp_path / "work"
+    work.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "dramatiq_leases.mixin"], cwd=work, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.count("\n") == 1 and "--out DIR is required" in proc.stderr, proc.stderr
+    assert files_under(tmp_path) == before, "nothing written, in site-packages or anywhere"
+    # The same copy renders where it is told to.
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "dramatiq_leases.mixin", "--out", str(out)],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == [str(out / "dramatiq-leases.rules.yml"), str(out / "dramatiq-leases.json")]
+    assert (out / "dramatiq-leases.rules.yml").read_text() == rules_yaml(MixinConfig())
+
+
+def test_without_pyyaml_the_cli_names_the_extra_in_one_line(tmp_path: Path) -> None:
+    # None in sys.modules makes `import yaml` fail as if PyYAML were not installed (tests/test_packaging.py
+    # runs the same from a wheel installed without the extra).
+    code = "import sys; sys.modules['yaml'] = None; from dramatiq_leases.mixin.__main__ import main; sys.exit(main())"
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-c", code, "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert (
+        proc.stderr
+        == "python -m dramatiq_leases.mixin: rendering the rules needs PyYAML: pip install 'dramatiq-leases[mixin]'\n"
+    )
+    assert proc.stdout == ""
+    assert not out.exists()
+
+
+def test_help_says_when_out_is_required() -> None:
+    proc = render("--help")
+    assert proc.returncode == 0, proc.stderr
+    assert "--out DIR" in proc.stdout
+    assert "installed copy exits 2" in proc.stdout and "site-packages" in proc.stdout

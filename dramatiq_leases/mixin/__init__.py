@@ -1,9 +1,10 @@
 """The monitoring mixin: alert rules, recording rules and the Grafana dashboard, rendered from one config.
 
-``alerts/dramatiq-leases.rules.yml`` and ``dashboards/dramatiq-leases.json``
-are this package's rendering of the default :class:`MixinConfig`. For your own
-selectors, cluster label, URLs and thresholds, write the settings that differ
-into a file and render (YAML output needs ``pip install 'dramatiq-leases[mixin]'``)::
+The repository's ``alerts/dramatiq-leases.rules.yml`` and
+``dashboards/dramatiq-leases.json`` are the rendering of the default
+:class:`MixinConfig`. For your own selectors, cluster label, URLs and
+thresholds, write the settings that differ into a file and render into a
+directory of yours (YAML output needs ``pip install 'dramatiq-leases[mixin]'``)::
 
     python -m dramatiq_leases.mixin --config my-mixin.yml --out monitoring/
 

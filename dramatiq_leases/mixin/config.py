@@ -2,7 +2,7 @@
 
 Like kubernetes-mixin's ``config.libsonnet``: the alert rules, recording rules
 and dashboard are rendered from a :class:`MixinConfig`
-(``dramatiq-leases mixin --config FILE``); ``alerts/`` and ``dashboards/``
+(``python -m dramatiq_leases.mixin --config FILE --out DIR``); ``alerts/`` and ``dashboards/``
 hold the rendering of the defaults. A config file (YAML or JSON) names only
 the fields it changes::
 
