@@ -1,0 +1,309 @@
+"""The docs say what the code does: the reference tables, the tests the guarantees name, the links.
+
+docs/reference.md is the reference users read for option names, CLI flags and metric names; each of its
+tables is compared with the code both ways (nothing missing, nothing extra), and a failure names the
+difference. Every ``tests/test_x.py::name`` a document cites must be a test that exists, and every
+relative link in README.md and docs/*.md must reach an existing file (and heading, for a ``#fragment``).
+No Redis is needed: the tables are read from the code, the metrics from the registries the package fills.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import inspect
+import re
+import unicodedata
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+from prometheus_client.metrics_core import Metric
+
+from dramatiq_leases import Leases
+from dramatiq_leases.cli import build_parser
+from dramatiq_leases.exporter.observer import LeaseObserver
+from dramatiq_leases.metrics import PrometheusMetrics
+from dramatiq_leases.middleware import ACTOR_OPTIONS, LeaseMiddleware
+
+ROOT = Path(__file__).resolve().parent.parent
+REFERENCE = ROOT / "docs" / "reference.md"
+#: Every document users read: the landing page, the changelog and the manual.
+DOCUMENTS = sorted([ROOT / "README.md", ROOT / "CHANGELOG.md", *(ROOT / "docs").glob("*.md")])
+
+
+# --- reading Markdown ---------------------------------------------------------------------------------
+
+
+def section(text: str, heading: str) -> str:
+    """The body of the section under ``heading`` (a whole heading line), up to the next heading of its level
+    or higher."""
+    lines = text.splitlines()
+    try:
+        start = lines.index(heading)
+    except ValueError:
+        raise AssertionError(f"docs/reference.md has no heading {heading!r}") from None
+    level = len(heading) - len(heading.lstrip("#"))
+    body = []
+    for line in lines[start + 1 :]:
+        hashes = len(line) - len(line.lstrip("#"))
+        if 0 < hashes <= level and line[hashes : hashes + 1] == " ":
+            break
+        body.append(line)
+    return "\n".join(body)
+
+
+def first_column(body: str, header: str) -> list[str]:
+    """The backticked names in the first column of the first table whose first header cell is ``header``."""
+    rows = [line for line in body.splitlines() if line.startswith("|")]
+    for i, row in enumerate(rows):
+        if row.split("|")[1].strip() == header:
+            names = []
+            for line in rows[i + 2 :]:
+                if line.split("|")[1].strip() == header:
+                    break  # the next table
+                names.extend(re.findall(r"`([^`]+)`", line.split("|")[1]))
+            return names
+    raise AssertionError(f"no table headed {header!r} in this section of docs/reference.md")
+
+
+def exactly(documented: Iterable[str], actual: Iterable[str], what: str) -> None:
+    """Fail naming what the docs miss and what they list that the code lacks."""
+    documented, actual = list(documented), set(actual)
+    twice = sorted({name for name in documented if documented.count(name) > 1})
+    missing, extra = sorted(actual - set(documented)), sorted(set(documented) - actual)
+    assert not (missing or extra or twice), (
+        f"{what}: missing from docs/reference.md: {missing}; listed but not in the code: {extra}; listed twice: {twice}"
+    )
+
+
+REFERENCE_TEXT = REFERENCE.read_text()
+
+
+# --- (a) options --------------------------------------------------------------------------------------
+
+
+def test_the_options_table_lists_exactly_the_options_the_middleware_accepts() -> None:
+    table = first_column(section(REFERENCE_TEXT, "## Actor and message options"), "option")
+    exactly(table, ACTOR_OPTIONS, "actor/message options (dramatiq_leases.middleware.ACTOR_OPTIONS)")
+
+
+def test_the_middleware_parameters_are_the_options_and_the_store_wide_table() -> None:
+    """Each option is also a LeaseMiddleware parameter (its default); the rest are documented store-wide."""
+    params = set(inspect.signature(LeaseMiddleware.__init__).parameters) - {"self"}
+    assert ACTOR_OPTIONS - {"lock_key"} <= params, f"options without a middleware default: {ACTOR_OPTIONS - params}"
+    table = first_column(section(REFERENCE_TEXT, "## Middleware parameters"), "parameter")
+    exactly(table, params - ACTOR_OPTIONS, "LeaseMiddleware's store-wide parameters")
+
+
+# --- (b) the CLI --------------------------------------------------------------------------------------
+
+#: A long flag as the synopsis writes it: ``--name``, not a metavar nor a choice.
+FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
+
+
+def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """The parser's subcommands by name, aliases included."""
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)
+
+
+def long_flags(parser: argparse.ArgumentParser) -> set[str]:
+    return {s for a in parser._actions for s in a.option_strings if s.startswith("--") and s != "--help"}
+
+
+def synopsis() -> tuple[set[str], dict[str, set[str]], set[str]]:
+    """The synopsis block of the CLI section: its global flags, each command's flags, and the aliases."""
+    body = section(REFERENCE_TEXT, "## CLI")
+    block = body.split("```", 2)[1]
+    global_flags: set[str] = set()
+    commands: dict[str, set[str]] = {}
+    aliases: set[str] = set()
+    current: set[str] = global_flags
+    for line in block.splitlines():
+        if line.startswith("dramatiq-leases"):
+            match = re.match(r"dramatiq-leases\s+(?:\[[^\]]*\]\s*)*(\S+)", line)
+            assert match, f"a synopsis line without a command: {line!r}"
+            command = match.group(1)
+            current = global_flags if command == "COMMAND" else commands.setdefault(command, set())
+            aliases.update(re.findall(r"\(alias: ([\w-]+)\)", line))
+        current.update(FLAG.findall(line))
+    return global_flags, commands, aliases
+
+
+def test_the_cli_synopsis_names_every_command_and_flag_of_the_parser() -> None:
+    parser = build_parser()
+    global_flags, commands, aliases = synopsis()
+    subs = subcommands(parser)
+    exactly([*commands, *aliases], subs, "dramatiq-leases commands (aliases included)")
+    exactly(global_flags, long_flags(parser), "global flags of dramatiq-leases")
+    for name, flags in commands.items():
+        # Every subcommand inherits the global flags; the synopsis writes them once.
+        exactly(flags, long_flags(subs[name]) - long_flags(parser), f"flags of dramatiq-leases {name}")
+
+
+def test_each_command_has_a_table_of_exactly_its_flags() -> None:
+    parser = build_parser()
+    table = first_column(section(REFERENCE_TEXT, "### Global flags"), "flag")
+    exactly(table, long_flags(parser), "the global flags table")
+    _, commands, _ = synopsis()
+    for name in commands:
+        table = first_column(section(REFERENCE_TEXT, f"### `{name}`"), "flag")
+        exactly(table, long_flags(subcommands(parser)[name]) - long_flags(parser), f"the table of `{name}`")
+
+
+def test_the_exit_codes_table_matches_the_commands_help() -> None:
+    from dramatiq_leases.cli import EXIT_CODES_HELP
+
+    helped = re.findall(r"^  (\d+) ", EXIT_CODES_HELP, flags=re.MULTILINE)
+    table = re.findall(r"^\| (\d+) \|", section(REFERENCE_TEXT, "### Exit codes"), flags=re.MULTILINE)
+    exactly(table, helped, "exit codes (dramatiq_leases.cli.EXIT_CODES_HELP)")
+
+
+# --- (c) metrics --------------------------------------------------------------------------------------
+
+
+def exposed(families: Iterable[Metric]) -> dict[str, str]:
+    """Metric families as their exposition names them (a counter's ``_total``), with their type."""
+    names = {}
+    for family in families:
+        name, kind = family.name, family.type
+        names[f"{name}_total" if kind == "counter" else name] = kind
+    return names
+
+
+def metrics_table(heading: str) -> dict[str, str]:
+    rows = [line for line in section(REFERENCE_TEXT, heading).splitlines() if line.startswith("| `")]
+    documented = {}
+    for row in rows:
+        cells = [c.strip() for c in row.split("|")[1:-1]]
+        name = cells[0].strip("`")
+        assert name not in documented, f"{heading}: {name} listed twice"
+        documented[name] = cells[1]
+    return documented
+
+
+def test_the_worker_metrics_table_lists_exactly_what_the_middleware_emits() -> None:
+    registry = CollectorRegistry()
+    metrics = PrometheusMetrics(registry)
+    metrics.declare_process()  # creates every metric on this registry, as a worker's boot does
+    emitted = exposed(registry.collect())
+    documented = metrics_table("### Worker metrics")
+    exactly(documented, emitted, "worker metrics (PrometheusMetrics)")
+    wrong = {name: (documented[name], kind) for name, kind in emitted.items() if documented[name] != kind}
+    assert not wrong, f"worker metrics documented with the wrong type (documented, emitted): {wrong}"
+
+
+def test_the_exporter_metrics_table_lists_exactly_what_the_exporter_emits() -> None:
+    # collect() serves the last scan and never calls Redis: an address with nothing behind it will do.
+    observer = LeaseObserver(Leases.from_url("redis://127.0.0.1:1/0"))
+    emitted = exposed(observer.collect())
+    documented = metrics_table("### Exporter metrics")
+    exactly(documented, emitted, "exporter metrics (LeaseObserver)")
+    wrong = {name: (documented[name], kind) for name, kind in emitted.items() if documented[name] != kind}
+    assert not wrong, f"exporter metrics documented with the wrong type (documented, emitted): {wrong}"
+
+
+# --- (d) the tests the docs cite ----------------------------------------------------------------------
+
+#: ``tests/test_x.py::name`` or ``tests/test_x.py::Class::name``.
+CITED_TEST = re.compile(r"tests/([\w/]+\.py)::([\w:]+)")
+
+
+def defined_tests(path: Path) -> set[str]:
+    """Names of the functions a test module defines, classes' as ``Class::name``."""
+    tree = ast.parse(path.read_text())
+    names = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.ClassDef):
+            names.update(
+                f"{node.name}::{m.name}" for m in node.body if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))
+            )
+    return names
+
+
+def citations() -> Iterator[tuple[str, str, str]]:
+    for doc in DOCUMENTS:
+        for module, name in CITED_TEST.findall(doc.read_text()):
+            yield doc.relative_to(ROOT).as_posix(), module, name
+
+
+def test_every_test_the_docs_cite_exists() -> None:
+    cited = list(citations())
+    assert len({(m, n) for _, m, n in cited}) >= 40, "docs/guarantees.md should cite the tests of each promise"
+    missing = []
+    for doc, module, name in cited:
+        path = ROOT / "tests" / module
+        if not path.is_file() or name not in defined_tests(path):
+            missing.append(f"{doc}: tests/{module}::{name}")
+    assert not missing, "cited tests that do not exist:\n" + "\n".join(sorted(set(missing)))
+
+
+def test_every_guarantee_names_a_test() -> None:
+    text = (ROOT / "docs" / "guarantees.md").read_text()
+    sections = re.split(r"^## ", text, flags=re.MULTILINE)[1:]
+    assert len(sections) >= 15
+    bare = [s.splitlines()[0] for s in sections if not CITED_TEST.search(s)]
+    assert not bare, f"guarantees without a test: {bare}"
+
+
+# --- (e) links ----------------------------------------------------------------------------------------
+
+#: The target of a Markdown link or image, ``[text](target)``.
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def slug(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation dropped, spaces as hyphens."""
+    text = heading.strip().lower()
+    text = "".join(c for c in text if c in " -_" or unicodedata.category(c)[0] in "LN")
+    return text.replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    found: set[str] = set()
+    fenced = False
+    for line in path.read_text().splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and re.match(r"#{1,6} ", line):
+            base = slug(line.lstrip("#"))
+            name, n = base, 0
+            while name in found:  # GitHub numbers repeated headings
+                n += 1
+                name = f"{base}-{n}"
+            found.add(name)
+    return found
+
+
+def prose(text: str) -> str:
+    """The text without fenced code blocks and code spans, where ``](`` is not a link."""
+    text = re.sub(r"^```.*?^```", "", text, flags=re.MULTILINE | re.DOTALL)
+    return re.sub(r"`[^`\n]*`", "", text)
+
+
+@pytest.mark.parametrize("doc", [d for d in DOCUMENTS if d.name != "CHANGELOG.md"], ids=lambda d: d.name)
+def test_every_relative_link_reaches_a_file_and_heading(doc: Path) -> None:
+    broken = []
+    for target in LINK.findall(prose(doc.read_text())):
+        if re.match(r"[a-z][a-z0-9+.-]*:", target):  # https:, mailto:
+            continue
+        file, _, fragment = target.partition("#")
+        path = (doc.parent / file).resolve() if file else doc
+        if not path.exists():
+            broken.append(f"{target}: no file {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
+        elif fragment and path.suffix == ".md" and fragment not in anchors(path):
+            broken.append(f"{target}: no heading #{fragment} in {path.relative_to(ROOT)}")
+    assert not broken, f"{doc.relative_to(ROOT)}: broken links:\n" + "\n".join(sorted(set(broken)))
+
+
+def test_the_readme_is_a_landing_page() -> None:
+    """About 150 lines: install, quickstart, the promises in a line each, where to read on."""
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 180
+    for needed in ("pip install dramatiq-leases", "LeaseMiddleware", "lock_key", "current_lease", "make demo"):
+        assert needed in text, f"README.md does not mention {needed}"
+    assert "docs/guarantees.md" in text and "docs/guide.md" in text and "docs/reference.md" in text
