@@ -1,8 +1,14 @@
-"""Lua scripts behind every lease operation, loaded once from ``core/lua/*.lua``.
+"""Lua scripts behind every lease operation, built once from ``core/lua/*.lua``.
 
-Each operation is one script and one round trip; each ``.lua`` file is
-complete on its own, its header saying its KEYS, ARGV and replies. A script only touches the
-keys passed in ``KEYS``, and those always share one hash tag, so every script
+Each operation is one script and one round trip. A ``.lua`` file begins with
+its header: its KEYS and ARGV, one per line (``--   N name: what it is``, the
+name the script gives it), then what it returns. The helpers the scripts share
+are written once, in sections of ``lua/prelude.lua``; a script names those it
+uses with ``--#include NAME ...`` where it needs them, and the loader copies
+them in there. The constants the Lua uses are this module's (:data:`LUA_CONSTANTS`):
+the loader declares, after the header, each one a script names, so Python and
+Lua read one value. A script only touches the keys passed in ``KEYS`` or derived
+from the lease's name, and those always share one hash tag, so every script
 runs unchanged on Redis Cluster.
 
 Key layout for a lease key ``K`` under prefix ``P`` (``T`` is the hash tag,
@@ -41,17 +47,96 @@ clocks agree on ages and deadlines.
 
 from __future__ import annotations
 
+import re
 from importlib.resources import files
 
 #: The largest number of milliseconds any argument may carry (about 31 years):
 #: sums of such numbers stay exact in Lua's doubles and valid for ``PEXPIRE``.
-#: The scripts that check numbers declare the same value.
 MAX_MS = 10**12
+#: The largest Unix time in milliseconds a script accepts (the year 2286; ``numbers.MAX_TIMESTAMP_MS``).
+MAX_TIMESTAMP_MS = 10**13
+#: The most waiters of one key that may wait in place (a script's bound on ``ready``).
+MAX_READY = 1000
+#: The longest waiter id or holder channel a script accepts (characters).
+MAX_ID_LENGTH = 512
+#: The longest a waiter in place blocks on its wake list in one call, in ms (``client.MAX_BLOCK_S``).
+MAX_BLOCK_MS = 10_000
+#: A waiter in place blocks at least this long, and this long past the instant it expects its turn (ms).
+BLOCK_SLACK_MS = 50
+#: How long past its block a waiter in place keeps its place, to come back and block again (ms).
+READY_SLACK_MS = 2_000
+#: How long a wake-up waits in its list for a waiter that has not blocked yet (ms; ``line.WAKE_TTL_MS``).
+WAKE_TTL_MS = MAX_BLOCK_MS + READY_SLACK_MS
+#: How long a line and its waiters are kept after their last change (ms).
+LINE_TTL_MS = 86_400_000
+#: How long a waiter that ran is remembered, so a stray copy of its message never runs again (ms).
+DONE_MS = 3_600_000
+#: How long a fence counter made again to record a release is kept when the caller knows no retention (ms).
+RECORD_MS = 3_600_000
+#: How many vanished waiters one call drops from the head of a line at most (bounded work per call).
+HEAD_DROPS_MAX = 16
+
+#: Every constant the Lua uses, by the name it uses: the loader declares those a script names.
+LUA_CONSTANTS: dict[str, int] = {
+    "MAX_MS": MAX_MS,
+    "MAX_TIMESTAMP_MS": MAX_TIMESTAMP_MS,
+    "MAX_READY": MAX_READY,
+    "MAX_ID_LENGTH": MAX_ID_LENGTH,
+    "MAX_BLOCK_MS": MAX_BLOCK_MS,
+    "BLOCK_SLACK_MS": BLOCK_SLACK_MS,
+    "READY_SLACK_MS": READY_SLACK_MS,
+    "WAKE_TTL_MS": WAKE_TTL_MS,
+    "LINE_TTL_MS": LINE_TTL_MS,
+    "DONE_MS": DONE_MS,
+    "RECORD_MS": RECORD_MS,
+    "HEAD_DROPS_MAX": HEAD_DROPS_MAX,
+}
+
+_INCLUDE = re.compile(r"^--#include((?: \w+)+)\n", re.MULTILINE)
+_SECTION = re.compile(r"^--#section (\w+)\n", re.MULTILINE)
+
+
+def _read(name: str) -> str:
+    return files(__package__).joinpath("lua").joinpath(f"{name}.lua").read_text(encoding="utf-8")
+
+
+def _sections() -> dict[str, str]:
+    """The prelude's sections by name (the text before the first one is the prelude's own comment)."""
+    parts = _SECTION.split(_read("prelude"))
+    return {name: text.strip("\n") + "\n" for name, text in zip(parts[1::2], parts[2::2], strict=True)}
+
+
+def _build(source: str, sections: dict[str, str]) -> str:
+    """A script's text as Redis runs it: ``source``'s header, the constants it names, then its body with each
+    ``--#include`` replaced by the sections named (each once per script).
+
+    Raises:
+      ValueError: an unknown section, or one included twice.
+    """
+    lines = source.splitlines(keepends=True)
+    n = next((i for i, line in enumerate(lines) if not line.startswith("--") or line.startswith("--#")), len(lines))
+    header, body = "".join(lines[:n]), "".join(lines[n:])
+    seen: set[str] = set()
+
+    def include(match: re.Match[str]) -> str:
+        names = match.group(1).split()
+        for name in names:
+            if name not in sections or name in seen:
+                raise ValueError(f"--#include {name}: {'unknown' if name not in sections else 'twice'}")
+            seen.add(name)
+        return "".join(sections[name] for name in names)
+
+    body = _INCLUDE.sub(include, body)
+    named = [name for name in LUA_CONSTANTS if re.search(rf"\b{name}\b", body)]
+    declared = "".join(f"local {name} = {LUA_CONSTANTS[name]}\n" for name in named)
+    return header + declared + body
 
 
 def _load(name: str) -> str:
-    return files(__package__).joinpath("lua").joinpath(f"{name}.lua").read_text(encoding="utf-8")
+    return _build(_read(name), _SECTIONS)
 
+
+_SECTIONS = _sections()
 
 #: Acquire a free key (see ``lua/acquire.lua``).
 ACQUIRE = _load("acquire")

@@ -1,10 +1,11 @@
--- KEYS: lease keys. No ARGV. Returns the server time, then for each key
--- {pttl, flat field/value list} (an empty list for a key that is not a hash).
-local function server_now()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
-local out = {server_now()}
+-- KEYS:
+--   1.. lease: the lease hashes to read
+-- ARGV: none
+-- Returns the server time, then for each key {pttl, flat field/value list} (an empty list for a key that is
+-- not a hash).
+--#include clock
+local now = server_time()
+local out = {now}
 for i, key in ipairs(KEYS) do
   local pttl = redis.call('PTTL', key)
   local fields = redis.pcall('HGETALL', key)
