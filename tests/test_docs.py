@@ -242,6 +242,16 @@ def test_every_test_the_docs_cite_exists() -> None:
     assert not missing, "cited tests that do not exist:\n" + "\n".join(sorted(set(missing)))
 
 
+def test_every_test_module_the_docs_name_exists() -> None:
+    missing = {
+        f"{doc.relative_to(ROOT)}: {path}"
+        for doc in DOCUMENTS
+        for path in re.findall(r"tests/[\w/]+\.py", doc.read_text())
+        if not (ROOT / path).is_file()
+    }
+    assert not missing, "test modules named that do not exist:\n" + "\n".join(sorted(missing))
+
+
 def test_every_guarantee_names_a_test() -> None:
     text = (ROOT / "docs" / "guarantees.md").read_text()
     sections = re.split(r"^## ", text, flags=re.MULTILINE)[1:]
