@@ -254,13 +254,13 @@ def memory(url: str, admin: redis.Redis, n: int) -> dict[str, float]:
     default_listpack = default_listpack_of(admin)
     variants = (
         ("", None, default_listpack),
-        (" (fence_retention_ms=1 h)", 3_600_000, default_listpack),
+        (" (fence_retention=1 h)", 3_600_000, default_listpack),
         (" (hash-max-listpack-value 256)", None, "256"),
     )
     for label, retention, listpack in variants:
         admin.flushall()
         admin.config_set("hash-max-listpack-value", listpack)
-        leases = Leases.from_url(url, prefix=PREFIX, fence_retention_ms=retention)
+        leases = Leases.from_url(url, prefix=PREFIX, fence_retention=retention)
         warm = leases.try_acquire("warm", TTL_MS, interval=INTERVAL_MS, meta=meta_for(0))
         assert isinstance(warm, Lease)
         leases.release(warm)
@@ -288,7 +288,7 @@ def memory(url: str, admin: redis.Redis, n: int) -> dict[str, float]:
         holders.append(lease)
     base = used_memory(admin)
     for i in range(n):
-        busy = leases.try_acquire(
+        busy = leases._line.join(
             f"line:{i % keys}",
             600_000,
             interval=INTERVAL_MS,
@@ -534,13 +534,13 @@ def main(argv: list[str] | None = None) -> int:
             say(table(["what", "bytes each"], [[k, v] for k, v in mem.items()]))
             held_b = mem["held lease + its fence counter"]
             fence_b = mem["fence counter left after release"]
-            fence_r = mem["fence counter left after release (fence_retention_ms=1 h)"]
+            fence_r = mem["fence counter left after release (fence_retention=1 h)"]
             lp = mem["held lease + its fence counter (hash-max-listpack-value 256)"]
             say(
                 f"\nThe lease hash (10 fields; the metadata is one JSON field of ~170 bytes here) exceeds Redis's "
                 f"default `hash-max-listpack-value` ({default_listpack_of(admin)} bytes), so Redis stores it as a "
                 f"hashtable; with `hash-max-listpack-value 256` a held lease costs {fmt(lp)} B instead of "
-                f"{fmt(held_b)} B. The waiter figure is a parked waiter joining a line by `try_acquire(waiter=...)`; "
+                f"{fmt(held_b)} B. The waiter figure is a parked waiter joining a line by the line's `join`; "
                 "the 100 holders' leases are in the baseline."
             )
 
@@ -621,7 +621,7 @@ def main(argv: list[str] | None = None) -> int:
         f"- Memory for 1 M distinct keys: held at once, {fmt(held_b)} B x 1 M = {held_b * million / 2**20:,.0f} MiB; "
         f"once released, the fence counters left without `fence_retention_ms`: {fmt(fence_b)} B x 1 M = "
         f"{fence_b * million / 2**20:,.0f} MiB, kept for ever and growing with every new key. With "
-        "`Leases(fence_retention_ms=R)` a counter idle for R expires: the store holds only the keys used in the "
+        "`Leases(fence_retention=R)` a counter idle for R expires: the store holds only the keys used in the "
         f"last R, at {fmt(fence_r)} B each (the expiry adds an entry to the expires dict); e.g. 10 new keys/s "
         f"with R = 1 h: 36 000 counters, {36_000 * fence_r / 2**20:.1f} MiB, bounded."
     )

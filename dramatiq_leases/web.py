@@ -46,9 +46,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from .core import Busy, Lease, Leases
+from .core import Busy, Lease, LeaseError, Leases
 from .core.lease import Wait
-from .core.line import DEFAULT_READY, PROMOTE_MS
 
 #: ``423 Locked`` (RFC 4918): the resource is locked; here, a job for it is running.
 HTTP_423_LOCKED: Final = 423
@@ -147,17 +146,8 @@ def try_acquire(
     mine = valid_ticket(ticket)
     if mine is not None:
         # Mode "join, never wait in place": a web request cannot block a thread on the wake list.
-        result = leases.try_acquire(
-            key,
-            ttl,
-            max_hold=max_hold,
-            meta=meta,
-            token=token,
-            waiter=waiter_of(mine),
-            may_wait=False,
-            ready=DEFAULT_READY,
-            park_ms=WEB_PARK_MS,
-            promote_ms=PROMOTE_MS,
+        result = leases._line.join(
+            key, ttl, max_hold=max_hold, meta=meta, token=token, waiter=waiter_of(mine), park_ms=WEB_PARK_MS
         )
         if isinstance(result, Lease):
             return result
@@ -239,7 +229,7 @@ def accepted_body(lease: Lease, message_id: str) -> dict[str, Any]:
     return {"key": lease.key, "fence": lease.fence, "message_id": message_id}
 
 
-class LockedError(Exception):
+class LockedError(LeaseError):
     """Raise from a handler when the key is busy; turn it into a 423 in one error handler.
 
     Attributes:
@@ -255,7 +245,7 @@ class LockedError(Exception):
         self.locked = answer if isinstance(answer, Locked) else None
         self.answer = answer
         self.detail = detail
-        super().__init__(locked_body(answer, detail)["detail"])
+        super().__init__(locked_body(answer, detail)["detail"], key=self.busy.key)
 
     @property
     def headers(self) -> dict[str, str]:

@@ -217,7 +217,7 @@ def test_show_shows_the_line_of_waiters(
     assert dict(re.split(r" {2,}", line, maxsplit=1) for line in out.splitlines())["line"] == "empty"
     server_ms = int(leases.client.time()[0]) * 1000
     for n, first in ((1, server_ms - 5_000), (2, server_ms - 1_000)):
-        assert not leases.try_acquire("invoice:2", 10_000, meta=META, waiter=f"m{n}:0", first_ms=first)
+        assert not leases._line.join("invoice:2", 10_000, meta=META, waiter=f"m{n}:0", first_ms=first)
     code, out, _ = cli(capsys, redis_server, "show", "invoice:2")
     line = dict(re.split(r" {2,}", row, maxsplit=1) for row in out.splitlines())["line"]
     assert re.fullmatch(r"2 waiting \(2 promoted\); head m1:0; oldest waiting [56]\.\ds", line), line

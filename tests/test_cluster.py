@@ -274,7 +274,7 @@ def test_a_wait_in_place_ends_before_the_cluster_client_times_out(cluster: Redis
     the wait (after redis-py's retries, each refreshing the cluster's layout) instead of ending it."""
     leases = Leases(cluster.client(socket_timeout=1))
     started = time.monotonic()
-    assert leases.wait_turn("invoice:1", "m-1:0", 8_000) is False  # nobody wakes it: it ends, unwoken
+    assert leases._line.wait_turn("invoice:1", "m-1:0", 8_000) is False  # nobody wakes it: it ends, unwoken
     assert time.monotonic() - started < 1.0
     leases.client.close()
 
@@ -287,7 +287,7 @@ def test_a_wait_in_place_that_fails_sends_the_message_back_without_failing_it(
     caplog.set_level(logging.WARNING)
     jobs = Jobs(cluster, broker_server, "wait-fails", threads=4)
     leases = jobs.leases
-    wait_turn = leases.wait_turn
+    wait_turn = leases._line.wait_turn
     failed: list[str] = []
 
     def failing_once(key: str, waiter: str, block_ms: int) -> bool:
@@ -296,7 +296,7 @@ def test_a_wait_in_place_that_fails_sends_the_message_back_without_failing_it(
             raise LeaseUnavailableError(f"could not wait for {key!r}: ConnectionError: injected", key=key)
         return wait_turn(key, waiter, block_ms)
 
-    leases.wait_turn = failing_once  # type: ignore[method-assign]
+    leases._line.wait_turn = failing_once  # type: ignore[method-assign]
     try:
         jobs.stack.start()
         jobs.send("invoice:1", "long", 1.0, lock_ttl=HOLDER_TTL)
@@ -358,7 +358,7 @@ def test_cli_and_exporter_see_and_release_leases_on_every_master(cluster: RedisC
             held[key] = lease
         # ... the first of which has two messages waiting in its line, on the same master.
         for n in range(2):
-            busy = leases.try_acquire(keys[0], 60_000, meta=WAITER_META, waiter=f"{keys[0]}-m{n}:0")
+            busy = leases._line.join(keys[0], 60_000, meta=WAITER_META, waiter=f"{keys[0]}-m{n}:0")
             assert isinstance(busy, Busy) and busy.line == n + 1
     contended = [keys[0] for keys in spread.values()]
     # Debris on the third key of the first master: a hash written by hand, without TTL (a leak).
@@ -486,7 +486,7 @@ MOVE_LONG = 4.0  # s: long enough to hold across the move and be renewed after i
 
 def move_keys(cluster: RedisClusterNodes, prefix: str, slot: int) -> tuple[list[str], list[str]]:
     """Two keys whose leases live in ``slot``, and one key on each master in other slots."""
-    name_of = lambda k: lease_name(prefix, k)  # noqa: E731
+    name_of: Callable[[str], str] = lambda k: lease_name(prefix, k)  # noqa: E731
     moving = cluster.in_slot(name_of, slot, 2, (f"invoice:{i}" for i in itertools.count()))
     spread = cluster.spread(name_of, 1, (f"order:{i}" for i in range(10_000)))
     others = [keys[0] for keys in spread.values()]
@@ -657,9 +657,9 @@ def test_a_master_that_fails_costs_only_its_own_leases(how: str) -> None:
             # A wait in place for a key of the failed master fails in one socket timeout (redis-py's cluster
             # client took 22 s), so the message goes back; one for a key elsewhere just waits its time.
             with pytest.raises(LeaseUnavailableError):
-                leases.wait_turn(next(iter(failed)), "waiter", 200)
+                leases._line.wait_turn(next(iter(failed)), "waiter", 200)
             assert time.monotonic() - stopped_at < 4 * 0.5, "the wait outlasted the socket timeout"
-            assert leases.wait_turn(next(iter(healthy)), "waiter", 200) is False
+            assert leases._line.wait_turn(next(iter(healthy)), "waiter", 200) is False
 
             def renewed_since_the_stop(lease: Lease) -> bool:
                 # Confirmed by a renewal sent a second or more after the stop.
@@ -689,7 +689,7 @@ def test_leases_on_a_master_that_fails_over_go_on_being_renewed_by_its_replica()
         held = {key: leases.try_acquire(key, 60_000) for key in itertools.chain(*by_master.values())}
         assert all(isinstance(lease, Lease) for lease in held.values())
         victim = next(port for port in by_master if port != nodes.nodes[0].port)
-        assert nodes.node(victim).execute_command("WAIT", 1, 5_000) == 1  # its replica has the grants
+        assert nodes.node(victim).execute_command("WAIT", 1, 5_000) == 1  # type: ignore[no-untyped-call]  # its replica has the grants (execute_command: untyped)
         stop_master(nodes, victim, "killed")
         rounds: list[list[Renewal]] = []
 
@@ -699,7 +699,7 @@ def test_leases_on_a_master_that_fails_over_go_on_being_renewed_by_its_replica()
             return bool(rounds) and rounds[-1] == [Renewal.OK] * len(held)
 
         wait_for(renewed_everywhere, timeout=30, interval=0.5, what="renewals on the promoted replica")
-        assert victim not in {n.port for n in client.get_primaries()}
+        assert victim not in {n.port for n in client.get_primaries()}  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
         assert Renewal.ERROR in itertools.chain(*rounds), "the failure was never seen: the test proves nothing"
         assert all(r in (Renewal.OK, Renewal.ERROR) for r in itertools.chain(*rounds)), rounds  # never gone/stolen
         client.close()
@@ -746,7 +746,7 @@ def test_a_hung_master_hides_only_its_own_leases_from_list_and_the_exporter_and_
                     wait_for(
                         lambda: all(
                             b"fail" in line
-                            for line in nodes.node(healthy[0]).execute_command("CLUSTER", "NODES").encode().splitlines()
+                            for line in nodes.node(healthy[0]).execute_command("CLUSTER", "NODES").encode().splitlines()  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
                             if str(victim).encode() in line
                         ),
                         timeout=20,
@@ -813,7 +813,7 @@ def test_a_line_in_a_slot_half_moved_is_read_at_its_new_master_and_no_master_is_
     [key] = cluster.in_slot(leases.lease_name, slot, 1, (f"invoice:{i}" for i in itertools.count()))
     assert isinstance(leases.try_acquire(key, 60_000, meta=META), Lease)
     for n in range(2):
-        assert isinstance(leases.try_acquire(key, 60_000, meta=WAITER_META, waiter=f"m{n}:0"), Busy)
+        assert isinstance(leases._line.join(key, 60_000, meta=WAITER_META, waiter=f"m{n}:0"), Busy)
     move = SlotMove(cluster, slot, target)
     move.begin()
     try:
@@ -849,7 +849,7 @@ def test_a_master_that_answers_scan_but_refuses_the_read_hides_only_its_own_leas
     leases.client.hset(leases.lease_name(leak), mapping={"token": "t", "fence": 3, "key": leak})
     exporter = Exporter(leases, host="127.0.0.1", port=0)
     node = cluster.node(victim)
-    node.execute_command("ACL", "SETUSER", "default", "-evalsha")
+    node.execute_command("ACL", "SETUSER", "default", "-evalsha")  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
     try:
         snap = exporter.observer.scan()
         assert (
@@ -859,7 +859,7 @@ def test_a_master_that_answers_scan_but_refuses_the_read_hides_only_its_own_leas
         assert {info.key for info in snap.leases} == {by_master[port][0] for port in healthy} | {leak}
         assert snap.leaked[("", "", "no_ttl")] == 1
     finally:
-        node.execute_command("ACL", "SETUSER", "default", "+@all")
+        node.execute_command("ACL", "SETUSER", "default", "+@all")  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
         node.close()
         exporter.close()
     assert not exporter.observer.scan().unreachable

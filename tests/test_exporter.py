@@ -124,7 +124,7 @@ def acquire(leases: Leases, key: str, ttl: int = 60_000, **kwargs: Any) -> Lease
 def wait_in_line(leases: Leases, key: str, waiters: int, first_ms: int, meta: dict[str, str]) -> None:
     """``waiters`` messages find ``key`` busy and take places in its line (first attempts from ``first_ms`` on)."""
     for n in range(waiters):
-        reply = leases.try_acquire(key, 60_000, meta=meta, waiter=f"{key}-m{n}:0", first_ms=first_ms + n)
+        reply = leases._line.join(key, 60_000, meta=meta, waiter=f"{key}-m{n}:0", first_ms=first_ms + n)
         assert isinstance(reply, Busy), reply
 
 
@@ -456,7 +456,7 @@ def test_a_fence_retention_shorter_than_the_scan_interval_counts_no_release_as_a
     That grant's end is unknown, not an expiry (the safety SLO reads dramatiq_lease_expired_total); a grant that
     does end by TTL on a key whose counter is still there is still counted."""
     retention_ms = 300
-    short = Leases.from_url(redis_server.url(1), prefix=PREFIX, fence_retention_ms=retention_ms)
+    short = Leases.from_url(redis_server.url(1), prefix=PREFIX, fence_retention=retention_ms)
     kept = Leases.from_url(redis_server.url(1), prefix=PREFIX)  # no retention: counters kept for ever
     exporter = Exporter(short, host="127.0.0.1", port=0, interval=2.0)
     try:
@@ -516,7 +516,7 @@ def test_keys_of_the_wrong_type_are_counted_and_told_once_and_hide_nothing_else(
     acquire(leases, LEAKED, 1_000, meta=WORK)
     leases.client.persist(leases.lease_name(LEAKED))  # leaked (no_ttl) once its holder's deadline passes
     wait_in_line(leases, LEAKED, 2, server_ms(leases), WORK)
-    leases.wake(LEAKED, "crafted}")  # a wake list: {prefix}:line:{invoice:1}:w:crafted}
+    leases._line.wake(LEAKED, "crafted}")  # a wake list: {prefix}:line:{invoice:1}:w:crafted}
     wake_list = f"{PREFIX}:line:{{{LEAKED}}}:w:crafted}}"
     assert leases.client.type(wake_list) == b"list"
     broken_line = f"{PREFIX}:line:{{broken}}"

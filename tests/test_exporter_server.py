@@ -238,7 +238,7 @@ def test_a_token_file_guards_the_busy_view_on_any_bind(
 def test_hashed_keys_show_a_digest_and_no_inspect_command(
     redis_server: EmbeddedRedis, leases: Leases, tmp_path: Path
 ) -> None:
-    assert not leases.try_acquire(PERSONAL, 60_000, waiter="msg-10:0")  # a waiter: the key is a hot key too
+    assert not leases._line.join(PERSONAL, 60_000, waiter="msg-10:0")  # a waiter: the key is a hot key too
     digest = "sha256:" + hashlib.sha256(PERSONAL.encode()).hexdigest()[:16]
     with exporter(redis_server, tmp_path, "--busy-keys", "hashed") as running:
         doc = wait_for(lambda: (d := running.page())["hot_keys"] and d, what="the hot key")

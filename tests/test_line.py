@@ -36,7 +36,7 @@ def join(
     ready: int = 2,
     promote_ms: int = 10_000,
 ) -> Lease | Busy:
-    return leases.try_acquire(
+    return leases._line.join(
         key, TTL, waiter=waiter, first_ms=first_ms, may_wait=may_wait, ready=ready, promote_ms=promote_ms
     )
 
@@ -64,7 +64,7 @@ def test_a_free_key_goes_to_the_head_of_its_line_in_first_attempt_order(leases: 
         assert isinstance(lease, Lease), waiter
         order.append(waiter)
         assert lease.handoff is not None and lease.handoff >= 0
-        leases.release_token("k", lease.token, waiter=waiter)
+        leases._line.release("k", lease.token, waiter=waiter)
     assert order == ["a", "b", "c", "d"]
     assert leases.try_acquire("k", TTL)  # the line is empty again: anyone may take it
 
@@ -76,7 +76,7 @@ def test_release_wakes_the_head_waiting_in_place(leases: Leases) -> None:
     assert answer.wait is Wait.IN_PLACE and 0 < answer.block_ms <= 10_000
     woken: list[float] = []
     waiter = threading.Thread(
-        target=lambda: woken.append(time.monotonic()) if leases.wait_turn("k", "w", answer.block_ms) else None
+        target=lambda: woken.append(time.monotonic()) if leases._line.wait_turn("k", "w", answer.block_ms) else None
     )
     waiter.start()
     time.sleep(0.05)  # let it block: a wake-up before the block is kept in the list anyway
@@ -102,8 +102,8 @@ def test_a_parked_waiter_is_promoted_on_its_holders_channel_when_its_turn_nears(
     assert isinstance(holder, Lease)
     for i in range(3):
         assert busy(join(leases, "k", f"w{i}", i + 1, ready=1)).wait in (Wait.PARK, Wait.SOON)
-    assert leases.hold("k", ["w1", "w2"], "chan:x", park_ms=60_000, ready=1) == ["p", "p"]
-    pubsub = redis_client.pubsub()
+    assert leases._line.hold("k", ["w1", "w2"], "chan:x", park_ms=60_000, ready=1) == ["p", "p"]
+    pubsub = redis_client.pubsub()  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
     pubsub.subscribe("chan:x")
     wait_for(lambda: pubsub.get_message(timeout=0.1) is not None, what="the subscription")
     # w0 (head, asked to come soon) takes the key: w1 is next, and told so.
@@ -114,13 +114,13 @@ def test_a_parked_waiter_is_promoted_on_its_holders_channel_when_its_turn_nears(
     assert isinstance(lease, Lease)
     message: Any = wait_for(lambda: pubsub.get_message(timeout=0.1), what="a promotion")
     assert message["data"] == b"w1"
-    assert leases.hold("k", ["w1", "w2"], "chan:x", park_ms=60_000, ready=1) == ["m", "p"]
+    assert leases._line.hold("k", ["w1", "w2"], "chan:x", park_ms=60_000, ready=1) == ["m", "p"]
     pubsub.close()
 
 
 def test_a_grant_says_whether_it_came_from_the_line(leases: Leases) -> None:
     """A copy that finds its waiter at the head (say a redelivery of a message that parked) must be told."""
-    direct = leases.try_acquire("k", TTL, waiter="a", may_wait=True)
+    direct = leases._line.join("k", TTL, waiter="a", may_wait=True)
     assert isinstance(direct, Lease) and not direct.from_line
     busy(join(leases, "k", "b", 1))
     leases.release_token("k", direct.token)
@@ -133,13 +133,13 @@ def test_a_waiter_in_place_past_its_deadline_is_not_waiting_any_more(leases: Lea
     assert leases.try_acquire("k", 60_000)  # held throughout
     answer = busy(join(leases, "k", "w", 1, may_wait=True))
     assert answer.wait is Wait.IN_PLACE
-    assert leases.hold("k", ["w"], "chan:x", park_ms=60_000, ready=2) == ["r"]
+    assert leases._line.hold("k", ["w"], "chan:x", park_ms=60_000, ready=2) == ["r"]
     wait_for(
-        lambda: leases.hold("k", ["w"], "chan:x", park_ms=60_000, ready=2) != ["r"],
+        lambda: leases._line.hold("k", ["w"], "chan:x", park_ms=60_000, ready=2) != ["r"],
         timeout=answer.block_ms / 1000 + 5,
         what="the waiter in place to pass its deadline",
     )
-    assert leases.hold("k", ["w"], "chan:x", park_ms=60_000, ready=2) == ["p"]
+    assert leases._line.hold("k", ["w"], "chan:x", park_ms=60_000, ready=2) == ["p"]
 
 
 def test_a_waiter_that_ran_never_runs_again(leases: Leases) -> None:
@@ -149,10 +149,10 @@ def test_a_waiter_that_ran_never_runs_again(leases: Leases) -> None:
     assert leases.release(holder)
     lease = join(leases, "k", "w", 1)
     assert isinstance(lease, Lease)
-    leases.release_token("k", lease.token, waiter="w")
+    leases._line.release("k", lease.token, waiter="w")
     # A stray copy of the same message (a duplicate delivery, a parked copy left behind).
     assert busy(join(leases, "k", "w", 1)).wait is Wait.DUPLICATE
-    assert leases.hold("k", ["w"], "chan:x", park_ms=60_000, ready=1) == ["d"]
+    assert leases._line.hold("k", ["w"], "chan:x", park_ms=60_000, ready=1) == ["d"]
 
 
 def test_a_vanished_waiter_loses_its_place_after_its_deadline(leases: Leases) -> None:
@@ -160,7 +160,7 @@ def test_a_vanished_waiter_loses_its_place_after_its_deadline(leases: Leases) ->
     assert isinstance(holder, Lease)
     busy(join(leases, "k", "gone", 1, ready=1, promote_ms=300))  # near the head, never comes back
     busy(join(leases, "k", "next", 2, ready=1, promote_ms=300))
-    assert leases.release_token("k", holder.token, promote_ms=300)
+    assert leases._line.release("k", holder.token, promote_ms=300)
     assert isinstance(join(leases, "k", "next", 2, ready=1, promote_ms=300), Busy)  # "gone" still has its turn
     lease = wait_for(
         lambda: join(leases, "k", "next", 2, ready=1, promote_ms=300) or None,
@@ -176,7 +176,7 @@ def test_a_waiter_who_gives_up_leaves_and_the_next_is_woken(leases: Leases) -> N
     assert leases.try_acquire("k", TTL)
     busy(join(leases, "k", "a", 1))
     busy(join(leases, "k", "b", 2))
-    assert leases.leave("k", ["a", "nobody"], ready=2) == 1
+    assert leases._line.leave("k", ["a", "nobody"], ready=2) == 1
     assert busy(join(leases, "k", "b", 2)).place == 0
 
 
@@ -184,7 +184,7 @@ def test_hold_reports_waiters_without_a_place(leases: Leases, redis_client: redi
     assert leases.try_acquire("k", TTL)
     busy(join(leases, "k", "a", 1))
     redis_client.flushdb()  # the lease store lost everything, say a restart without persistence
-    assert leases.hold("k", ["a"], "chan:x", park_ms=60_000, ready=2) == ["x"]
+    assert leases._line.hold("k", ["a"], "chan:x", park_ms=60_000, ready=2) == ["x"]
 
 
 def test_no_line_key_is_left_without_ttl(leases: Leases, redis_client: redis.Redis) -> None:
@@ -192,11 +192,11 @@ def test_no_line_key_is_left_without_ttl(leases: Leases, redis_client: redis.Red
     assert isinstance(holder, Lease)
     busy(join(leases, "k", "a", 1, may_wait=True))
     busy(join(leases, "k", "b", 2))
-    leases.hold("k", ["b"], "chan:x", park_ms=60_000, ready=2)
+    leases._line.hold("k", ["b"], "chan:x", park_ms=60_000, ready=2)
     leases.release(holder)
     lease = join(leases, "k", "a", 1)
     assert isinstance(lease, Lease)
-    leases.release_token("k", lease.token, waiter="a")
+    leases._line.release("k", lease.token, waiter="a")
     for name in redis_client.scan_iter("t:*"):
         if not name.startswith(b"t:fence:"):
             assert redis_client.pttl(name) > 0, name
@@ -236,7 +236,7 @@ class InterruptAfterBlpop(redis.Connection):
     armed = False
 
     def send_command(self, *args: Any, **kwargs: Any) -> None:
-        super().send_command(*args, **kwargs)
+        super().send_command(*args, **kwargs)  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
         if args and args[0] == "BLPOP" and InterruptAfterBlpop.armed:
             InterruptAfterBlpop.armed = False
             raise Interrupted
@@ -253,7 +253,7 @@ def test_a_wait_interrupted_before_its_reply_leaves_no_reply_for_the_next_caller
         client.set("answer", "42")
         InterruptAfterBlpop.armed = True
         with pytest.raises(Interrupted):
-            leases.wait_turn("k", "w1", 200)
+            leases._line.wait_turn("k", "w1", 200)
         assert client.get("answer") == b"42", "the next caller read the interrupted BLPOP's reply"
     finally:
         client.close()

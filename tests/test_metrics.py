@@ -117,7 +117,7 @@ def worker_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
                         send(broker, WORK_ACTOR, WORK_QUEUE, key, 0.6)
                         sent += 1
                 wait_until(
-                    lambda n=sent: sum(e["event"] == "done" for e in events(leases_client)) == n,
+                    lambda n=sent: sum(e["event"] == "done" for e in events(leases_client)) == n,  # type: ignore[misc]  # mypy cannot type a lambda's default, which binds the loop variable
                     timeout=30,
                     what=f"{sent} messages to run",
                     procs=procs,
@@ -319,7 +319,7 @@ def exporter_exposition(tmp_path_factory: pytest.TempPathFactory) -> Iterator[st
             assert leases.try_acquire(EXPIRING_KEY, 1_000, interval=300, meta=work)
             # Two messages of the web actor wait in the line of the live lease.
             for n in (1, 2):
-                assert not leases.try_acquire(ALIVE_KEY, 60_000, meta=web, waiter=f"m{n}:0", first_ms=n)
+                assert not leases._line.join(ALIVE_KEY, 60_000, meta=web, waiter=f"m{n}:0", first_ms=n)
 
             def seen_all() -> str | None:
                 text = http_get(url)
@@ -368,7 +368,7 @@ def test_a_killed_workers_held_leases_are_not_summed_in_forever(tmp_path: Path) 
 
     def held() -> float:
         registry = CollectorRegistry()
-        multiprocess.MultiProcessCollector(registry, path=str(directory))
+        multiprocess.MultiProcessCollector(registry, path=str(directory))  # type: ignore[no-untyped-call]  # prometheus_client leaves it unannotated
         return sum(
             sample.value
             for family in registry.collect()
@@ -392,7 +392,7 @@ def test_a_worker_without_leased_actors_still_serves_lease_series(redis_server: 
     middleware = LeaseMiddleware(
         redis_server.url(0), metrics=PrometheusMetrics(registry=registry), metrics_endpoint=False
     )
-    broker = StubBroker(middleware=[middleware])  # type: ignore[no-untyped-call]
+    broker = StubBroker(middleware=[middleware])
     broker.emit_after("process_boot")
     operations = {
         labels["operation"]

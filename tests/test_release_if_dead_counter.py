@@ -43,7 +43,7 @@ def test_a_counter_expired_under_a_long_leak_is_recorded_again_with_a_ttl(
 ) -> None:
     """The fleet keeps idle counters for 300 ms; the leak outlives its counter; the CLI, which has no
     retention, releases it. The counter used to be made again without a TTL: kept for ever."""
-    fleet = Leases(redis_client, fence_retention_ms=RETENTION_MS)
+    fleet = Leases(redis_client, fence_retention=RETENTION_MS)
     lease = leak(fleet, redis_client)
     counter = fleet.fence_name(KEY)
     wait_for(lambda: not redis_client.exists(counter), what="the idle counter to expire during the leak")
@@ -62,7 +62,7 @@ def test_a_counter_expired_under_a_long_leak_is_recorded_again_with_a_ttl(
 def test_a_counter_still_there_keeps_its_own_ttl(
     capsys: pytest.CaptureFixture[str], redis_server: EmbeddedRedis, redis_client: redis.Redis
 ) -> None:
-    fleet = Leases(redis_client, fence_retention_ms=600_000)
+    fleet = Leases(redis_client, fence_retention=600_000)
     lease = leak(fleet, redis_client)
     counter = fleet.fence_name(KEY)
     before = redis_client.pttl(counter)
@@ -80,11 +80,11 @@ def test_without_a_retention_the_counter_is_kept_for_ever_as_before(
     assert release_if_dead(capsys, redis_server)[0] == 0
     assert redis_client.pttl(fleet.fence_name(KEY)) == -1
     assert fleet.fence_state(KEY) == {"fence": lease.fence, "released": lease.fence}
-    assert fleet.try_acquire(KEY, 1_000).fence == lease.fence + 1  # type: ignore[union-attr]
+    assert fleet.try_acquire(KEY, 1_000).fence == lease.fence + 1
 
 
 def test_a_store_with_the_retention_records_it_with_its_own(redis_client: redis.Redis) -> None:
-    fleet = Leases(redis_client, fence_retention_ms=RETENTION_MS)
+    fleet = Leases(redis_client, fence_retention=RETENTION_MS)
     lease = leak(fleet, redis_client)
     counter = fleet.fence_name(KEY)
     wait_for(lambda: not redis_client.exists(counter), what="the idle counter to expire during the leak")

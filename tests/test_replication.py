@@ -155,10 +155,10 @@ def test_the_replica_timeout_is_whole_milliseconds(value: Any) -> None:
     with pytest.raises(
         LeaseConfigError,
         match=re.escape(
-            f"Leases: replica_timeout_ms must be a whole number of milliseconds from 1 to 1000000000000, got {value!r}"
+            f"Leases: replica_timeout must be a whole number of milliseconds from 1 to 1000000000000, got {value!r}"
         ),
     ):
-        Leases(redis.Redis(), min_replicas=1, replica_timeout_ms=value)
+        Leases(redis.Redis(), min_replicas=1, replica_timeout=value)
     with pytest.raises(
         LeaseConfigError,
         match=re.escape(
@@ -175,11 +175,11 @@ def test_min_replicas_needs_a_replica_timeout_under_the_socket_timeout_and_no_cl
     with pytest.raises(
         LeaseConfigError,
         match=re.escape(
-            "Leases: replica_timeout_ms must be shorter than the Redis client's socket_timeout (0.5 s), got 500"
+            "Leases: replica_timeout must be shorter than the Redis client's socket_timeout (0.5 s), got 500"
         ),
     ):
         Leases(redis.Redis(socket_timeout=0.5), min_replicas=1)
-    assert Leases(redis.Redis(socket_timeout=0.5), min_replicas=1, replica_timeout_ms=400).replica_timeout_ms == 400
+    assert Leases(redis.Redis(socket_timeout=0.5), min_replicas=1, replica_timeout=400).replica_timeout == 400
     cluster = RedisCluster.__new__(RedisCluster)  # never connected: refused before it is used
     with pytest.raises(LeaseConfigError, match="min_replicas is not available with RedisCluster"):
         Leases(cluster, min_replicas=1)
@@ -195,7 +195,7 @@ def test_a_grant_counts_once_a_replica_acknowledged_it(replicated: Replicated, t
         replicated.node(replicated.primary_port),
         thread_connections=thread_connections,
         min_replicas=1,
-        replica_timeout_ms=TIMEOUT_MS,
+        replica_timeout=TIMEOUT_MS,
     )
     held = grant(leases, "invoice:1")
     other = grant(leases, "invoice:2", ttl=20_000)  # another TTL: renewed by a second script call
@@ -235,7 +235,7 @@ def test_a_grant_counts_once_a_replica_acknowledged_it(replicated: Replicated, t
 
 def test_a_lease_whose_renewals_no_replica_acknowledges_is_lost_at_its_deadline(replicated: Replicated) -> None:
     primary = replicated.node(replicated.primary_port)
-    leases = Leases(replicated.node(replicated.primary_port), min_replicas=1, replica_timeout_ms=50)
+    leases = Leases(replicated.node(replicated.primary_port), min_replicas=1, replica_timeout=50)
     lease = grant(leases, "report:1", ttl=600)  # renewed every 200 ms
     lost: queue.SimpleQueue[tuple[Lease, LostReason, float]] = queue.SimpleQueue()
     heartbeat = Heartbeat(leases)
@@ -319,9 +319,9 @@ def test_a_failover_loses_unreplicated_grants_unless_min_replicas(sentinels: Rep
     """SIGKILL the primary after grants its replica never received; the Sentinels promote the replica."""
     # As LeaseMiddleware uses them: a client= from Sentinel, per-thread connections. The others: the URL form.
     workers = Leases(sentinels.master_client(), thread_connections=True)
-    timed = Leases.from_url(sentinels.url(0), fence_retention_ms=DAY_MS)  # fences: the grant's server µs
+    timed = Leases.from_url(sentinels.url(0), fence_retention=DAY_MS)  # fences: the grant's server µs
     plain = Leases.from_url(sentinels.url(0))
-    acked = Leases.from_url(sentinels.url(0), min_replicas=1, replica_timeout_ms=TIMEOUT_MS)
+    acked = Leases.from_url(sentinels.url(0), min_replicas=1, replica_timeout=TIMEOUT_MS)
 
     # Replicated before the cut: three grants of each key (fences 1..3, and three µs fences), and one lease
     # acknowledged by the replica, held across the failover.

@@ -35,13 +35,13 @@ def test_the_line_refuses_a_holder_that_would_split_a_waiters_entry(
     """Each entry is "state deadline holder actor": a space in the holder would shift the actor into it, and
     the promotion be published on a channel nobody listens to."""
     assert isinstance(leases.try_acquire("k", 60_000), Lease)
-    busy = leases.try_acquire("k", 60_000, waiter="w1", first_ms=1, ready=0, meta={"actor": "send_invoice"})
+    busy = leases._line.join("k", 60_000, waiter="w1", first_ms=1, ready=0, meta={"actor": "send_invoice"})
     assert isinstance(busy, Busy)
     entry = redis_client.hget(waiters_name("t", "k"), "w1")
     with pytest.raises(redis.ResponseError, match="dramatiq-leases: invalid holder"):
         redis_client.eval(scripts.LINE, 1, leases.lease_name("k"), "hold", holder, "1000", "2", "1000", "w1")
     assert redis_client.hget(waiters_name("t", "k"), "w1") == entry
-    assert leases.hold("k", ["w1"], "channel", park_ms=1_000, ready=0) == ["p"]
+    assert leases._line.hold("k", ["w1"], "channel", park_ms=1_000, ready=0) == ["p"]
 
 
 def no_ttl(redis_client: redis.Redis, prefix: str = "t") -> list[bytes]:
@@ -57,7 +57,7 @@ def test_acquire_refuses_a_line_key_of_another_type_before_its_first_write(
     assert isinstance(leases.try_acquire("k", 60_000), Lease)
     redis_client.set(waiters_name("t", "k"), "written by hand")
     with pytest.raises(LeaseUnavailableError, match="invalid waiters"):
-        leases.try_acquire("k", 60_000, waiter="w1", first_ms=1)
+        leases._line.join("k", 60_000, waiter="w1", first_ms=1)
     assert no_ttl(redis_client) == [waiters_name("t", "k").encode()]  # only the hand-written key
 
 
@@ -66,13 +66,13 @@ def test_a_wake_list_of_another_type_does_not_stop_the_release_waking_its_waiter
 ) -> None:
     holder = leases.try_acquire("k", 60_000)
     assert isinstance(holder, Lease)
-    busy = leases.try_acquire("k", 60_000, waiter="w1", first_ms=1, may_wait=True)
+    busy = leases._line.join("k", 60_000, waiter="w1", first_ms=1, may_wait=True)
     assert isinstance(busy, Busy)
     wake_list = wake_name("t", "k", "w1")
     redis_client.set(wake_list, "written by hand")
     assert leases.release(holder)
     assert redis_client.type(wake_list) == b"list" and redis_client.pttl(wake_list) > 0
-    assert leases.wait_turn("k", "w1", 100)  # woken
+    assert leases._line.wait_turn("k", "w1", 100)  # woken
     assert no_ttl(redis_client) == []
 
 
@@ -84,13 +84,13 @@ def test_release_with_a_line_key_of_another_type_still_releases_and_wakes(
     it failed, and the head of the line was not woken."""
     holder = leases.try_acquire("k", 60_000)
     assert isinstance(holder, Lease)
-    assert isinstance(leases.try_acquire("k", 60_000, waiter="w1", first_ms=1, may_wait=True), Busy)
+    assert isinstance(leases._line.join("k", 60_000, waiter="w1", first_ms=1, may_wait=True), Busy)
     name = f"t:{kind}:{{k}}"
     if kind == "waiters":
         redis_client.delete(name)
     redis_client.set(name, "written by hand")
-    assert leases.release_token("k", holder.token, waiter="m:0")
+    assert leases._line.release("k", holder.token, waiter="m:0")
     assert not redis_client.exists(leases.lease_name("k"))
     if kind == "done":
-        assert leases.wait_turn("k", "w1", 100)  # the head was woken
+        assert leases._line.wait_turn("k", "w1", 100)  # the head was woken
     assert no_ttl(redis_client) == [name.encode()]  # only the hand-written key

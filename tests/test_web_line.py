@@ -49,7 +49,7 @@ def worker_asks(leases: Leases, waiter: str) -> Lease | Busy:
     """
     before = server_ms(leases)
     wait_for(lambda: server_ms(leases) > before, what="the server's clock to pass a millisecond")
-    return leases.try_acquire(KEY, TTL, waiter=waiter, may_wait=False)
+    return leases._line.join(KEY, TTL, waiter=waiter, may_wait=False)
 
 
 def locked(answer: Lease | web.Locked) -> web.Locked:
@@ -97,7 +97,7 @@ def test_with_its_ticket_a_web_caller_gets_the_key_in_its_turn_while_workers_kee
     assert web.locked_body(answer)["place"] == 0 and "next in line" in web.locked_body(answer)["detail"]
     assert not worker_asks(leases, "m3:0")
 
-    leases.release_token(KEY, first.token, waiter="m1:0")
+    leases._line.release(KEY, first.token, waiter="m1:0")
     assert not worker_asks(leases, "m2:0"), "the free key waits for its head, the web caller"
     freed = locked(web.try_acquire(leases, KEY, TTL))
     assert freed.busy.place == -1, "and not for a request without a place"

@@ -138,7 +138,7 @@ def _ends(info: LeaseInfo, subject: str = "it") -> str:
 def _by_max_hold(info: LeaseInfo) -> bool:
     """Whether the holder's deadline comes from the maximum hold rather than the last renewal."""
     deadline = info.holder_deadline_ms
-    return bool(info.max_hold_until_ms) and deadline is not None and deadline >= info.max_hold_until_ms - info.margin_ms
+    return bool(info.max_hold_until_ms) and deadline is not None and deadline >= info.max_hold_until_ms - info.margin
 
 
 def lease_dict(info: LeaseInfo, problem: str | None) -> dict[str, Any]:
@@ -224,7 +224,7 @@ def state_note(info: LeaseInfo) -> str:
         )
     if state is State.NO_TTL:
         past = (
-            f"its holder's deadline and safety margin passed at {timestamp(deadline + info.margin_ms)} and "
+            f"its holder's deadline and safety margin passed at {timestamp(deadline + info.margin)} and "
             if deadline is not None
             else ""
         )
@@ -236,7 +236,7 @@ def state_note(info: LeaseInfo) -> str:
         else "its holder's deadline and the safety margin its actor had to stop passed"
     )
     return (
-        f"leaked: {why} at {when(deadline + info.margin_ms, info.now_ms)}, so no holder can still be "
+        f"leaked: {why} at {when(deadline + info.margin, info.now_ms)}, so no holder can still be "
         "running under it; its TTL was changed by hand; "
         f"it ends by its TTL {expires(info)}, or `release --if-dead` ends it now"
     )

@@ -39,7 +39,18 @@ def stale_after(interval_ms: int) -> int:
 
 @dataclass(frozen=True)
 class LeaseInfo:
-    """Everything Redis knows about one lease, as read at ``now_ms`` (server ms)."""
+    """Everything Redis knows about one lease, as read at ``now_ms``.
+
+    Durations are whole milliseconds, named without a unit (``ttl``, ``ttl_left``, ``interval``,
+    ``margin``); instants are the server's Unix time in milliseconds, named ``*_ms`` (``acquired_ms``,
+    ``renewed_ms``, ``max_hold_until_ms``, ``adopted_ms``, ``now_ms``; 0 when unknown).
+
+    Attributes:
+      key: the lease key; redis_key: the Redis key holding it.
+      token: the owner token (a secret: the CLI hides it unless asked).
+      fence: the fencing token of the grant.
+      meta: the holder's metadata (actor, message id, host, pid...).
+    """
 
     key: str
     redis_key: str
@@ -53,7 +64,7 @@ class LeaseInfo:
     max_hold_until_ms: int
     now_ms: int
     meta: Mapping[str, str] = field(default_factory=dict)
-    margin_ms: int = 0
+    margin: int = 0
     adopted_ms: int = 0
 
     @property
@@ -79,7 +90,7 @@ class LeaseInfo:
         ends = self.renewed_ms + self.ttl
         if self.max_hold_until_ms:
             ends = min(ends, self.max_hold_until_ms)
-        return ends - self.margin_ms
+        return ends - self.margin
 
     @property
     def ends_ms(self) -> int | None:
@@ -89,7 +100,7 @@ class LeaseInfo:
         hand; from then on ``release --if-dead`` may end it.
         """
         deadline = self.holder_deadline_ms
-        return None if deadline is None else deadline + self.margin_ms
+        return None if deadline is None else deadline + self.margin
 
     @property
     def state(self) -> State:
@@ -173,7 +184,7 @@ def parse_info(redis_key: str, pttl: int, flat: Sequence[Any], now_ms: int) -> L
         max_hold_until_ms=num("max_hold_until_ms"),
         now_ms=now_ms,
         meta=_meta(raw),
-        margin_ms=num("margin_ms"),
+        margin=num("margin_ms"),
         adopted_ms=num("adopted_ms"),
     )
 

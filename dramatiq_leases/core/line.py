@@ -16,13 +16,18 @@ message never runs again. Every decision is taken inside one script.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from redis.cluster import RedisCluster
 
-from .client import MAX_BLOCK_S, RedisClient, ThreadConnections, connection_kwargs, pool_connection, unavailable
+from .client import MAX_BLOCK_S, connection_kwargs, pool_connection, unavailable
+from .errors import LeaseConfigError
 from .keys import lease_name, validate_key, wake_name
+from .lease import Busy, Lease
+
+if TYPE_CHECKING:
+    from .store import Leases
 
 #: How many waiters of one key may wait in place (holding a thread) by default.
 DEFAULT_READY = 2
@@ -37,22 +42,87 @@ PROMOTE_MS = 10_000
 WAKE_TTL_MS = 12_000
 
 
-class LeaseLine:
-    """The line side of :class:`~dramatiq_leases.core.store.Leases` (its base class)."""
+class Line:
+    """The line of waiters of a :class:`~dramatiq_leases.core.store.Leases` (its ``_line`` part).
 
-    client: RedisClient
-    prefix: str
-    _threads: ThreadConnections | None
-    _line: Any
+    For the package's integrations (the middleware, the web helpers), not a public API: joining a line
+    means promising to wait as the line expects (block in place, or park a copy and listen on a channel).
+    Every call goes through the store's one call path (its thread's connection, a Cluster's node, or the
+    pool). ``ready``, ``park_ms`` and ``promote_ms`` are rules every process must share (the scripts
+    decide for all waiters with them): callers keep the defaults; tests shorten them.
+    """
+
+    def __init__(self, store: Leases) -> None:
+        self._store = store
+        self.client = store.client
+        self.prefix = store.prefix
 
     def _call(self, script: Any, keys: list[str], args: list[Any]) -> Any:
-        raise NotImplementedError  # Leases': the thread's connection, a Cluster's node, or the pool
+        return self._store._call(script, keys, args)
 
     def _line_keys(self, key: str) -> list[str]:
         return [lease_name(self.prefix, key)]  # the script derives the line's keys from it
 
+    def join(
+        self,
+        key: str,
+        ttl: int,
+        *,
+        waiter: str,
+        first_ms: int = 0,
+        may_wait: bool = False,
+        interval: int | None = None,
+        max_hold: int | None = None,
+        meta: Mapping[str, str] | None = None,
+        token: str | None = None,
+        ready: int = DEFAULT_READY,
+        park_ms: int = DEFAULT_PARK_MS,
+        promote_ms: int = PROMOTE_MS,
+    ) -> Lease | Busy:
+        """:meth:`Leases.try_acquire` as ``waiter`` of ``key``'s line: granted at the head, else a place.
+
+        ``waiter`` is a message id and its retry count; ``first_ms`` its first attempt (server Unix ms;
+        0 for now), which orders the line; ``may_wait``: it may wait in place (block on its wake list)
+        when among the ``ready`` first, else it parks. The :class:`Busy` answer's ``wait`` says how.
+        """
+        if not isinstance(waiter, str) or not waiter:
+            raise LeaseConfigError(f"a waiter of {key!r} needs a non-empty id, got {waiter!r}", key=key)
+        return self._store._grant(
+            key,
+            ttl,
+            interval=interval,
+            max_hold=max_hold,
+            meta=meta,
+            token=token,
+            waiter=waiter,
+            first_ms=first_ms,
+            mode=2 if may_wait else 1,
+            rules=(ready, park_ms, promote_ms),
+        )
+
+    def release(
+        self,
+        key: str,
+        token: str,
+        *,
+        waiter: str = "",
+        fence: int | None = None,
+        ready: int = DEFAULT_READY,
+        promote_ms: int = PROMOTE_MS,
+    ) -> bool:
+        """:meth:`Leases.release_token` by a holder that was ``waiter`` in the line (if given): it is
+        remembered as having run (for an hour), so a stray copy of its message never runs again."""
+        return self._store._release_token(key, token, fence=fence, waiter=waiter, ready=ready, promote_ms=promote_ms)
+
     def hold(
-        self, key: str, waiters: Sequence[str], holder: str, *, park_ms: int, ready: int, promote_ms: int = PROMOTE_MS
+        self,
+        key: str,
+        waiters: Sequence[str],
+        holder: str,
+        *,
+        park_ms: int = DEFAULT_PARK_MS,
+        ready: int = DEFAULT_READY,
+        promote_ms: int = PROMOTE_MS,
     ) -> list[str]:
         """This process holds the parked copies of ``waiters`` of ``key``; tell it what to do with each.
 
@@ -64,15 +134,18 @@ class LeaseLine:
         """
         validate_key(key)
         with unavailable(f"hold waiters of {key!r}", key):
-            reply = self._call(self._line, self._line_keys(key), ["hold", holder, park_ms, ready, promote_ms, *waiters])
+            args = ["hold", holder, park_ms, ready, promote_ms, *waiters]
+            reply = self._call(self._store._line_script, self._line_keys(key), args)
         return [r.decode() if isinstance(r, bytes) else str(r) for r in reply]
 
-    def leave(self, key: str, waiters: Sequence[str], *, ready: int, promote_ms: int = PROMOTE_MS) -> int:
+    def leave(
+        self, key: str, waiters: Sequence[str], *, ready: int = DEFAULT_READY, promote_ms: int = PROMOTE_MS
+    ) -> int:
         """``waiters`` give up their places in the line of ``key``; returns how many had one."""
         validate_key(key)
         keys, args = self._line_keys(key), ["leave", "", 1, ready, promote_ms, *waiters]
         with unavailable(f"leave the line of {key!r}", key):
-            return int(self._call(self._line, keys, args))
+            return int(self._call(self._store._line_script, keys, args))
 
     def wake(self, key: str, waiter: str) -> None:
         """Wake ``waiter`` if it waits in place (it then asks again); for a process shutting down."""
@@ -95,8 +168,8 @@ class LeaseLine:
         """
         name = wake_name(self.prefix, key, waiter)
         with unavailable(f"wait for {key!r}", key):
-            if self._threads is not None:
-                return self._threads.blpop(name, block_ms)
+            if self._store._threads is not None:
+                return self._store._threads.blpop(name, block_ms)
             limit = (connection_kwargs(self.client).get("socket_timeout") or MAX_BLOCK_S + 1) - 0.5
             timeout = max(0.05, min(block_ms / 1000, limit))
             return _blpop(self._node_of(name), name, timeout)

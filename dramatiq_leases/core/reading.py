@@ -1,4 +1,4 @@
-"""Reading leases without changing them: inspect, scan, lines, fence counters (one round trip per slot).
+"""Reading leases without changing them: inspect, scan, lines, fence counters (one round trip per master).
 
 On a Redis Cluster each master is read on a connection of its own, without redis-py's cluster retries,
 so a master that hangs costs one socket timeout, not a read of the whole cluster (redis-py's client
@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis
+from redis.cluster import RedisCluster
 from redis.crc import key_slot
 from redis.exceptions import RedisClusterException
 
-from . import cluster
+from . import cluster, scripts
 from .client import RedisClient, unavailable
 from .errors import LeaseUnavailableError
 from .info import LeaseInfo, UnreadableKey, parse_info, text
@@ -90,8 +91,8 @@ def _redirected(reply: Any) -> bool:
     return isinstance(reply, (redis.exceptions.AskError, redis.exceptions.TryAgainError))  # MOVED: an AskError
 
 
-class LeaseReading:
-    """The read side of :class:`~dramatiq_leases.core.store.Leases` (its base class).
+class Reader:
+    """The read side of a :class:`~dramatiq_leases.core.store.Leases` (its ``_reader`` part).
 
     Every read takes an optional ``gaps``: without it, a master that does not answer fails the read
     (:class:`LeaseUnavailableError`); with it, that master is recorded there and the read goes on with
@@ -99,10 +100,11 @@ class LeaseReading:
     excepted: see :meth:`inspect_names`), and recorded in ``gaps`` when given.
     """
 
-    client: RedisClient
-    prefix: str
-    _cluster: bool
-    _inspect_many: Any
+    def __init__(self, client: RedisClient, prefix: str) -> None:
+        self.client = client
+        self.prefix = prefix
+        self._cluster = isinstance(client, RedisCluster)
+        self._inspect_many = client.register_script(scripts.INSPECT_MANY)
 
     # Nodes ------------------------------------------------------------------
 

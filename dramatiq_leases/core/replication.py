@@ -33,7 +33,7 @@ def check_replication(client: RedisClient, timeout_ms: int) -> None:
     socket_timeout = connection_kwargs(client).get("socket_timeout")
     if isinstance(socket_timeout, (int, float)) and timeout_ms >= socket_timeout * 1000:
         raise LeaseConfigError(
-            f"Leases: replica_timeout_ms must be shorter than the Redis client's socket_timeout "
+            f"Leases: replica_timeout must be shorter than the Redis client's socket_timeout "
             f"({socket_timeout} s), got {timeout_ms}: a read that times out before WAIT answers fails the call"
         )
 

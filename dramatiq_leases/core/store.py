@@ -6,9 +6,10 @@ numbers are checked before Redis is asked. This module knows nothing of Dramatiq
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Mapping, Sequence
-from typing import Any, NoReturn
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import redis
 from redis.cluster import RedisCluster
@@ -23,15 +24,18 @@ from .client import (
     server_attributes,
     unavailable,
 )
-from .errors import LeaseConfigError, LeaseUnavailableError
-from .info import meta_args, text
+from .errors import LeaseBusyError, LeaseConfigError, LeaseUnavailableError
+from .info import LeaseInfo, meta_args, text
 from .keys import DEFAULT_PREFIX, fence_name, lease_name, validate_key, validate_prefix
-from .lease import Busy, Lease, Renewal, Wait, default_interval, new_token
-from .line import DEFAULT_PARK_MS, DEFAULT_READY, PROMOTE_MS, LeaseLine
+from .lease import Busy, Lease, LostReason, Renewal, Wait, default_interval, new_token
+from .line import DEFAULT_PARK_MS, DEFAULT_READY, PROMOTE_MS, Line
 from .numbers import MAX_TIMESTAMP_MS, margin_ms, whole_count, whole_ms
-from .reading import LeaseReading
-from .recovery import LeaseRecovery
+from .reading import LineInfo, Reader, ReadGaps
+from .recovery import DeadRelease, release_if_dead
 from .replication import DEFAULT_REPLICA_TIMEOUT_MS, MAX_REPLICAS, check_replication, evalsha_acked, not_replicated
+
+if TYPE_CHECKING:
+    from .heartbeat import Heartbeat
 
 _new_token = new_token  # for methods whose parameter is named new_token
 
@@ -54,7 +58,7 @@ _ACQUIRE_SPAN, _RENEW_SPAN, _RELEASE_SPAN = f"EVALSHA {_ACQUIRE}", f"EVALSHA {_R
 _RENEW_PIPELINE_SPAN = f"PIPELINE EVALSHA {_RENEW}"
 
 
-class Leases(LeaseReading, LeaseLine, LeaseRecovery):
+class Leases:
     """Leases on keys, stored in one Redis deployment (standalone, Sentinel or Cluster).
 
     Parameters:
@@ -70,7 +74,7 @@ class Leases(LeaseReading, LeaseLine, LeaseRecovery):
         reading its reply would otherwise return a pooled connection with a
         reply still unread, which the next caller would take for its own, or
         leak the connection from the pool. Not available with RedisCluster.
-      fence_retention_ms: how long the fence counter of a key nobody has
+      fence_retention: how long the fence counter of a key nobody has
         acquired or released is kept (whole ms); ``None`` (the default): for
         ever. A fleet leasing per-user or per-invoice keys keeps one counter
         (~100 bytes) for every key it ever leased; with a retention, idle
@@ -89,7 +93,7 @@ class Leases(LeaseReading, LeaseLine, LeaseRecovery):
         counts (0, the default: none asked). Redis replicates asynchronously:
         a grant that a failing primary had not yet sent to the replica that
         replaces it is unknown there, and the key can be granted again. With
-        ``min_replicas=N``, ``WAIT N replica_timeout_ms`` follows every
+        ``min_replicas=N``, ``WAIT N replica_timeout`` follows every
         acquire, adoption and renewal round on the same connection, in the
         same round trip; a grant fewer than N replicas acknowledged in time is
         released (owner-checked) and reported as
@@ -98,7 +102,7 @@ class Leases(LeaseReading, LeaseLine, LeaseRecovery):
         their deadlines run on). ``WAIT`` is not consensus: see
         docs/replication.md for what it adds and what it does not. Not
         available with RedisCluster.
-      replica_timeout_ms: how long ``WAIT`` waits for those acknowledgements
+      replica_timeout: how long ``WAIT`` waits for those acknowledgements
         (whole ms; default 500). It must be shorter than the client's
         ``socket_timeout``, and should be well under the renew interval.
 
@@ -120,20 +124,20 @@ class Leases(LeaseReading, LeaseLine, LeaseRecovery):
         *,
         prefix: str = DEFAULT_PREFIX,
         thread_connections: bool = False,
-        fence_retention_ms: int | None = None,
+        fence_retention: int | None = None,
         min_replicas: int = 0,
-        replica_timeout_ms: int = DEFAULT_REPLICA_TIMEOUT_MS,
+        replica_timeout: int = DEFAULT_REPLICA_TIMEOUT_MS,
     ) -> None:
         self.client = client
         self.prefix = validate_prefix(prefix)
-        self.fence_retention_ms = (
-            0 if fence_retention_ms is None else whole_ms(fence_retention_ms, "fence_retention_ms", owner="Leases")
+        self.fence_retention = (
+            0 if fence_retention is None else whole_ms(fence_retention, "fence_retention", owner="Leases")
         )
         self._cluster = isinstance(client, RedisCluster)
         self.min_replicas = whole_count(min_replicas, "min_replicas", maximum=MAX_REPLICAS, owner="Leases")
-        self.replica_timeout_ms = whole_ms(replica_timeout_ms, "replica_timeout_ms", owner="Leases")
+        self.replica_timeout = whole_ms(replica_timeout, "replica_timeout", owner="Leases")
         if self.min_replicas:
-            check_replication(client, self.replica_timeout_ms)
+            check_replication(client, self.replica_timeout)
         self._threads = (
             ThreadConnections(client)
             if thread_connections and isinstance(client, redis.Redis) and not self._cluster
@@ -144,9 +148,11 @@ class Leases(LeaseReading, LeaseLine, LeaseRecovery):
         self._release = client.register_script(scripts.RELEASE)
         self._release_if_dead = client.register_script(scripts.RELEASE_IF_DEAD)
         self._adopt = client.register_script(scripts.ADOPT)
-        self._inspect_many = client.register_script(scripts.INSPECT_MANY)
-        self._line = client.register_script(scripts.LINE)
+        self._line_script = client.register_script(scripts.LINE)
         self._names: dict[str, list[str]] = {}
+        # Parts, each with one idea; every script call goes through _call (or _call_acked).
+        self._reader = Reader(client, self.prefix)
+        self._line = Line(self)
         # The span attributes every call of an operation shares, built once: spans are per message.
         server: dict[str, str | int] = {tracing.DB_SYSTEM: "redis", **server_attributes(client)}
         self._span_attrs: dict[str, dict[str, str | int]] = {
@@ -166,9 +172,9 @@ class Leases(LeaseReading, LeaseLine, LeaseRecovery):
         *,
         prefix: str = DEFAULT_PREFIX,
         socket_timeout: float = DEFAULT_SOCKET_TIMEOUT,
-        fence_retention_ms: int | None = None,
+        fence_retention: int | None = None,
         min_replicas: int = 0,
-        replica_timeout_ms: int = DEFAULT_REPLICA_TIMEOUT_MS,
+        replica_timeout: int = DEFAULT_REPLICA_TIMEOUT_MS,
     ) -> Leases:
         """Leases on the Redis at ``url``; its calls and connects time out after ``socket_timeout`` seconds.
 
@@ -188,9 +194,9 @@ class Leases(LeaseReading, LeaseLine, LeaseRecovery):
         return cls(
             client,
             prefix=prefix,
-            fence_retention_ms=fence_retention_ms,
+            fence_retention=fence_retention,
             min_replicas=min_replicas,
-            replica_timeout_ms=replica_timeout_ms,
+            replica_timeout=replica_timeout,
         )
 
     # Names -----------------------------------------------------------------
@@ -214,20 +220,12 @@ class Leases(LeaseReading, LeaseLine, LeaseRecovery):
         max_hold: int | None = None,
         meta: Mapping[str, str] | None = None,
         token: str | None = None,
-        waiter: str | None = None,
-        first_ms: int = 0,
-        may_wait: bool = False,
-        ready: int = DEFAULT_READY,
-        park_ms: int = DEFAULT_PARK_MS,
-        promote_ms: int = PROMOTE_MS,
     ) -> Lease | Busy:
         """Acquire ``key`` for ``ttl`` milliseconds without waiting.
 
-        A key with a line of waiters goes to the head of its line only: a
-        caller without ``waiter`` is answered :class:`Busy` (and the head is
-        woken if the key is free). A caller with ``waiter`` takes its place
-        in the line, ordered by ``first_ms``, and the answer's
-        :attr:`Busy.wait` says how to wait (see :mod:`.line`).
+        A key with a line of waiters (messages of the middleware waiting for
+        it) goes to the head of its line only: this caller is answered
+        :class:`Busy`, and the head is woken if the key is free.
 
         Parameters:
           key: the lease key.
@@ -242,15 +240,6 @@ class Leases(LeaseReading, LeaseLine, LeaseRecovery):
           meta: holder metadata stored with the lease (strings).
           token: the owner token to use; default a fresh random one. Choose
             it beforehand to be able to release a grant whose reply was lost.
-          waiter: the caller's id in the key's line (a message id and its
-            retry count); ``None`` never joins the line.
-          first_ms: the waiter's first attempt (server Unix ms) for its
-            place in the line; 0 for now.
-          may_wait: the waiter may wait in place (block on its wake list)
-            when it is among the ``ready`` first of the line; else it parks.
-          ready: how many waiters of one key may wait in place.
-          park_ms: how long a parked waiter stays away at most.
-          promote_ms: how long a waiter whose turn came has to show up.
 
         Returns:
           a :class:`Lease` with the token and a new fence, or :class:`Busy`
@@ -264,21 +253,39 @@ class Leases(LeaseReading, LeaseLine, LeaseRecovery):
             acknowledged in time, released again (owner-checked; if the
             release fails too, it ends by its TTL).
         """
+        return self._grant(key, ttl, interval=interval, max_hold=max_hold, meta=meta, token=token)
+
+    def _grant(
+        self,
+        key: str,
+        ttl: int,
+        *,
+        interval: int | None,
+        max_hold: int | None,
+        meta: Mapping[str, str] | None,
+        token: str | None,
+        waiter: str = "",
+        first_ms: int = 0,
+        mode: int = 0,
+        rules: tuple[int, int, int] = (DEFAULT_READY, DEFAULT_PARK_MS, PROMOTE_MS),
+    ) -> Lease | Busy:
+        """The acquire script, for :meth:`try_acquire` (``mode`` 0: never joins the line) and
+        :meth:`Line.join` (1: may park, 2: may wait in place); ``rules``: ready, park_ms, promote_ms."""
         validate_key(key)
         ttl, stored_interval, max_hold_ms = _check_numbers(ttl, interval, max_hold)
         if first_ms:
             first_ms = whole_ms(first_ms, "first_ms", minimum=0, maximum=MAX_TIMESTAMP_MS)
         token = token or new_token()
         meta = dict(meta or {})
-        mode = 0 if not waiter else 2 if may_wait else 1
-        line = f"{first_ms} {mode} {ready} {park_ms} {promote_ms} {self.fence_retention_ms}"
+        ready, park_ms, promote_ms = rules
+        line = f"{first_ms} {mode} {ready} {park_ms} {promote_ms} {self.fence_retention}"
         args: list[Any] = [
             token,
             ttl,
             max_hold_ms,
             stored_interval,
             margin_ms(ttl),
-            waiter or "",
+            waiter,
             line,
             *meta_args(key, meta),
         ]
@@ -408,7 +415,7 @@ class Leases(LeaseReading, LeaseLine, LeaseRecovery):
         the reply, and how many replicas acknowledged it (``0`` without ``min_replicas``: none asked)."""
         if not self.min_replicas:
             return self._call(script, keys, args), 0
-        replicas, timeout_ms = self.min_replicas, self.replica_timeout_ms
+        replicas, timeout_ms = self.min_replicas, self.replica_timeout
         if self._threads is None:
             return evalsha_acked(self.client, script, keys, args, replicas, timeout_ms)
         return self._threads.run(lambda client: evalsha_acked(client, script, keys, args, replicas, timeout_ms))
@@ -420,7 +427,7 @@ class Leases(LeaseReading, LeaseLine, LeaseRecovery):
             released = self.release_token(key, token)
         except LeaseUnavailableError:
             released = None
-        raise not_replicated(what, key, acked, self.min_replicas, self.replica_timeout_ms, released)
+        raise not_replicated(what, key, acked, self.min_replicas, self.replica_timeout, released)
 
     def renew(self, lease: Lease) -> Renewal:
         """Restore ``lease``'s TTL if this token still holds it. Raises :class:`LeaseUnavailableError`."""
@@ -456,7 +463,7 @@ class Leases(LeaseReading, LeaseLine, LeaseRecovery):
             with unavailable(f"renew {len(leases)} lease(s)"):
                 if self.min_replicas:  # never a Cluster: see __init__
                     replies, acked = rounds.run_acked(
-                        self.client, self._renew_many, calls, self.min_replicas, self.replica_timeout_ms
+                        self.client, self._renew_many, calls, self.min_replicas, self.replica_timeout
                     )
                 elif self._cluster:
                     replies, acked = cluster.run(self.client, self._renew_many, calls), 0
@@ -486,22 +493,29 @@ class Leases(LeaseReading, LeaseLine, LeaseRecovery):
         """
         return self.release_token(lease.key, lease.token, fence=lease.fence)
 
-    def release_token(
+    def release_token(self, key: str, token: str, *, fence: int | None = None) -> bool:
+        """Release the lease on ``key`` only if ``token`` holds it; ``False`` if it did not (nothing touched).
+
+        For a holder that kept the token, not the :class:`Lease` (a web request that handed its lease on,
+        an operator). ``fence`` only labels the span. The head of the key's line, if any, is woken.
+
+        Raises:
+          LeaseUnavailableError: Redis could not be asked; the lease expires by its TTL.
+        """
+        return self._release_token(key, token, fence=fence)
+
+    def _release_token(
         self,
         key: str,
         token: str,
         *,
-        fence: int | None = None,
-        waiter: str | None = None,
+        fence: int | None,
+        waiter: str = "",
         ready: int = DEFAULT_READY,
         promote_ms: int = PROMOTE_MS,
     ) -> bool:
-        """Release the lease on ``key`` only if ``token`` holds it (``fence`` only labels the span).
-
-        ``waiter``: the holder's id in the line if it waited there; it is
-        remembered as having run, so a stray copy of it never runs again.
-        The head of the line is woken either way.
-        """
+        """The release script, for :meth:`release_token` and :meth:`Line.release` (``waiter`` is recorded as
+        having run)."""
         attributes: dict[str, str | int] = dict(self._span_attrs[_RELEASE])
         if tracing.keys_recorded():
             attributes[tracing.KEY] = key
@@ -510,8 +524,106 @@ class Leases(LeaseReading, LeaseLine, LeaseRecovery):
         with tracing.span(_RELEASE_SPAN, attributes) as span:
             with unavailable(f"release lease {key!r}", key):
                 reply = self._call(
-                    self._release, self._keys(key), [token, waiter or "", ready, promote_ms, self.fence_retention_ms]
+                    self._release, self._keys(key), [token, waiter, ready, promote_ms, self.fence_retention]
                 )
                 released = int(reply) == 1
             span.set_attribute(tracing.OUTCOME, "released" if released else "not_held")
         return released
+
+    # A with form ---------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def lease(
+        self,
+        key: str,
+        ttl: int,
+        *,
+        heartbeat: Heartbeat | None = None,
+        on_lost: Callable[[Lease, LostReason], None] | None = None,
+        interval: int | None = None,
+        max_hold: int | None = None,
+        meta: Mapping[str, str] | None = None,
+    ) -> Iterator[Lease]:
+        """Hold ``key`` for the ``with`` block: acquired on entry, released (owner-checked) on exit.
+
+        With a started :class:`~dramatiq_leases.core.heartbeat.Heartbeat`, the lease is renewed while the
+        block runs and ``on_lost`` is called (on a heartbeat thread) if it is lost; without one it lasts
+        ``ttl`` ms from the grant, and the block should check :meth:`Lease.remaining`. A release that
+        cannot reach Redis is not raised over the block's own outcome: the lease then ends by its TTL.
+
+        Raises:
+          LeaseBusyError: another owner holds ``key`` (its ``busy`` says when to retry).
+          LeaseConfigError, LeaseUnavailableError: as :meth:`try_acquire`; nothing is held.
+
+        Example:
+          >>> with leases.lease("export:report:42", ttl=30_000, heartbeat=heartbeat) as lease:
+          ...     do_export(fence=lease.fence)
+        """
+        got = self.try_acquire(key, ttl, interval=interval, max_hold=max_hold, meta=meta)
+        if isinstance(got, Busy):
+            raise LeaseBusyError(got)
+        try:
+            if heartbeat is not None:
+                heartbeat.track(got, on_lost or _ignore_lost)
+            yield got
+        finally:
+            if heartbeat is not None:
+                heartbeat.untrack(got)
+            with contextlib.suppress(LeaseUnavailableError):
+                self.release(got)
+
+    # Reading and recovery: the _reader part and the recovery script -------------
+
+    def inspect(self, key: str, *, gaps: ReadGaps | None = None) -> LeaseInfo | None:
+        """What Redis holds for the lease on ``key``, or ``None`` if there is none.
+
+        ``gaps`` (every read takes one): without it, a Cluster master that does not answer fails the read
+        (:class:`LeaseUnavailableError`); with it, that master is recorded there and the read goes on.
+        """
+        return self._reader.inspect(key, gaps=gaps)
+
+    def scan(self, match: str = "*", *, count: int = 500, gaps: ReadGaps | None = None) -> Iterator[LeaseInfo]:
+        """Every lease whose key matches the glob ``match``, read in batches with ``SCAN`` (never ``KEYS``);
+        with the default ``match``, also any other key under the prefix's lease keys (a hand-written orphan)."""
+        return self._reader.scan(match, count=count, gaps=gaps)
+
+    def inspect_line(self, key: str, *, gaps: ReadGaps | None = None) -> LineInfo:
+        """The line of waiters of ``key`` (empty if there is none)."""
+        return self._reader.inspect_line(key, gaps=gaps)
+
+    def scan_lines(self, *, count: int = 500, gaps: ReadGaps | None = None) -> Iterator[LineInfo]:
+        """Every line of waiters under this prefix, read in batches with ``SCAN``."""
+        return self._reader.scan_lines(count=count, gaps=gaps)
+
+    def fence_state(self, key: str, *, gaps: ReadGaps | None = None) -> dict[str, int]:
+        """The fence counter of ``key``: last ``fence`` granted, last ``released``, last ``expired`` (empty if
+        there is none)."""
+        return self._reader.fence_state(key, gaps=gaps)
+
+    def fence_states(self, keys: Sequence[str], *, gaps: ReadGaps | None = None) -> list[dict[str, int]]:
+        """:meth:`fence_state` of many keys in one round trip per master, in order."""
+        return self._reader.fence_states(keys, gaps=gaps)
+
+    def release_if_dead(self, key: str) -> DeadRelease:
+        """Release the lease on ``key`` only if no holder can still be running under it.
+
+        Decided inside one script from facts the holder wrote itself: its
+        deadline and the margin its actor has to stop have passed
+        (:attr:`LeaseInfo.ends_ms`; the key outlived them because its TTL was
+        changed by hand); or the hash does not say and the key has no TTL
+        (written by hand). A holder whose heartbeat is merely overdue keeps
+        its lease: it may still be running, and the key expires by itself at
+        that same instant.
+
+        The release is recorded in the key's fence counter (so the exporter
+        does not count it as an expiry), keeping the counter's TTL; a counter
+        that a fleet's ``fence_retention`` expired during the leak is made
+        again with this store's ``fence_retention``, or for an hour when
+        this store has none (the CLI's, which cannot know the fleet's): never
+        without a TTL. A counter of another type is left alone.
+        """
+        return release_if_dead(self._release_if_dead, self.prefix, self.fence_retention, key)
+
+
+def _ignore_lost(lease: Lease, reason: LostReason) -> None:
+    """The default ``on_lost`` of :meth:`Leases.lease`: the block learns it from :meth:`Lease.remaining`."""

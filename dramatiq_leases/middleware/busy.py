@@ -15,7 +15,7 @@ from .backoff import backoff_delay
 from .errors import LeaseWaitExceeded
 from .options import ATTEMPTS_OPTION, FIRST_ATTEMPT_OPTION, SENT_BACK_OPTION, Options
 from .requeue import enqueue_back
-from .waiting import READY_PER_KEY, Waiting, waiter_id
+from .waiting import Waiting, waiter_id
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ def on_busy(
     if gives_up(opts, first_ms, now_ms):
         waited = now_ms - first_ms
         try:
-            waiting.leases.leave(busy.key, [waiter_id(message)], ready=READY_PER_KEY)
+            waiting.leases._line.leave(busy.key, [waiter_id(message)])
         except Exception as e:  # its place then lapses by its deadline
             logger.warning("Could not take message %s out of the line of %r: %s", message.message_id, busy.key, e)
         metrics.gave_up(meta)

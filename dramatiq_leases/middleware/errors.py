@@ -5,7 +5,7 @@ from __future__ import annotations
 from dramatiq.middleware import SkipMessage
 from dramatiq.middleware.middleware import MiddlewareError
 
-from ..core.errors import LeaseConfigError, LeaseKeyError
+from ..core.errors import LeaseConfigError, LeaseError, LeaseKeyError
 
 
 class LeaseOptionError(LeaseConfigError, MiddlewareError):
@@ -16,15 +16,10 @@ class LeaseKeyRenderError(LeaseKeyError, MiddlewareError):
     """A message's arguments do not render its actor's ``lock_key``; raised to the producer."""
 
 
-class LeaseWaitExceeded(SkipMessage):
+class LeaseWaitExceeded(LeaseError, SkipMessage):  # noqa: N818 (named as Dramatiq's TimeLimitExceeded)
     """Stored as the failure of a message that waited longer than ``lock_max_wait`` for its lease.
 
     Attributes:
       key: the lease key it waited for.
       actor: the message's actor.
     """
-
-    def __init__(self, *args: object, key: str | None = None, actor: str | None = None) -> None:
-        super().__init__(*args)
-        self.key = key
-        self.actor = actor

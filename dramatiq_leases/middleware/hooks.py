@@ -45,7 +45,7 @@ from .options import (
     Options,
 )
 from .runs import Runs
-from .waiting import LINE_OPTION, MAX_IN_PLACE, PARK_MS, READY_PER_KEY, Waiting, waiter_id
+from .waiting import LINE_OPTION, MAX_IN_PLACE, Waiting, waiter_id
 
 __all__ = ["LeaseMiddleware"]
 
@@ -96,7 +96,7 @@ class LeaseMiddleware(Middleware):
         :mod:`.dramatiq_metrics`): it is counted once, when it runs.
       fence_retention: keep the fence counter of a key idle this long (ms),
         then let it expire: bounded memory for fleets leasing per-user or
-        per-invoice keys (:class:`Leases`' ``fence_retention_ms``; every
+        per-invoice keys (:class:`Leases`' ``fence_retention``; every
         process using the store must agree). Default ``None``: for ever.
       min_replicas: how many replicas must acknowledge each grant, adoption
         and renewal (``WAIT``, in the same round trip) before it counts; 0
@@ -169,9 +169,9 @@ class LeaseMiddleware(Middleware):
             client,
             prefix=prefix,
             thread_connections=True,
-            fence_retention_ms=fence_retention,
+            fence_retention=fence_retention,
             min_replicas=min_replicas,
-            replica_timeout_ms=replica_timeout,
+            replica_timeout=replica_timeout,
         )
         self.metrics = metrics if metrics is not None else PrometheusMetrics()
         self.heartbeat = Heartbeat(self.leases, metrics=self.metrics)
@@ -457,7 +457,7 @@ class LeaseMiddleware(Middleware):
                 meta["message_id"],
                 "ended" if adopted is None else "been adopted or taken by another holder",
             )
-        return self.leases.try_acquire(
+        return self.leases._line.join(
             key,
             opts.ttl,
             interval=opts.renew_interval,
@@ -467,8 +467,6 @@ class LeaseMiddleware(Middleware):
             waiter=waiter,
             first_ms=first,
             may_wait=may_wait,
-            ready=READY_PER_KEY,
-            park_ms=PARK_MS,
         )
 
     def after_process_message(

@@ -145,9 +145,11 @@ class Runs:
         try:
             # Only a run whose actor returned is remembered as done: a message that failed may be
             # re-driven from the dead-letter queue (same id, same retry count), and must then run.
-            released = self.leases.release_token(
-                run.key, run.token, fence=lease.fence if lease else None, waiter=run.waiter if run.returned else None
-            )
+            fence = lease.fence if lease else None
+            if run.returned and run.waiter:
+                released = self.leases._line.release(run.key, run.token, waiter=run.waiter, fence=fence)
+            else:
+                released = self.leases.release_token(run.key, run.token, fence=fence)
         except Exception as e:
             run.released = True
             self.metrics.redis_error("release")

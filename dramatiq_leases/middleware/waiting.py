@@ -27,6 +27,7 @@ import dramatiq
 from dramatiq.common import current_millis, q_name
 
 from ..core.lease import Busy
+from ..core.line import DEFAULT_PARK_MS
 from ..core.store import Leases
 from .options import ATTEMPTS_OPTION, FIRST_ATTEMPT_OPTION
 
@@ -34,13 +35,6 @@ logger = logging.getLogger(__name__)
 
 #: Message option of a parked copy: the lease key it waits for.
 LINE_OPTION = "lease_line"
-
-#: How many waiters of one key wait in place, each holding a worker thread, so
-#: that the next one starts the moment the key is released.
-READY_PER_KEY = 2
-
-#: How long a parked copy stays away at most (ms) if nobody asks it back.
-PARK_MS = 300_000
 
 #: How often a process checks the places of the copies it holds parked (s):
 #: a promotion missed on the channel is acted on within this time.
@@ -126,7 +120,7 @@ class Waiting:
         self._stop.set()
         for key, waiter in list(self._in_place.values()):
             try:
-                self.leases.wake(key, waiter)
+                self.leases._line.wake(key, waiter)
             except Exception as e:
                 logger.warning("Could not wake a waiter of %r at shutdown: %s", key, e)
 
@@ -166,7 +160,7 @@ class Waiting:
 
     def wait_in_place(self, key: str, waiter: str, block_ms: int) -> None:
         """Block this worker thread (holding a place, see :meth:`reserve`) until woken or ``block_ms`` passed."""
-        self.leases.wait_turn(key, waiter, block_ms)
+        self.leases._line.wait_turn(key, waiter, block_ms)
 
     def forget_thread(self) -> None:
         """Give back this thread's place to wait in place, if it holds one."""
@@ -175,7 +169,7 @@ class Waiting:
     @staticmethod
     def parked_copy(message: Any, key: str, busy: Busy, first_ms: int, max_wait: int | None) -> tuple[Any, int]:
         """The copy of ``message`` to park in the delay queue for its waiter, and its delay (ms)."""
-        delay = PARK_MS
+        delay = DEFAULT_PARK_MS
         if max_wait is not None:
             # Back at the end of the wait budget at the latest, to give up in time.
             delay = max(1, min(delay, first_ms + max_wait - busy.now_ms))
@@ -192,7 +186,7 @@ class Waiting:
             return
         waiter = waiter_id(message)
         try:
-            [state] = self.leases.hold(key, [waiter], self.channel, park_ms=PARK_MS, ready=READY_PER_KEY)
+            [state] = self.leases._line.hold(key, [waiter], self.channel)
         except Exception as e:
             logger.warning(
                 "Could not register the parked copy of message %s: %s; it comes back by itself.", message.message_id, e
@@ -321,7 +315,7 @@ class Waiting:
         for waiter, copies in list(self._parked.items()):
             by_key[copies[0].key].append(waiter)
         for key, waiters in by_key.items():
-            states = self.leases.hold(key, waiters, self.channel, park_ms=PARK_MS, ready=READY_PER_KEY)
+            states = self.leases._line.hold(key, waiters, self.channel)
             for waiter, state in zip(waiters, states):
                 if state in ("m", "x", "d"):
                     self.unpark(waiter, drop=state == "d")
