@@ -3,7 +3,8 @@
 docs/reference.md is the reference users read for option names, CLI flags and metric names; each of its
 tables is compared with the code both ways (nothing missing, nothing extra), and a failure names the
 difference. Every ``tests/test_x.py::name`` a document cites must be a test that exists, and every
-relative link in README.md and docs/*.md must reach an existing file (and heading, for a ``#fragment``).
+relative link in README.md and docs/*.md must reach an existing file (and heading, for a ``#fragment``),
+and the Python examples of the README and the guide must name only what the package exports.
 No Redis is needed: the tables are read from the code, the metrics from the registries the package fills.
 """
 
@@ -308,6 +309,42 @@ def test_every_relative_link_reaches_a_file_and_heading(doc: Path) -> None:
         elif fragment and path.suffix == ".md" and fragment not in anchors(path):
             broken.append(f"{target}: no heading #{fragment} in {path.relative_to(ROOT)}")
     assert not broken, f"{doc.relative_to(ROOT)}: broken links:\n" + "\n".join(sorted(set(broken)))
+
+
+def python_blocks(text: str) -> list[str]:
+    return re.findall(r"^```python\n(.*?)^```", text, flags=re.MULTILINE | re.DOTALL)
+
+
+@pytest.mark.parametrize("doc", [ROOT / "README.md", ROOT / "docs" / "guide.md"], ids=lambda d: d.name)
+def test_the_python_examples_parse_and_name_what_the_package_exports(doc: Path) -> None:
+    """A renamed export breaks the example that shows it: every name imported from the package, and every
+    attribute read from a module so imported (``web.try_acquire``), must exist."""
+    import importlib
+
+    blocks = python_blocks(doc.read_text())
+    assert blocks, f"{doc.name} has no Python example"
+    wrong = []
+    for block in blocks:
+        tree = ast.parse(block)
+        modules: dict[str, object] = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("dramatiq_leases"):
+                package = importlib.import_module(node.module or "")
+                for alias in node.names:
+                    try:  # a name the package defines, or a submodule of it (``from dramatiq_leases import web``)
+                        value = getattr(package, alias.name, None) or importlib.import_module(
+                            f"{node.module}.{alias.name}"
+                        )
+                    except ImportError:
+                        wrong.append(f"from {node.module} import {alias.name}")
+                    else:
+                        modules[alias.asname or alias.name] = value
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+                owner = modules.get(node.value.id)
+                if inspect.ismodule(owner) and not hasattr(owner, node.attr):
+                    wrong.append(f"{node.value.id}.{node.attr}")
+    assert not wrong, f"{doc.name}'s examples name what the package does not have: {sorted(set(wrong))}"
 
 
 def test_the_readme_is_a_landing_page() -> None:
