@@ -14,13 +14,22 @@ from typing import TYPE_CHECKING, Any
 
 from .core import (
     Busy,
+    DeadRelease,
+    Heartbeat,
     Lease,
+    LeaseBusyError,
     LeaseConfigError,
     LeaseError,
     LeaseInfo,
     LeaseKeyError,
     Leases,
     LeaseUnavailableError,
+    LineInfo,
+    LostReason,
+    ReadGaps,
+    Renewal,
+    State,
+    Wait,
 )
 from .core import tracing as _core_tracing
 from .metrics import LeaseMetrics, OTelMetrics, PrometheusMetrics
@@ -60,9 +69,14 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'dramatiq_leases' has no attribute {name!r}")
 
 
+# The public API, frozen for 1.0 (docs/api.md, checked by tests/test_api.py). With ``dramatiq_leases.web``
+# and ``dramatiq_leases.embedded``, it is all there is: every other module is internal and may change.
 __all__ = [
     "Busy",
+    "DeadRelease",
+    "Heartbeat",
     "Lease",
+    "LeaseBusyError",
     "LeaseConfigError",
     "LeaseError",
     "LeaseInfo",
@@ -75,8 +89,14 @@ __all__ = [
     "LeaseUnavailableError",
     "LeaseWaitExceeded",
     "Leases",
+    "LineInfo",
+    "LostReason",
     "OTelMetrics",
     "PrometheusMetrics",
+    "ReadGaps",
+    "Renewal",
+    "State",
+    "Wait",
     "__version__",
     "current_lease",
 ]

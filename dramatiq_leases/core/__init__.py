@@ -1,11 +1,12 @@
 """The lease core: Redis scripts, leases and their heartbeat. It does not import Dramatiq."""
 
 from .client import RedisClient
-from .errors import LeaseConfigError, LeaseError, LeaseKeyError, LeaseUnavailableError
+from .errors import LeaseBusyError, LeaseConfigError, LeaseError, LeaseKeyError, LeaseUnavailableError
 from .heartbeat import Heartbeat
 from .info import LeaseInfo, State, stale_after
 from .keys import DEFAULT_PREFIX, KeyTemplate
-from .lease import Busy, Lease, LostReason, Renewal
+from .lease import Busy, Lease, LostReason, Renewal, Wait
+from .reading import LineInfo, ReadGaps
 from .recovery import DeadRelease
 from .store import Leases
 
@@ -16,15 +17,19 @@ __all__ = [
     "Heartbeat",
     "KeyTemplate",
     "Lease",
+    "LeaseBusyError",
     "LeaseConfigError",
     "LeaseError",
     "LeaseInfo",
     "LeaseKeyError",
     "LeaseUnavailableError",
     "Leases",
+    "LineInfo",
     "LostReason",
+    "ReadGaps",
     "RedisClient",
     "Renewal",
     "State",
+    "Wait",
     "stale_after",
 ]

@@ -434,7 +434,7 @@ class Leases:
         return self.renew_many([lease])[0]
 
     def renew_many(self, leases: Sequence[Lease], *, links: Sequence[object] = ()) -> list[Renewal]:
-        """Renew many leases in one round trip per hash slot (one in all on a standalone Redis).
+        """Renew many leases in one round trip (on a Cluster too: every master is sent its calls at once).
 
         Confirmed leases have their local validity extended. Returns one
         :class:`Renewal` per lease, in order. ``links``: span contexts from

@@ -1,0 +1,122 @@
+"""The public API: what docs/api.md lists is what the package exports, one error hierarchy, the ``with`` form.
+
+The reference's generated part is rendered from the exports, their signatures and docstrings by
+``python -m tools.apidoc``; a change to the public API that the reference does not show fails here.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import threading
+
+import pytest
+import redis
+
+import dramatiq_leases
+from dramatiq_leases import (
+    Busy,
+    Heartbeat,
+    Lease,
+    LeaseBusyError,
+    LeaseError,
+    LeaseLost,
+    Leases,
+    LostReason,
+)
+from dramatiq_leases.web import LockedError
+from tools import apidoc
+
+from .support.waiting import wait_for
+
+
+def test_the_reference_lists_exactly_what_the_package_exports() -> None:
+    assert apidoc.current() == apidoc.rewritten(), "docs/api.md is stale: run `python -m tools.apidoc`"
+    listed = {line[5:-1] for line in apidoc.current().splitlines() if line.startswith("### `")}
+    exported = {f"{m}.{n}" for m in apidoc.PUBLIC_MODULES for n in importlib.import_module(m).__all__}
+    assert listed == exported
+
+
+def test_every_public_name_and_member_has_a_docstring() -> None:
+    missing = []
+    for module_name in apidoc.PUBLIC_MODULES:
+        module = importlib.import_module(module_name)
+        for name in module.__all__:
+            obj = getattr(module, name)
+            if name == "__version__" or not (inspect.isclass(obj) or callable(obj)):
+                continue
+            if not inspect.getdoc(obj):
+                missing.append(f"{module_name}.{name}")
+            if inspect.isclass(obj):
+                for member, value in apidoc.public_members(obj):
+                    function = getattr(value, "__func__", value)
+                    if (callable(function) or isinstance(value, property)) and not inspect.getdoc(function):
+                        missing.append(f"{module_name}.{name}.{member}")
+    assert missing == []
+
+
+def test_every_error_is_a_lease_error_and_lease_lost_is_an_interruption() -> None:
+    exceptions = [
+        obj
+        for m in apidoc.PUBLIC_MODULES
+        for n in importlib.import_module(m).__all__
+        if inspect.isclass(obj := getattr(importlib.import_module(m), n)) and issubclass(obj, BaseException)
+    ]
+    assert LockedError in exceptions and LeaseBusyError in exceptions
+    outside = [e.__name__ for e in exceptions if not issubclass(e, LeaseError)]
+    assert outside == ["LeaseLost"]
+    # An actor's `except Exception` must not swallow it and run on without its lease.
+    assert not issubclass(LeaseLost, Exception)
+
+
+def test_the_with_form_holds_the_key_for_the_block_and_releases_it(redis_client: redis.Redis) -> None:
+    leases = Leases(redis_client)
+    with leases.lease("export:1", ttl=10_000) as lease:
+        assert isinstance(lease, Lease) and lease.fence == 1
+        with pytest.raises(LeaseBusyError) as busy, leases.lease("export:1", ttl=10_000):
+            pass
+        assert isinstance(busy.value.busy, Busy) and busy.value.key == "export:1"
+        assert busy.value.busy.retry_after >= 1
+    assert leases.inspect("export:1") is None  # released by its owner at the block's end
+    assert leases.fence_state("export:1")["released"] == 1
+
+
+def test_the_with_form_releases_when_the_block_raises(redis_client: redis.Redis) -> None:
+    leases = Leases(redis_client)
+    with pytest.raises(RuntimeError, match="export failed"), leases.lease("export:2", ttl=10_000):
+        raise RuntimeError("export failed")
+    assert leases.inspect("export:2") is None
+
+
+def test_the_with_form_with_a_heartbeat_outlives_its_ttl_and_reports_a_loss(redis_client: redis.Redis) -> None:
+    leases = Leases(redis_client)
+    heartbeat = Heartbeat(leases)
+    heartbeat.start()
+    lost: list[LostReason] = []
+    done = threading.Event()
+    try:
+        with leases.lease("export:3", ttl=600, heartbeat=heartbeat, on_lost=lambda _, r: lost.append(r)) as lease:
+            granted = lease.fence
+
+            # Held past three TTLs: only renewals can keep it (one grant: the fence stays).
+            def renewed_past_three_ttls() -> bool:
+                info = leases.inspect("export:3")
+                assert info is not None and info.fence == granted
+                return info.renewed_ms - info.acquired_ms > 3 * 600
+
+            wait_for(renewed_past_three_ttls, timeout=20, what="renewals to keep it past three TTLs")
+            redis_client.delete(leases.lease_name("export:3"))  # taken away behind its back
+            wait_for(lambda: lost, timeout=10, what="the heartbeat to report the loss")
+            done.set()
+        assert lost == [LostReason.GONE]
+        assert heartbeat.tracked() == []
+    finally:
+        heartbeat.stop()
+    assert done.is_set()
+
+
+def test_the_top_level_names_are_importable_without_dramatiq_worker_machinery() -> None:
+    # The middleware's names load on first use (a web app that only takes leases never imports them).
+    assert set(dramatiq_leases.__all__) >= {"LeaseMiddleware", "current_lease", "Leases", "LeaseError"}
+    for name in dramatiq_leases.__all__:
+        assert getattr(dramatiq_leases, name) is not None
