@@ -146,7 +146,7 @@ def _create(reg: Any) -> dict[str, Any]:
 
 
 class PrometheusMetrics(LeaseMetrics):
-    """:class:`LeaseMetrics` on ``prometheus_client`` (the names are listed in the README).
+    """:class:`LeaseMetrics` on ``prometheus_client`` (the names are listed in docs/reference.md).
 
     Parameters:
       registry: where to register; ``None`` for the default registry. In

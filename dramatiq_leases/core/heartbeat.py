@@ -1,7 +1,7 @@
 """The heartbeat that keeps a process's leases alive.
 
 One :class:`Heartbeat` per process renews every lease the process holds, all
-that are due in one round trip per hash slot per round. A second thread, the
+that are due in one round trip per round (on a Cluster too). A second thread, the
 watchdog, declares a lease lost as soon as its local deadline passes without a
 confirmed renewal (Redis unreachable, or the maximum hold reached), so the
 verdict never waits on a hung socket; it also replaces a renewer that died or

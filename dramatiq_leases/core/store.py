@@ -81,7 +81,7 @@ class Leases:
         counters expire and the store stays bounded. Fences stay strictly
         increasing per key across an expiry: each fence is then at least the
         server's clock in microseconds at its grant, so a counter made again
-        starts above every fence the old one handed out (README, "What is guaranteed",
+        starts above every fence the old one handed out (docs/guarantees.md, "Fences only grow",
         says what breaks it: the server's clock stepping back by more than
         the time the counter was idle). They also rise across a failover to a
         replica that had not received the last grants, which hands plain
