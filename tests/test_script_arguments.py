@@ -1,14 +1,19 @@
 """The renew and line scripts refuse a bad argument before their first write (Lua is not a transaction: a
-script failing halfway keeps its first writes). Real Redis, the scripts called as the store calls them."""
+script failing halfway keeps its first writes), and each number the Lua uses is the one Python declares
+(``scripts.LUA_CONSTANTS``), seen from the server. Real Redis, the scripts called as the store calls them."""
 
 from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import redis
 
 from dramatiq_leases.core import Busy, Lease, Leases, scripts
 from dramatiq_leases.core.errors import LeaseUnavailableError
-from dramatiq_leases.core.keys import waiters_name, wake_name
+from dramatiq_leases.core.keys import done_name, fence_name, lease_name, line_name, waiters_name, wake_name
 
 
 @pytest.fixture
@@ -94,3 +99,140 @@ def test_release_with_a_line_key_of_another_type_still_releases_and_wakes(
     if kind == "done":
         assert leases._line.wait_turn("k", "w1", 100)  # the head was woken
     assert no_ttl(redis_client) == [name.encode()]  # only the hand-written key
+
+
+# Each constant the Lua uses, seen from the server -------------------------------------------------------------
+
+
+def acquire(
+    client: redis.Redis,
+    key: str,
+    token: str = "t",
+    ttl: int = 60_000,
+    waiter: str = "",
+    line: str = "0 0 2 1000 1000 0",
+) -> Any:
+    """The acquire script as the store calls it: token, ttl_ms, max_hold_ms, interval_ms, margin_ms, waiter,
+    line_numbers ("first_ms mode ready park_ms promote_ms retention_ms")."""
+    return client.eval(
+        scripts.ACQUIRE, 2, lease_name("t", key), fence_name("t", key), token, ttl, 0, 0, 0, waiter, line
+    )
+
+
+def ttls_set(client: redis.Redis, call: Callable[[], Any], *names: str) -> tuple[list[int], int]:
+    """The PTTLs ``call`` left on ``names``, and how many ms they can have lost since they were set (measured
+    around the call and the reads): a TTL of C set during the call reads between C minus that and C."""
+    started = time.monotonic()
+    call()
+    pttls = [client.pttl(name) for name in names]
+    return pttls, int((time.monotonic() - started) * 1000) + 1
+
+
+@pytest.mark.parametrize(
+    ("good", "bad", "refused"),
+    [
+        ({"ttl": scripts.MAX_MS}, {"ttl": scripts.MAX_MS + 1}, "ttl_ms"),
+        (
+            {"line": f"{scripts.MAX_TIMESTAMP_MS} 0 2 1 1 0"},
+            {"line": f"{scripts.MAX_TIMESTAMP_MS + 1} 0 2 1 1 0"},
+            "line_numbers",
+        ),
+        ({"line": f"0 0 {scripts.MAX_READY} 1 1 0"}, {"line": f"0 0 {scripts.MAX_READY + 1} 1 1 0"}, "line_numbers"),
+        (
+            {"waiter": "w" * scripts.MAX_ID_LENGTH, "line": "0 1 2 1 1 0"},
+            {"waiter": "w" * (scripts.MAX_ID_LENGTH + 1), "line": "0 1 2 1 1 0"},
+            "waiter",
+        ),
+    ],
+    ids=["MAX_MS", "MAX_TIMESTAMP_MS", "MAX_READY", "MAX_ID_LENGTH"],
+)
+def test_acquire_takes_each_bound_python_declares_and_refuses_one_past_it(
+    redis_client: redis.Redis, good: dict[str, Any], bad: dict[str, Any], refused: str
+) -> None:
+    """Python checks a number against the same bound before asking (``numbers.whole_ms``): a value Python lets
+    through is one the script takes."""
+    with pytest.raises(redis.ResponseError, match=f"dramatiq-leases: invalid {refused}"):
+        acquire(redis_client, "k", **bad)
+    assert redis_client.keys("*") == []  # refused before the first write
+    assert acquire(redis_client, "k", **good)[0] == 1
+
+
+def test_release_and_the_line_take_the_same_bounds(redis_client: redis.Redis) -> None:
+    name = lease_name("t", "k")
+    release: list[Any] = [scripts.RELEASE, 2, name, fence_name("t", "k"), "nobody"]
+    assert redis_client.eval(*release, "w" * scripts.MAX_ID_LENGTH, scripts.MAX_READY, scripts.MAX_MS, 0) == 0
+    wrong: list[tuple[list[Any], str]] = [
+        (["", scripts.MAX_READY + 1, 1, 0], "ready"),
+        (["", 0, scripts.MAX_MS + 1, 0], "promote_ms"),
+        (["", 0, 1, scripts.MAX_MS + 1], "retention_ms"),
+        (["w" * (scripts.MAX_ID_LENGTH + 1), 0, 1, 0], "waiter"),
+    ]
+    for args, refused in wrong:
+        with pytest.raises(redis.ResponseError, match=f"invalid {refused}"):
+            redis_client.eval(*release, *args)
+    hold: list[Any] = [scripts.LINE, 1, name, "hold", "h" * scripts.MAX_ID_LENGTH, scripts.MAX_MS, scripts.MAX_READY, 1]
+    assert redis_client.eval(*hold, "w" * scripts.MAX_ID_LENGTH) == [b"x"]
+    with pytest.raises(redis.ResponseError, match="invalid holder"):
+        redis_client.eval(scripts.LINE, 1, name, "hold", "h" * (scripts.MAX_ID_LENGTH + 1), 1, 0, 1, "w")
+    with pytest.raises(redis.ResponseError, match="invalid park_ms"):
+        redis_client.eval(scripts.LINE, 1, name, "hold", "h", scripts.MAX_MS + 1, 0, 1, "w")
+    assert redis_client.keys("*") == []
+
+
+def test_a_waiter_in_place_blocks_by_the_block_constants(redis_client: redis.Redis) -> None:
+    """MAX_BLOCK_MS (a key without TTL), BLOCK_SLACK_MS (past the holder's TTL) and READY_SLACK_MS (the place
+    kept past the block), read from the reply and the waiter's entry: exact, whatever the machine's speed."""
+    assert acquire(redis_client, "k", "holder")[0] == 1
+    reply = acquire(redis_client, "k", "t1", waiter="w1", line="1 2 2 1000 1000 0")
+    pttl, now, action, block = int(reply[1]), int(reply[3]), int(reply[4]), int(reply[7])
+    assert action == 1 and block == min(scripts.MAX_BLOCK_MS, pttl + scripts.BLOCK_SLACK_MS)
+    entry = redis_client.hget(waiters_name("t", "k"), "w1")
+    assert isinstance(entry, bytes)
+    state, deadline = entry.split()[:2]
+    assert state == b"r" and int(deadline) == now + block + scripts.READY_SLACK_MS
+    redis_client.persist(lease_name("t", "k"))  # a key without TTL: no expiry to wait for
+    reply = acquire(redis_client, "k", "t2", waiter="w2", line="2 2 2 1000 1000 0")
+    assert int(reply[4]) == 1 and int(reply[7]) == scripts.MAX_BLOCK_MS
+
+
+def test_the_line_keys_live_as_long_as_the_constants_say(redis_client: redis.Redis) -> None:
+    """LINE_TTL_MS (the line and its waiters), WAKE_TTL_MS (a wake-up), DONE_MS (a waiter that ran)."""
+    assert acquire(redis_client, "k", "holder")[0] == 1
+    pttls, lost = ttls_set(
+        redis_client,
+        lambda: acquire(redis_client, "k", "t1", waiter="w1", line="1 2 2 1000 1000 0"),
+        line_name("t", "k"),
+        waiters_name("t", "k"),
+    )
+    assert all(scripts.LINE_TTL_MS - lost <= pttl <= scripts.LINE_TTL_MS for pttl in pttls), pttls
+    release: list[Any] = [scripts.RELEASE, 2, lease_name("t", "k"), fence_name("t", "k"), "holder", "w0", 2, 1000, 0]
+    (wake, done), lost = ttls_set(
+        redis_client, lambda: redis_client.eval(*release), wake_name("t", "k", "w1"), done_name("t", "k")
+    )
+    assert scripts.WAKE_TTL_MS - lost <= wake <= scripts.WAKE_TTL_MS  # the head, waiting in place, woken
+    assert scripts.DONE_MS - lost <= done <= scripts.DONE_MS  # w0, which ran
+
+
+@pytest.mark.parametrize("script", ["release", "release_if_dead"])
+def test_a_counter_made_again_by_a_release_keeps_record_ms(redis_client: redis.Redis, script: str) -> None:
+    """RECORD_MS: the counter a release writes again after it expired, for a caller that knows no retention."""
+    names = [lease_name("t", "k"), fence_name("t", "k")]
+    assert acquire(redis_client, "k")[0] == 1
+    redis_client.delete(names[1])  # expired during the hold
+    args: list[Any] = ["t", "", 2, 1000, 0]
+    if script == "release_if_dead":
+        args = [0]
+        redis_client.persist(names[0])
+        redis_client.hset(names[0], "renewed_ms", 1)  # its holder's deadline long past
+    (pttl,), lost = ttls_set(redis_client, lambda: redis_client.eval(scripts.ALL[script], 2, *names, *args), names[1])
+    assert redis_client.hget(names[1], "released") == b"1"
+    assert scripts.RECORD_MS - lost <= pttl <= scripts.RECORD_MS
+
+
+def test_one_call_drops_at_most_head_drops_max_vanished_waiters(redis_client: redis.Redis) -> None:
+    """HEAD_DROPS_MAX bounds the work of one call on a line of waiters that all vanished."""
+    vanished = [f"w{i:02}" for i in range(scripts.HEAD_DROPS_MAX + 3)]
+    redis_client.zadd(line_name("t", "k"), {w: i + 1 for i, w in enumerate(vanished)})
+    redis_client.hset(waiters_name("t", "k"), mapping={w: "p 1 h a" for w in vanished})  # deadlines long past
+    redis_client.eval(scripts.LINE, 1, lease_name("t", "k"), "leave", "", 1, 2, 1000, "someone")
+    assert redis_client.zcard(line_name("t", "k")) == 3
