@@ -11,7 +11,7 @@ import redis
 
 from dramatiq_leases.embedded import EmbeddedRedis
 
-from .support.stack import Stack
+from .support.stack import MakeStack, Stack
 
 
 @pytest.fixture
@@ -53,7 +53,7 @@ def _in_process_metric_values() -> Iterator[None]:
 
 
 @pytest.fixture
-def make_stack(redis_server: EmbeddedRedis) -> Iterator[Any]:
+def make_stack(redis_server: EmbeddedRedis) -> Iterator[MakeStack]:
     """Stacks whose broker is database 0 and whose leases are database 1 of the test's redis-server (a module
     may define its own, such as one with the leases on a server of their own)."""
     stacks: list[Stack] = []

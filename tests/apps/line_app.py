@@ -30,7 +30,7 @@ else:
     from dramatiq.brokers.redis import MAINTENANCE_SCALE, RedisBroker
 
     # Redeliver a dead worker's messages within seconds, not Dramatiq's default minute.
-    broker = RedisBroker(url=BROKER_URL, heartbeat_timeout=3_000, maintenance_chance=MAINTENANCE_SCALE)
+    broker = RedisBroker(url=BROKER_URL, heartbeat_timeout=3_000, maintenance_chance=MAINTENANCE_SCALE)  # type: ignore[no-untyped-call]  # dramatiq leaves RedisBroker unannotated
 
 
 class CountEnqueues(Middleware):

@@ -13,7 +13,7 @@ import functools
 import os
 import urllib.parse
 import uuid
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -65,6 +65,7 @@ def unique_queue(prefix: str) -> str:
 def rabbitmq_consumers(queue: str) -> int:
     """How many consumers RabbitMQ's ``queue`` has now (0 if it is not declared yet)."""
     import pika
+    import pika.exceptions
 
     connection = pika.BlockingConnection(_rabbitmq_parameters())
     try:
@@ -108,6 +109,7 @@ def redis_dead_letters(server: Any, queue: str = "default") -> list[Any]:
 
     client = redis.Redis.from_url(server.url(0))
     try:
-        return [dramatiq.Message.decode(data) for data in client.hvals(f"dramatiq:{queue}.XQ.msgs")]
+        # A client without decode_responses answers bytes, which redis-py's return type does not narrow to.
+        return [dramatiq.Message.decode(cast(bytes, data)) for data in client.hvals(f"dramatiq:{queue}.XQ.msgs")]
     finally:
         client.close()

@@ -119,7 +119,7 @@ class RedisClusterNodes:
         for n in self.nodes:
             client = self.node(n.port)
             try:
-                out[n.port] = client.execute_command(command, *args)
+                out[n.port] = client.execute_command(command, *args)  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
             finally:
                 client.close()
         return out
@@ -128,7 +128,7 @@ class RedisClusterNodes:
         """Slot -> port of its master, as the node on ``port`` sees it."""
         client = self.node(port)
         try:
-            ranges = client.execute_command("CLUSTER", "SLOTS")
+            ranges = client.execute_command("CLUSTER", "SLOTS")  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
         finally:
             client.close()
         owners: dict[int, int] = {}
@@ -213,7 +213,7 @@ class RedisClusterNodes:
     def node_id(self, port: int) -> str:
         client = self.node(port)
         try:
-            return str(client.execute_command("CLUSTER", "MYID"))
+            return str(client.execute_command("CLUSTER", "MYID"))  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
         finally:
             client.close()
 
@@ -289,8 +289,8 @@ class SlotMove:
     def begin(self) -> None:
         target, source = self.cluster.node(self.target), self.cluster.node(self.source)
         try:
-            target.execute_command("CLUSTER", "SETSLOT", self.slot, "IMPORTING", self.cluster.node_id(self.source))
-            source.execute_command("CLUSTER", "SETSLOT", self.slot, "MIGRATING", self.cluster.node_id(self.target))
+            target.execute_command("CLUSTER", "SETSLOT", self.slot, "IMPORTING", self.cluster.node_id(self.source))  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
+            source.execute_command("CLUSTER", "SETSLOT", self.slot, "MIGRATING", self.cluster.node_id(self.target))  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
         finally:
             target.close()
             source.close()
@@ -299,7 +299,7 @@ class SlotMove:
         """The keys of the slot still at the source."""
         source = self.cluster.node(self.source)
         try:
-            return list(source.execute_command("CLUSTER", "GETKEYSINSLOT", self.slot, 1000))
+            return list(source.execute_command("CLUSTER", "GETKEYSINSLOT", self.slot, 1000))  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
         finally:
             source.close()
 
@@ -309,7 +309,7 @@ class SlotMove:
             return
         source = self.cluster.node(self.source)
         try:
-            source.execute_command("MIGRATE", "127.0.0.1", self.target, "", 0, 5000, "KEYS", *keys)
+            source.execute_command("MIGRATE", "127.0.0.1", self.target, "", 0, 5000, "KEYS", *keys)  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
         finally:
             source.close()
         self.moved += keys
@@ -325,7 +325,7 @@ class SlotMove:
         ]:
             client = self.cluster.node(port)
             try:
-                client.execute_command("CLUSTER", "SETSLOT", self.slot, "NODE", target_id)
+                client.execute_command("CLUSTER", "SETSLOT", self.slot, "NODE", target_id)  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
             finally:
                 client.close()
         self.cluster.wait_consistent()

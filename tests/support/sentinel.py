@@ -111,7 +111,7 @@ class SentinelProcess:
         """The primary's address as this Sentinel sees it now."""
         client = self.client()
         try:
-            address = client.execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", SERVICE)
+            address = client.execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", SERVICE)  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
         finally:
             client.close()
         return (str(address[0]), int(address[1])) if address else None
@@ -224,11 +224,11 @@ class Replicated:
 
     def sentinel(self, **kwargs: Any) -> Sentinel:
         """A ``redis.sentinel.Sentinel`` knowing every Sentinel of the set-up."""
-        return Sentinel([("127.0.0.1", s.port) for s in self.sentinels], **kwargs)
+        return Sentinel([("127.0.0.1", s.port) for s in self.sentinels], **kwargs)  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
 
     def master_client(self, socket_timeout: float = 2.0) -> redis.Redis:
         """``Sentinel(...).master_for(SERVICE, socket_timeout=...)``: what users pass as ``client=``."""
-        client = self.sentinel(socket_timeout=socket_timeout).master_for(
+        client: redis.Redis = self.sentinel(socket_timeout=socket_timeout).master_for(  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
             SERVICE, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout
         )
         self._clients.append(client)
@@ -250,15 +250,15 @@ class Replicated:
 
         def synced() -> bool:
             primary.incr(PROBE_KEY)
-            return int(primary.execute_command("WAIT", 1, 100)) >= 1
+            return int(primary.execute_command("WAIT", 1, 100)) >= 1  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
 
         _wait(synced, timeout, "the replica catching up with the primary")
 
     def cut(self, timeout: float = 10.0) -> None:
         """Cut replication: nothing the primary writes from now on reaches the replica, until :meth:`heal`."""
         primary, replica = self.node(self.primary_port), self.node(self.replica_port)
-        primary.execute_command("ACL", "SETUSER", _USER, "off")
-        primary.execute_command("CLIENT", "KILL", "TYPE", "replica")
+        primary.execute_command("ACL", "SETUSER", _USER, "off")  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
+        primary.execute_command("CLIENT", "KILL", "TYPE", "replica")  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
         _wait(
             lambda: (
                 _info(primary, "replication").get("connected_slaves") == 0
@@ -270,7 +270,7 @@ class Replicated:
 
     def heal(self, timeout: float = 10.0) -> None:
         """Let the replica log in again, and wait until it has caught up."""
-        self.node(self.primary_port).execute_command("ACL", "SETUSER", _USER, "on")
+        self.node(self.primary_port).execute_command("ACL", "SETUSER", _USER, "on")  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
         self.wait_in_sync(timeout)
 
     # Failover ------------------------------------------------------------------------------------------
@@ -290,7 +290,7 @@ class Replicated:
         _wait(
             lambda: (
                 all(s.master_address() == expected for s in self.sentinels)
-                and replica.execute_command("ROLE")[0] in (b"master", "master")
+                and replica.execute_command("ROLE")[0] in (b"master", "master")  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
             ),
             timeout,
             "the replica's promotion",

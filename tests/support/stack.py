@@ -5,10 +5,11 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict
-from typing import Any
+from typing import Any, Protocol
 
 import dramatiq
 from dramatiq import Worker
+from dramatiq.actor import ActorDecorator
 from dramatiq.brokers.redis import RedisBroker
 from dramatiq.middleware import Middleware
 
@@ -74,7 +75,7 @@ class Stack:
         middleware: LeaseMiddleware | None = None,
         **lease_options: Any,
     ) -> None:
-        self.broker = broker or RedisBroker(url=broker_url)
+        self.broker = broker or RedisBroker(url=broker_url)  # type: ignore[no-untyped-call]  # dramatiq leaves RedisBroker unannotated
         self.recorder = Recorder()
         self.leases_mw = middleware or LeaseMiddleware(redis_url=leases_url, **lease_options)
         self.broker.add_middleware(self.recorder)
@@ -83,7 +84,7 @@ class Stack:
         self.threads = threads
         self.worker: Worker | None = None
 
-    def actor(self, **options: Any) -> Any:
+    def actor(self, **options: Any) -> ActorDecorator:
         return dramatiq.actor(broker=self.broker, **options)
 
     def start(self) -> Stack:
@@ -96,3 +97,9 @@ class Stack:
         if self.worker is not None:
             self.worker.stop(timeout=10_000)
         self.broker.close()
+
+
+class MakeStack(Protocol):
+    """The ``make_stack`` fixtures: a started-later :class:`Stack` from its keyword options."""
+
+    def __call__(self, **options: Any) -> Stack: ...
