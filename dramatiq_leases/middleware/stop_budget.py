@@ -64,12 +64,15 @@ def _from_dramatiq_cli() -> int | None:
     code = getattr(target, "__code__", None)
     if code is None:
         return None
-    frame = sys._current_frames().get(threading.main_thread().ident or 0)
-    while frame is not None:
-        if frame.f_code is code:
-            value = getattr(frame.f_locals.get("args"), "worker_shutdown_timeout", None)
-            return value if isinstance(value, int) and not isinstance(value, bool) else None
-        frame = frame.f_back
+    try:
+        frame = sys._current_frames().get(threading.main_thread().ident or 0)
+        while frame is not None:
+            if frame.f_code is code:
+                value = getattr(frame.f_locals.get("args"), "worker_shutdown_timeout", None)
+                return value if isinstance(value, int) and not isinstance(value, bool) else None
+            frame = frame.f_back
+    except Exception:  # another Python or Dramatiq than the ones this reads: no value, never a failed boot
+        logger.debug("Could not read the dramatiq command's shutdown timeout.", exc_info=True)
     return None
 
 
