@@ -20,7 +20,7 @@ from dramatiq_leases.middleware.stop_budget import worker_shutdown_timeout
 
 BROKER_URL = os.environ["DEPLOY_TEST_BROKER_URL"]
 
-broker = RedisBroker(url=BROKER_URL)
+broker = RedisBroker(url=BROKER_URL)  # type: ignore[no-untyped-call]
 broker.add_middleware(LeaseMiddleware(redis_url=os.environ["DEPLOY_TEST_LEASES_URL"], metrics_endpoint=False))
 dramatiq.set_broker(broker)
 record = redis.Redis.from_url(BROKER_URL)
