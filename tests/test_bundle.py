@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 import jsonschema
@@ -107,7 +107,7 @@ def alert_names() -> list[str]:
 
 
 def compose_services() -> dict[str, Any]:
-    return load_yaml(COMPOSE)["services"]
+    return cast(dict[str, Any], load_yaml(COMPOSE)["services"])
 
 
 # --- PromQL, by regex: enough for the queries here, which promtool has parsed -----------------------
@@ -138,6 +138,7 @@ def selectors(expr: str) -> Iterator[tuple[str, dict[str, tuple[str, str]]]]:
 def promql_problems(expr: str) -> list[str]:
     """What ``expr`` gets wrong about the exported metrics: unknown names, series or labels."""
     problems = []
+    labels: Sequence[str]  # a metric's label tuple, then a grouping's label list
     for series, matchers in selectors(expr):
         metric = base_metric(series)
         if metric not in METRICS:
@@ -226,7 +227,7 @@ def leaked_reasons(expr: str) -> set[str]:
 
 def rule_id(rule: dict[str, Any]) -> str:
     if "record" in rule:
-        return rule["record"]
+        return cast(str, rule["record"])
     window = f"-{rule['labels']['long']}-{rule['labels']['short']}" if "long" in rule["labels"] else ""
     return f"{rule['alert']}-{rule['labels']['severity']}{window}"
 
@@ -265,7 +266,7 @@ def test_recording_rule_follows_conventions(rule: dict[str, Any]) -> None:
     assert level in RECORDING_LEVELS, f"{name}: a level says which labels the series keeps"
     assert metric.startswith("dramatiq_lease_")
     assert operations.startswith(("rate", "ratio_rate")) and re.search(r"\d+[smhd]$", operations)
-    window = re.search(r"(\d+[smhd])$", operations).group(1)
+    window = re.search(r"(\d+[smhd])$", operations).group(1)  # type: ignore[union-attr]  # the assert above: it matches
     ranges = set(re.findall(r"\[([^\]]+)\]", rule["expr"]))
     # Over its window: its own ranges, or recorded series of the same window (a ratio of two recordings).
     recorded = set(re.findall(r"\b[a-z_]+:dramatiq_lease_[a-z_]+:[a-z_]*?(\d+[smhd])\b", rule["expr"]))
@@ -605,7 +606,7 @@ def test_dashboard_layout() -> None:
     assert len(ids) == len(set(ids)), "panel ids must be unique"
     titles = [panel["title"] for panel in panels]
     assert len(titles) == len(set(titles)), "panel titles must be unique"
-    boxes = []
+    boxes: list[tuple[str, dict[str, Any]]] = []
     for panel in panels:
         box = panel["gridPos"]
         assert box["x"] >= 0 and box["w"] > 0 and box["x"] + box["w"] <= 24, panel["title"]
@@ -697,7 +698,7 @@ def test_dashboard_has_the_key_panels() -> None:
         return [panel for panel in panels if panel["type"] == kind and matches(panel)]
 
     (latency,) = with_query("timeseries", r"acquire_duration_seconds_bucket")
-    quantiles = {re.search(r"histogram_quantile\(([\d.]+)", t["expr"]).group(1) for t in latency["targets"]}
+    quantiles = {re.search(r"histogram_quantile\(([\d.]+)", t["expr"]).group(1) for t in latency["targets"]}  # type: ignore[union-attr]  # a None fails the test too
     assert quantiles == {"0.5", "0.95", "0.99"}
 
     (heatmap,) = with_query("heatmap", r"wait_duration_seconds_bucket")

@@ -416,6 +416,7 @@ def test_cli_and_exporter_see_and_release_leases_on_every_master(cluster: RedisC
             timeout=20,
             what="the exporter's first scan",
         )
+        assert isinstance(figures, dict)  # for mypy: wait_for returns only a truthy value, here the figures
         assert figures[("dramatiq_lease_present", labels)] == len(held)
         assert figures[("dramatiq_lease_leaked", (("actor_name", ""), ("queue_name", ""), ("reason", "no_ttl")))] == 1
         assert figures[("dramatiq_lease_waiting", (("actor_name", "export_report"),))] == 2 * len(contended)
@@ -461,6 +462,7 @@ def test_cli_and_exporter_see_and_release_leases_on_every_master(cluster: RedisC
             )
 
         figures = wait_for(after, timeout=10, what="the exporter to count the expired grant")
+        assert figures is not None  # for mypy: wait_for returns only a truthy value
         assert figures[("dramatiq_lease_expired_total", labels)] == 1  # the released one is not counted
         assert (
             figures.get(("dramatiq_lease_leaked", (("actor_name", ""), ("queue_name", ""), ("reason", "no_ttl"))), 0)
@@ -648,7 +650,7 @@ def test_a_master_that_fails_costs_only_its_own_leases(how: str) -> None:
                 lease = leases.try_acquire(key, long_ttl if port == victim else short_ttl, interval=interval)
                 assert isinstance(lease, Lease)
                 held[key] = lease
-                heartbeat.track(lease, on_lost=lambda lease, reason: lost.setdefault(lease.key, reason))
+                heartbeat.track(lease, on_lost=lambda lease, reason: lost.setdefault(lease.key, reason))  # type: ignore[arg-type]  # what the callback returns is ignored
         heartbeat.start()
         failed, healthy = set(by_master[victim]), set(held) - set(by_master[victim])
         resume = stop_master(nodes, victim, how)
@@ -787,7 +789,7 @@ def test_a_hung_master_hides_only_its_own_leases_from_list_and_the_exporter_and_
             resume()
             exporter.close()
         # Back: nothing was lost meanwhile, and the figures are whole again.
-        snap = wait_for(
+        snap = wait_for(  # type: ignore[assignment]  # wait_for returns only a truthy value, never None
             lambda: s if not (s := exporter.observer.scan()).unreachable else None,
             timeout=10,
             what="the master to answer again",

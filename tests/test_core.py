@@ -11,10 +11,11 @@ from typing import Any
 
 import pytest
 import redis
-from redis.cluster import key_slot
+from redis.crc import key_slot  # where redis.cluster imports it from (it does not re-export it)
 
 from dramatiq_leases.core import (
     Busy,
+    DeadRelease,
     Lease,
     LeaseConfigError,
     LeaseKeyError,
@@ -87,6 +88,7 @@ def test_fence_strictly_increases_across_release_and_expiry(leases: Leases) -> N
     assert isinstance(expiring, Lease)
     fences.append(expiring.fence)
     after = wait_for(lambda: leases.try_acquire("k", ttl=5_000) or None, what="the 50 ms lease to expire")
+    assert isinstance(after, Lease)  # for mypy: wait_for returns only a truthy value, and a Busy is falsy
     fences.append(after.fence)
     assert fences == sorted(set(fences)) and len(fences) == 5
     # The grant that ended by TTL is recorded as such; the released ones are not.
@@ -132,11 +134,11 @@ class RoundTrips:
     def __enter__(self) -> RoundTrips:
         original = self.original
 
-        def send_counted(conn, *a, **kw):  # type: ignore[no-untyped-def]
+        def send_counted(conn: redis.connection.AbstractConnection, *a: Any, **kw: Any) -> Any:
             self.count += 1
-            return original(conn, *a, **kw)
+            return original(conn, *a, **kw)  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
 
-        redis.connection.Connection.send_packed_command = send_counted  # type: ignore[method-assign]
+        redis.connection.Connection.send_packed_command = send_counted  # type: ignore[method-assign, assignment]  # mypy rejects any function over this unannotated method
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -216,6 +218,7 @@ def test_release_if_dead_spares_every_holder_that_may_still_run(leases: Leases, 
     assert leases.release_if_dead("silent").released is False
     assert silent.remaining() > 0  # the holder still trusts it
     result = wait_for(lambda: (r := leases.release_if_dead("silent")).released and r, what="release", timeout=5)
+    assert isinstance(result, DeadRelease)  # for mypy: wait_for returns only a truthy value
     # Not before the holder's deadline, nor before the margin its actor has to stop after it.
     assert time.monotonic() >= silent.valid_until + silent.margin / 1000
     assert result.deadline_in is not None and result.deadline_in <= 0
@@ -360,7 +363,7 @@ def test_works_on_redis_cluster() -> None:
         client = redis.cluster.RedisCluster(host="127.0.0.1", port=nodes[0].port)
         each = [redis.Redis(port=n.port) for n in nodes]
         wait_for(
-            lambda: all("cluster_state:ok" in str(c.execute_command("CLUSTER", "INFO")) for c in each),
+            lambda: all("cluster_state:ok" in str(c.execute_command("CLUSTER", "INFO")) for c in each),  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
             what="every node to be ok",
         )
         for c in each:

@@ -188,7 +188,7 @@ def skip(broker: StubBroker, message: Message, *, prometheus_before: bool) -> No
     if prometheus_before:
         for middleware in broker.middleware:
             if isinstance(middleware, Prometheus):
-                middleware.before_process_message(broker, message)
+                middleware.before_process_message(broker, message)  # type: ignore[no-untyped-call]  # dramatiq leaves it unannotated
     broker.emit_after("skip_message", message)
 
 
@@ -255,22 +255,22 @@ def test_a_copy_of_ours_leaves_the_delay_queue_where_it_entered(
     ours = {ATTEMPTS_OPTION: 1, LINE_OPTION: "k"}
     parked = Message("m1", queue_name="q.DQ", options={**ours, "eta": 1})
     parked.actor_name = "leased"
-    prom.before_delay_message(broker, parked)
+    prom.before_delay_message(broker, parked)  # type: ignore[no-untyped-call]  # dramatiq leaves it unannotated
     assert delayed("q.DQ") == 1
     # Sent on to its queue (as Dramatiq does when its eta passes), to be run by any process: this
     # one no longer holds it, whoever runs it.
-    fresh = dramatiq.Message(
+    fresh: dramatiq.Message[Any] = dramatiq.Message(
         queue_name="q", actor_name="leased", args=(), kwargs={}, options=dict(ours), message_id="m1"
     )
     broker.emit_before("enqueue", fresh, None)
     assert delayed("q.DQ") == 0
     assert prom.delayed_messages == set()
     # Run here after all: nothing more to take off (Dramatiq would take it off under label "q").
-    prom.before_process_message(broker, fresh)
+    prom.before_process_message(broker, fresh)  # type: ignore[no-untyped-call]  # dramatiq leaves it unannotated
     assert delayed("q") is None
 
     # A parked copy dropped by the line (its message ran): taken off too.
-    prom.before_delay_message(broker, parked)
+    prom.before_delay_message(broker, parked)  # type: ignore[no-untyped-call]  # dramatiq leaves it unannotated
     assert delayed("q.DQ") == 1
     assert lease_mw.waiting.on_drop is not None
     lease_mw.waiting.on_drop(parked)
@@ -279,7 +279,7 @@ def test_a_copy_of_ours_leaves_the_delay_queue_where_it_entered(
     # Someone else's delayed message is left to Dramatiq.
     other = Message("m2", queue_name="q.DQ", options={"eta": 1})
     other.actor_name = "leased"
-    prom.before_delay_message(broker, other)
+    prom.before_delay_message(broker, other)  # type: ignore[no-untyped-call]  # dramatiq leaves it unannotated
     broker.emit_before(
         "enqueue",
         dramatiq.Message(queue_name="q", actor_name="leased", args=(), kwargs={}, options={}, message_id="m2"),

@@ -21,7 +21,7 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, redirect_stdout
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from prometheus_client import start_http_server
@@ -92,7 +92,9 @@ def page_when(
         doc = page(exporter, query)
         return doc if ready(doc) else None
 
-    return wait_for(attempt, timeout=15, what=what)
+    doc = wait_for(attempt, timeout=15, what=what)
+    assert doc is not None  # for mypy: wait_for returns only a truthy value
+    return doc
 
 
 def scrape(exporter: Exporter) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -323,8 +325,9 @@ def test_an_exporter_that_never_scans_still_serves_its_last_scan_time_and_counts
         samples = scrape(exporter)
         assert before <= samples[gauge] <= after and samples[errors] == 0
         thread.start()
-        samples = wait_for(
-            lambda: (s := scrape(exporter))[errors] >= 2 and s, timeout=30, what="failed scans to be counted"
+        samples = cast(  # wait_for returns only a truthy value: the samples, not False
+            dict[tuple[str, tuple[tuple[str, str], ...]], float],
+            wait_for(lambda: (s := scrape(exporter))[errors] >= 2 and s, timeout=30, what="failed scans to be counted"),
         )
         assert before <= samples[gauge] <= after
         doc = page(exporter)
@@ -388,6 +391,7 @@ def test_the_exporter_command_serves_the_busy_page_with_its_options(
             return doc if doc["leases_total"] == 2 else None
 
         doc = wait_for(scanned, timeout=20, what="the exporter's Busy page")
+        assert doc is not None  # for mypy: wait_for returns only a truthy value
         assert doc["limit"] == 1 and [r["key"] for r in doc["leases"]] == [OVERDUE]
         assert doc["leases"][0]["inspect_command"] == (
             f"dramatiq-leases --redis-url {redis_server.url(1)} --prefix {PREFIX} show '{OVERDUE}'"
@@ -416,6 +420,7 @@ def test_messages_waiting_on_a_leaked_key_are_counted_for_that_leak_alone(leases
             lambda: (s := scrape(exporter)).get(("dramatiq_lease_leaked", labels)) and s,
             what="the leak in the exporter's metrics",
         )
+        assert isinstance(samples, dict)  # for mypy: wait_for returns only a truthy value, here the samples
         assert samples[("dramatiq_lease_leaked_waiting", labels)] == 2
         assert samples[("dramatiq_lease_waiting", (("actor_name", WORK["actor"]),))] == 5
 
@@ -437,6 +442,7 @@ def test_a_stale_scan_stops_serving_the_lease_gauges(leases: Leases) -> None:
             return None if any(name == "dramatiq_lease_leaked" for name, _ in samples) else samples
 
         stale = wait_for(without_leases, what="the lease gauges to go")
+        assert stale is not None  # for mypy: wait_for returns only a truthy value
         assert ("dramatiq_lease_exporter_last_scan_timestamp_seconds", ()) in stale
         assert not any(name in {"dramatiq_lease_present", "dramatiq_lease_leaked_waiting"} for name, _ in stale)
     finally:
@@ -537,6 +543,7 @@ def test_keys_of_the_wrong_type_are_counted_and_told_once_and_hide_nothing_else(
             return samples if samples.get(("dramatiq_lease_leaked", LEAK)) == 1 else None
 
         samples = wait_for(leak_reported, what="the leak reported beside the bad keys")
+        assert samples is not None  # for mypy: wait_for returns only a truthy value
         assert samples[("dramatiq_lease_leaked_waiting", LEAK)] == 2
         assert samples[("dramatiq_lease_waiting", (("actor_name", WORK["actor"]),))] == 2
         unreadable = {

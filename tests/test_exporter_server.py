@@ -78,7 +78,9 @@ class Running:
             doc: dict[str, Any] = json.loads(body)
             return doc if doc["leases_total"] == 1 else None
 
-        return wait_for(scanned, timeout=20, what="a scan that saw the lease")
+        doc = wait_for(scanned, timeout=20, what="a scan that saw the lease")
+        assert doc is not None  # for mypy: wait_for returns only a truthy value
+        return doc
 
 
 @contextmanager
@@ -173,6 +175,7 @@ def test_on_every_interface_metrics_are_served_and_the_busy_view_is_refused_sayi
             lambda: (b := get(running.port, "/metrics")[2]) and b"dramatiq_lease_present{" in b and b,
             what="a scan's gauges",
         )
+        assert metrics  # for mypy: wait_for returns only a truthy value
         assert PERSONAL.encode() not in metrics, "keys never become labels"
         for method in ("GET", "HEAD", "POST"):
             status, headers, body = get(running.port, "/leases?limit=5", method=method)
@@ -284,7 +287,9 @@ def test_an_ipv6_loopback_in_brackets_is_a_loopback_bind(
                 return None
             return doc if doc["leases_total"] == 1 else None
 
-        assert wait_for(page, timeout=30, what="the Busy view on [::1]")["leases"][0]["key"] == PERSONAL
+        doc = wait_for(page, timeout=30, what="the Busy view on [::1]")
+        assert doc is not None  # for mypy: wait_for returns only a truthy value
+        assert doc["leases"][0]["key"] == PERSONAL
     finally:
         proc.terminate()
         proc.wait(10)

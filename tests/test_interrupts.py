@@ -331,7 +331,7 @@ def test_a_shutdown_at_any_call_of_the_hook_never_runs_a_message_twice(
     landing anywhere in it, the copy in the broker or not, ends with the message run once, never a Retries
     retry beside a copy, never dead-lettered."""
     stack = Stack(redis_server.url(0), lease_server.url(0), threads=4, lock_min_backoff=1, lock_max_backoff=20)
-    injector = ShutdownAtCall(stack.leases_mw.before_process_message.__func__, stride=1)
+    injector = ShutdownAtCall(stack.leases_mw.before_process_message.__func__, stride=1)  # type: ignore[attr-defined]  # mypy types a bound method as a plain callable, without __func__
     stack.broker.add_middleware(injector)  # its before-hook runs just before LeaseMiddleware's
     stack.broker.middleware.remove(injector)
     stack.broker.middleware.insert(stack.broker.middleware.index(stack.leases_mw), injector)
@@ -354,7 +354,7 @@ def test_a_shutdown_at_any_call_of_the_hook_never_runs_a_message_twice(
             batch = [work.send(total + i, 1) for i in range(40)]
             total += len(batch)
             wait_for(
-                lambda n=total: stack.leases.inspect_line("storm:1").length == n,
+                lambda n=total: stack.leases.inspect_line("storm:1").length == n,  # type: ignore[misc]  # mypy cannot type a lambda's default, which binds the loop variable
                 timeout=60,
                 what="every message so far to wait in the line",
             )

@@ -24,7 +24,7 @@ from dramatiq_leases.embedded import EmbeddedRedis
 
 from .support.brokers import RABBITMQ_URL, delete_rabbitmq_queues, rabbitmq_up
 from .support.runs import Runs
-from .support.stack import Stack
+from .support.stack import MakeStack, Stack
 from .support.waiting import wait_for
 
 
@@ -37,7 +37,7 @@ def lease_server() -> Iterator[EmbeddedRedis]:
 
 
 @pytest.fixture
-def make_stack(redis_server: EmbeddedRedis, lease_server: EmbeddedRedis) -> Iterator[Any]:
+def make_stack(redis_server: EmbeddedRedis, lease_server: EmbeddedRedis) -> Iterator[MakeStack]:
     stacks: list[Stack] = []
 
     def make(**options: Any) -> Stack:
@@ -111,7 +111,7 @@ def make_stack(redis_server: EmbeddedRedis, lease_server: EmbeddedRedis) -> Iter
         ),
     ],
 )
-def test_bad_options_fail_at_declaration(make_stack: Any, options: dict[str, Any], expected: str) -> None:
+def test_bad_options_fail_at_declaration(make_stack: MakeStack, options: dict[str, Any], expected: str) -> None:
     stack = make_stack()
     with pytest.raises(LeaseOptionError) as info:
 
@@ -132,7 +132,7 @@ def test_bad_middleware_defaults_fail_at_construction(lease_server: EmbeddedRedi
         LeaseMiddleware(redis_url=lease_server.url(), lock_ttl=0)
 
 
-def test_unrenderable_messages_are_refused_at_send_time(make_stack: Any) -> None:
+def test_unrenderable_messages_are_refused_at_send_time(make_stack: MakeStack) -> None:
     stack = make_stack()
 
     @stack.actor(lock_key="inv:{invoice_id}")
@@ -151,7 +151,7 @@ def test_unrenderable_messages_are_refused_at_send_time(make_stack: Any) -> None
         LeaseKeyRenderError,
         match=r"actor 'send_invoice': cannot render lock_key .*missing a required argument: 'invoice_id'",
     ):
-        send_invoice.send(note="x")
+        send_invoice.send(note="x")  # type: ignore[call-arg]  # the missing argument is the point
     with pytest.raises(LeaseKeyRenderError, match="rendered by lock_key .* must be a non-empty string, got ''"):
         by_name.send("")
     with pytest.raises(LeaseKeyRenderError, match="KeyError: 'tenant'"):
@@ -168,7 +168,7 @@ def test_unrenderable_messages_are_refused_at_send_time(make_stack: Any) -> None
     assert stack.recorder.enqueues == []  # nothing reached the queue
 
 
-def test_keys_render_from_positional_keyword_and_callable(make_stack: Any) -> None:
+def test_keys_render_from_positional_keyword_and_callable(make_stack: MakeStack) -> None:
     stack = make_stack()
     seen: list[str] = []
 
@@ -190,7 +190,7 @@ def test_keys_render_from_positional_keyword_and_callable(make_stack: Any) -> No
 # Mutual exclusion and contention ------------------------------------------------
 
 
-def test_same_key_never_overlaps_different_keys_do(make_stack: Any) -> None:
+def test_same_key_never_overlaps_different_keys_do(make_stack: MakeStack) -> None:
     stack = make_stack(threads=8, lock_min_backoff=20, lock_max_backoff=200)
     runs = Runs()
 
@@ -214,7 +214,7 @@ def test_same_key_never_overlaps_different_keys_do(make_stack: Any) -> None:
     assert any(a0 < b1 and a1 < b0 for a0, b0 in k0 for a1, b1 in k1), "different keys never ran in parallel"
 
 
-def test_a_busy_message_waits_in_place_and_keeps_its_retries(make_stack: Any) -> None:
+def test_a_busy_message_waits_in_place_and_keeps_its_retries(make_stack: MakeStack) -> None:
     """The head of the line holds a thread and starts the moment the key is released: no polling, no retry."""
     stack = make_stack()
     holder_started = threading.Event()
@@ -252,7 +252,7 @@ def test_a_busy_message_waits_in_place_and_keeps_its_retries(make_stack: Any) ->
 
 
 @pytest.mark.parametrize("give_up", ["fail", "drop"])
-def test_wait_budget_gives_up(make_stack: Any, caplog: Any, give_up: str) -> None:
+def test_wait_budget_gives_up(make_stack: MakeStack, caplog: Any, give_up: str) -> None:
     stack = make_stack(lock_min_backoff=20, lock_max_backoff=50)
     runs = Runs()
     holding = threading.Event()
@@ -280,10 +280,10 @@ def test_wait_budget_gives_up(make_stack: Any, caplog: Any, give_up: str) -> Non
     assert "attempts over" in text and "lock_max_wait=300 ms" in text
 
 
-def test_results_never_see_none_from_a_busy_skip(make_stack: Any, redis_server: EmbeddedRedis) -> None:
+def test_results_never_see_none_from_a_busy_skip(make_stack: MakeStack, redis_server: EmbeddedRedis) -> None:
     stack = make_stack(lock_min_backoff=20, lock_max_backoff=100)
     backend = RedisBackend(url=redis_server.url(2))
-    stack.broker.add_middleware(Results(backend=backend))
+    stack.broker.add_middleware(Results(backend=backend))  # type: ignore[no-untyped-call]  # dramatiq leaves it unannotated
     holding = threading.Event()
     go = threading.Event()
 
@@ -307,7 +307,7 @@ def test_results_never_see_none_from_a_busy_skip(make_stack: Any, redis_server: 
 # Loss mid-run ---------------------------------------------------------------------
 
 
-def test_a_lease_deleted_mid_run_interrupts_the_actor(make_stack: Any) -> None:
+def test_a_lease_deleted_mid_run_interrupts_the_actor(make_stack: MakeStack) -> None:
     stack = make_stack()
     runs = Runs()
     started = threading.Event()
@@ -334,7 +334,7 @@ def test_a_lease_deleted_mid_run_interrupts_the_actor(make_stack: Any) -> None:
     assert (run["key"], run["reason"], run["fence"]) == ("call:1", LostReason.GONE, 1)
 
 
-def test_a_late_lease_lost_never_hits_a_finished_actor(make_stack: Any) -> None:
+def test_a_late_lease_lost_never_hits_a_finished_actor(make_stack: MakeStack) -> None:
     """Injects the loss at varied instants around the actor's return, many times over."""
     stack = make_stack(threads=4)
     runs = Runs()
@@ -366,7 +366,7 @@ def test_a_late_lease_lost_never_hits_a_finished_actor(make_stack: Any) -> None:
     assert runs.count(completed=True) == len(completed)  # nothing ran twice
 
 
-def test_redis_down_during_renewal_interrupts_before_expiry(make_stack: Any, lease_server: EmbeddedRedis) -> None:
+def test_redis_down_during_renewal_interrupts_before_expiry(make_stack: MakeStack, lease_server: EmbeddedRedis) -> None:
     stack = make_stack()
     runs = Runs()
     started = threading.Event()
@@ -396,7 +396,7 @@ def test_redis_down_during_renewal_interrupts_before_expiry(make_stack: Any, lea
 
 
 def test_redis_down_at_acquire_means_no_run_until_it_is_back(
-    make_stack: Any, lease_server: EmbeddedRedis, caplog: Any
+    make_stack: MakeStack, lease_server: EmbeddedRedis, caplog: Any
 ) -> None:
     """Fail closed, with the options table's growing backoff and one WARNING per message, not one per round."""
     stack = make_stack(lock_min_backoff=20, lock_max_backoff=400)
@@ -425,7 +425,7 @@ def test_redis_down_at_acquire_means_no_run_until_it_is_back(
     assert runs.count(n=1) == 1
 
 
-def test_release_happens_before_retries_requeue(make_stack: Any) -> None:
+def test_release_happens_before_retries_requeue(make_stack: MakeStack) -> None:
     stack = make_stack()
     attempts = Runs()
 
@@ -448,7 +448,7 @@ def test_release_happens_before_retries_requeue(make_stack: Any) -> None:
     assert list(stack.leases.scan()) == []
 
 
-def test_default_max_hold_is_the_time_limit_and_ends_a_hung_actor(make_stack: Any) -> None:
+def test_default_max_hold_is_the_time_limit_and_ends_a_hung_actor(make_stack: MakeStack) -> None:
     stack = make_stack()
     seen: list[int | None] = []
     runs = Runs()
@@ -473,7 +473,7 @@ def test_default_max_hold_is_the_time_limit_and_ends_a_hung_actor(make_stack: An
     assert "maximum hold" in runs.items[0]["error"] or "max_hold" in runs.items[0]["error"]
 
 
-def test_a_huge_time_limit_still_grants_the_lease(make_stack: Any) -> None:
+def test_a_huge_time_limit_still_grants_the_lease(make_stack: MakeStack) -> None:
     stack = make_stack()
     seen: list[int | None] = []
 
@@ -486,7 +486,7 @@ def test_a_huge_time_limit_still_grants_the_lease(make_stack: Any) -> None:
     assert seen == [10**12]  # capped at the largest accepted number, not refused
 
 
-def test_short_time_limits_run_and_end_for_the_real_reason(make_stack: Any) -> None:
+def test_short_time_limits_run_and_end_for_the_real_reason(make_stack: MakeStack) -> None:
     """The lease's safety margin is added on the server's side, never taken from the actor's time."""
     stack = make_stack()
     runs = Runs()
@@ -514,7 +514,7 @@ def test_short_time_limits_run_and_end_for_the_real_reason(make_stack: Any) -> N
 # Other parts of Dramatiq ------------------------------------------------------------
 
 
-def test_async_actors_hold_and_lose_leases(make_stack: Any) -> None:
+def test_async_actors_hold_and_lose_leases(make_stack: MakeStack) -> None:
     stack = make_stack()
     stack.broker.add_middleware(AsyncIO())
     runs = Runs()
@@ -567,7 +567,7 @@ def test_rabbitmq_broker(lease_server: EmbeddedRedis) -> None:
         delete_rabbitmq_queues(queue)
 
 
-def test_a_job_lasting_many_ttls_keeps_its_lease(make_stack: Any) -> None:
+def test_a_job_lasting_many_ttls_keeps_its_lease(make_stack: MakeStack) -> None:
     stack = make_stack(lock_min_backoff=20, lock_max_backoff=50)
     runs = Runs()
     started = threading.Event()

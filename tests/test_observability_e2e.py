@@ -582,7 +582,7 @@ def test_bundle_end_to_end(
             # This lease outlives the pause, so its failed renewals count as errors (the others' as losses).
             send(broker, WORK_ACTOR, WORK_QUEUE, PAUSED_KEY, 8.0, lock_ttl=10_000, lock_renew_interval=500)
             until(lambda: leases.inspect(PAUSED_KEY), 15, "the key held across the Redis pause to be held")
-            leases.client.execute_command("CLIENT", "PAUSE", PAUSE_MS, "WRITE")
+            leases.client.execute_command("CLIENT", "PAUSE", PAUSE_MS, "WRITE")  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
 
             # The killed holder's TTL runs out (Redis does not expire keys while paused): counted as expired,
             # no longer overdue, and never released by anyone.
@@ -602,14 +602,14 @@ def test_bundle_end_to_end(
                 'sum(dramatiq_lease_renewals_total{outcome="error"})',
                 "sum(dramatiq_lease_redis_errors_total)",
             ):
-                until(lambda expr=expr: (scalar(expr) or 0) > 0, 10, f"{expr} > 0")
+                until(lambda expr=expr: (scalar(expr) or 0) > 0, 10, f"{expr} > 0")  # type: ignore[misc]  # mypy cannot type a lambda's default, which binds the loop variable
             # The recording rules the alerts and the SLOs share have data, per cluster and actor.
             for expr in (
                 f'job_actor:dramatiq_lease_acquire_attempts:rate5m{{actor_name="{WORK_ACTOR}", cluster="{CLUSTER}"}}',
                 f'actor:dramatiq_lease_unsafe_ends_per_grant:ratio_rate5m{{actor_name="{WORK_ACTOR}"}}',
                 f'actor:dramatiq_lease_gave_up_per_message:ratio_rate5m{{actor_name="{WORK_ACTOR}"}}',
             ):
-                until(lambda expr=expr: (scalar(expr) or 0) > 0, 10, f"{expr} > 0")
+                until(lambda expr=expr: (scalar(expr) or 0) > 0, 10, f"{expr} > 0")  # type: ignore[misc]  # mypy cannot type a lambda's default, which binds the loop variable
             # ... and warnings are routed to the ticket receiver: among them, the SIGKILLed worker's target,
             # down since, whose lease metrics can no longer alert.
             until(
@@ -623,7 +623,7 @@ def test_bundle_end_to_end(
             )
             for name in ("DramatiqLeaseGaveUp", "DramatiqLeaseLost", "DramatiqLeaseHeartbeatOverdue"):
                 until(
-                    lambda name=name: any(
+                    lambda name=name: any(  # type: ignore[misc]  # mypy cannot type a lambda's default, which binds the loop variable
                         alert["labels"]["alertname"] == name for alert in webhook.alerts(ticket_path)
                     ),
                     20,

@@ -41,7 +41,7 @@ from dramatiq_leases.core import Lease, State
 from dramatiq_leases.embedded import EmbeddedRedis
 
 from .support.runs import Runs
-from .support.stack import Stack
+from .support.stack import MakeStack, Stack
 from .support.waiting import wait_for
 
 
@@ -60,7 +60,7 @@ def busy_for(leases: Leases, key: str, seconds: float) -> bool:
 # 1. Adopted once ------------------------------------------------------------------------------------------
 
 
-def test_a_handed_over_lease_is_adopted_once(make_stack: Any) -> None:
+def test_a_handed_over_lease_is_adopted_once(make_stack: MakeStack) -> None:
     stack = make_stack(lock_min_backoff=20, lock_max_backoff=60)
     runs = Runs()
     started, go = threading.Event(), threading.Event()
@@ -103,7 +103,7 @@ def test_a_handed_over_lease_is_adopted_once(make_stack: Any) -> None:
 # 2. Max hold of an adopted lease ----------------------------------------------------------------------------
 
 
-def test_an_adopted_lease_honours_lock_max_hold(make_stack: Any) -> None:
+def test_an_adopted_lease_honours_lock_max_hold(make_stack: MakeStack) -> None:
     stack = make_stack()
     runs = Runs()
 
@@ -134,7 +134,7 @@ def test_an_adopted_lease_honours_lock_max_hold(make_stack: Any) -> None:
 
 
 def test_lease_options_on_an_actor_without_lock_key_are_refused_at_send_time(
-    make_stack: Any, redis_server: EmbeddedRedis
+    make_stack: MakeStack, redis_server: EmbeddedRedis
 ) -> None:
     stack = make_stack()
 
@@ -166,7 +166,7 @@ def test_lease_options_on_an_actor_without_lock_key_are_refused_at_send_time(
     assert broker.llen("dramatiq:default") == 0 and broker.hlen("dramatiq:default.msgs") == 0
 
 
-def test_a_message_level_lock_key_is_honoured_or_refused_at_send_time(make_stack: Any) -> None:
+def test_a_message_level_lock_key_is_honoured_or_refused_at_send_time(make_stack: MakeStack) -> None:
     stack = make_stack(lock_min_backoff=20, lock_max_backoff=60)
     runs = Runs()
 
@@ -196,7 +196,7 @@ def test_a_message_level_lock_key_is_honoured_or_refused_at_send_time(make_stack
 # 4. The wait clock of retries ------------------------------------------------------------------------------
 
 
-def test_retries_do_not_inherit_the_wait_clock(make_stack: Any) -> None:
+def test_retries_do_not_inherit_the_wait_clock(make_stack: MakeStack) -> None:
     waits: list[float] = []
 
     class Waits(LeaseMetrics):
@@ -228,6 +228,7 @@ def test_retries_do_not_inherit_the_wait_clock(make_stack: Any) -> None:
     rival = wait_for(
         lambda: stack.leases.try_acquire("r:1", ttl=10_000) or None, interval=0.005, what="the failed run to release"
     )
+    assert isinstance(rival, Lease)  # for mypy: wait_for returns only a truthy value, and a Busy is falsy
     # The Retries copy is a new waiter, with a wait clock of its own: on its first delivery's clock it
     # would be given up at once (over 300 ms have passed).
     wait_for(
@@ -251,11 +252,11 @@ def test_retries_do_not_inherit_the_wait_clock(make_stack: Any) -> None:
 
 @pytest.mark.parametrize("error", [redis.exceptions.RedisClusterException("slot not covered"), RuntimeError("boom")])
 def test_nothing_after_a_completed_actor_fails_it(
-    make_stack: Any, redis_server: EmbeddedRedis, error: Exception
+    make_stack: MakeStack, redis_server: EmbeddedRedis, error: Exception
 ) -> None:
     stack = make_stack()
     backend = RedisBackend(url=redis_server.url(2))
-    stack.broker.add_middleware(Results(backend=backend))
+    stack.broker.add_middleware(Results(backend=backend))  # type: ignore[no-untyped-call]  # dramatiq leaves it unannotated
     runs = Runs()
     calls: list[str] = []
 
@@ -282,7 +283,7 @@ def test_nothing_after_a_completed_actor_fails_it(
 # 6. Graceful shutdown -------------------------------------------------------------------------------------
 
 
-def test_shutdown_keeps_the_lease_of_an_actor_still_running(make_stack: Any) -> None:
+def test_shutdown_keeps_the_lease_of_an_actor_still_running(make_stack: MakeStack) -> None:
     stack = make_stack(threads=2)
     runs = Runs()
     started, go = threading.Event(), threading.Event()
@@ -528,7 +529,7 @@ def test_release_if_dead_never_frees_a_holder_cut_off_but_still_running(redis_se
         operator.client.close()
 
 
-def test_an_async_actor_that_outlives_its_cancellation_keeps_its_lease(make_stack: Any) -> None:
+def test_an_async_actor_that_outlives_its_cancellation_keeps_its_lease(make_stack: MakeStack) -> None:
     """Dramatiq stops waiting for a coroutine 1 s after cancelling it; the coroutine may run on.
 
     Its lease must stay held (and renewed) until the coroutine really ends, then be released.
@@ -564,7 +565,7 @@ def test_an_async_actor_that_outlives_its_cancellation_keeps_its_lease(make_stac
 # 9. The wait line ---------------------------------------------------------------------------------------------
 
 
-def test_a_stray_copy_of_a_message_that_waited_and_ran_never_runs(make_stack: Any) -> None:
+def test_a_stray_copy_of_a_message_that_waited_and_ran_never_runs(make_stack: MakeStack) -> None:
     """A worker killed between parking a message and acknowledging it leaves two copies: one runs."""
     stack = make_stack()
     runs = Runs()
@@ -590,7 +591,7 @@ def test_a_stray_copy_of_a_message_that_waited_and_ran_never_runs(make_stack: An
     wait_for(lambda: len(runs.items) == 2, what="the retry to run")
 
 
-def test_shutdown_wakes_the_threads_waiting_in_place_and_loses_no_message(make_stack: Any) -> None:
+def test_shutdown_wakes_the_threads_waiting_in_place_and_loses_no_message(make_stack: MakeStack) -> None:
     first = make_stack()
     runs = Runs()
 
@@ -623,7 +624,7 @@ def test_shutdown_wakes_the_threads_waiting_in_place_and_loses_no_message(make_s
     assert len(runs.items) == 2
 
 
-def test_waiting_in_place_stays_within_a_quarter_of_the_time_limit(make_stack: Any) -> None:
+def test_waiting_in_place_stays_within_a_quarter_of_the_time_limit(make_stack: MakeStack) -> None:
     """TimeLimit counts the wait in the hook: past a quarter of the limit the message parks, never times out."""
     stack = make_stack()
     runs = Runs()
@@ -646,7 +647,7 @@ def test_waiting_in_place_stays_within_a_quarter_of_the_time_limit(make_stack: A
     assert runs.items == [{"n": 1}]
 
 
-def test_a_spare_parked_copy_of_a_message_that_ran_is_dropped_without_being_sent_on(make_stack: Any) -> None:
+def test_a_spare_parked_copy_of_a_message_that_ran_is_dropped_without_being_sent_on(make_stack: MakeStack) -> None:
     stack = make_stack()
     runs = Runs()
 

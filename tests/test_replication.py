@@ -13,7 +13,7 @@ import queue
 import re
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import pytest
 import redis
@@ -81,6 +81,7 @@ def test_a_sentinel_url_names_the_sentinels_the_service_and_the_primary_s_option
         "redis+sentinel://app:p%40ss@s1:26380,s2,[::1]:26381/billing/3?health_check_interval=7&sentinel_password=sp",
         socket_timeout=1.5,
     )
+    assert isinstance(client, redis.Redis)  # for mypy: a Sentinel URL gives a Redis, never a RedisCluster
     pool = client.connection_pool
     assert isinstance(pool, SentinelConnectionPool)
     assert pool.service_name == "billing"
@@ -104,9 +105,11 @@ def test_a_sentinel_url_names_the_sentinels_the_service_and_the_primary_s_option
         "db": 0,
     }
 
-    tls = client_from_url("rediss+sentinel://s1/billing").connection_pool
+    tls = cast(redis.Redis, client_from_url("rediss+sentinel://s1/billing")).connection_pool
     assert tls.connection_class is SentinelManagedSSLConnection and tls.connection_kwargs["db"] == 0
-    assert isinstance(Leases.from_url("redis+sentinel://s1/billing").client.connection_pool, SentinelConnectionPool)
+    assert isinstance(
+        cast(redis.Redis, Leases.from_url("redis+sentinel://s1/billing").client).connection_pool, SentinelConnectionPool
+    )
 
 
 @pytest.mark.parametrize(
@@ -170,7 +173,7 @@ def test_the_replica_timeout_is_whole_milliseconds(value: Any) -> None:
 
 
 def test_min_replicas_needs_a_replica_timeout_under_the_socket_timeout_and_no_cluster() -> None:
-    assert Leases(redis.Redis(), min_replicas=2.0).min_replicas == 2
+    assert Leases(redis.Redis(), min_replicas=2.0).min_replicas == 2  # type: ignore[arg-type]  # a whole float is taken
     assert Leases(redis.Redis(socket_timeout=0.3)).min_replicas == 0  # not asked: nothing to check
     with pytest.raises(
         LeaseConfigError,

@@ -28,7 +28,7 @@ from dramatiq_leases.middleware.declarations import MESSAGE_TEMPLATE_CACHE
 
 from .support.brokers import pending, redis_dead_letters
 from .support.runs import Runs
-from .support.stack import Stack
+from .support.stack import MakeStack, Stack
 from .support.waiting import wait_for
 
 # 1. A worker stop --------------------------------------------------------------------------------------------
@@ -58,7 +58,7 @@ class SlowReplies(Middleware):
 
 
 def test_a_worker_stop_while_copies_are_sent_back_runs_each_message_once(
-    make_stack: Any, redis_server: EmbeddedRedis
+    make_stack: MakeStack, redis_server: EmbeddedRedis
 ) -> None:
     runs = Runs()
 
@@ -101,7 +101,7 @@ def test_a_worker_stop_while_copies_are_sent_back_runs_each_message_once(
 
 
 def test_a_failed_message_redriven_from_the_dead_letter_queue_runs_again(
-    make_stack: Any, redis_server: EmbeddedRedis
+    make_stack: MakeStack, redis_server: EmbeddedRedis
 ) -> None:
     stack = make_stack()
     attempts = Runs()
@@ -131,7 +131,7 @@ def test_a_failed_message_redriven_from_the_dead_letter_queue_runs_again(
 
 
 @pytest.mark.parametrize("template", ["{n:>300000000}", "{n!r}", "{n.__class__}", "{n[0]}", "x" * 1025, "{n:{n}}"])
-def test_a_message_level_lock_key_may_hold_only_plain_fields(make_stack: Any, template: str) -> None:
+def test_a_message_level_lock_key_may_hold_only_plain_fields(make_stack: MakeStack, template: str) -> None:
     stack = make_stack()
 
     @stack.actor(actor_name="charge", lock_key="invoice:{n}")
@@ -150,7 +150,7 @@ def test_a_message_level_lock_key_may_hold_only_plain_fields(make_stack: Any, te
     ids=["format-spec", "repeated-field"],
 )
 def test_a_message_level_lock_key_costs_a_worker_no_more_than_its_size(
-    make_stack: Any, redis_server: EmbeddedRedis, caplog: Any, template: str, argument: Any
+    make_stack: MakeStack, redis_server: EmbeddedRedis, caplog: Any, template: str, argument: Any
 ) -> None:
     """23 bytes asked a worker for 300 MB (and a 1 MB argument repeated by a 1 023-character template, for
     341 MB): a producer without the middleware (or anyone who can write to the broker) could OOM-kill every
@@ -164,7 +164,7 @@ def test_a_message_level_lock_key_costs_a_worker_no_more_than_its_size(
 
     stack.start()
     producer = RedisBroker(url=redis_server.url(0), middleware=[])  # type: ignore[no-untyped-call]
-    bomb = dramatiq.Message(
+    bomb: dramatiq.Message[Any] = dramatiq.Message(
         queue_name="default", actor_name="charge", args=(argument,), kwargs={}, options={"lock_key": template}
     )
     tracemalloc.start()
@@ -183,7 +183,7 @@ def test_a_message_level_lock_key_costs_a_worker_no_more_than_its_size(
     ), "no ERROR line names the refused message"
 
 
-def test_message_level_templates_are_cached_within_bounds(make_stack: Any) -> None:
+def test_message_level_templates_are_cached_within_bounds(make_stack: MakeStack) -> None:
     stack = make_stack()
 
     @stack.actor(actor_name="charge", lock_key="invoice:{n}")

@@ -16,7 +16,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import redis
@@ -98,7 +98,8 @@ class LineWorkers:
         return [r for r in (json.loads(x) for x in self.record.lrange("runs", 0, -1)) if r["kind"] == kind]
 
     def enqueues(self) -> dict[str, int]:
-        return {k.decode(): int(v) for k, v in self.record.hgetall("enqueues").items()}
+        # A client without decode_responses answers bytes, which redis-py's return type does not narrow to.
+        return {cast(bytes, k).decode(): int(v) for k, v in self.record.hgetall("enqueues").items()}
 
     def logs(self) -> str:
         return "\n".join(p.read_text(errors="replace")[-3000:] for p in sorted(self.tmp_path.glob("worker-*.log")))
@@ -127,6 +128,7 @@ def check_each_ran_once_in_order(line: LineWorkers, expected: list[int]) -> list
         timeout=120,
         what=f"{len(expected)} jobs to run\n{line.logs()}",
     )
+    assert runs  # for mypy: wait_for returns only a truthy value, here the runs
     runs = sorted(runs, key=lambda r: r["start"])
     assert sorted(r["n"] for r in runs) == sorted(expected), "a job ran twice or never"
     assert len({r["message_id"] for r in runs}) == len(runs), "a message ran twice"

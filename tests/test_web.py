@@ -184,6 +184,7 @@ def test_one_export_per_user_the_worker_adopts_the_lease_and_releases_it(stack: 
     started = wait_for(
         lambda: runs(client, accepted["message_id"]).get("started"), timeout=15, what="the worker to start the export"
     )
+    assert started is not None  # for mypy: wait_for returns only a truthy value
     assert started["fence"] == accepted["fence"], "the worker must adopt the lease taken by the web app"
 
     def accepted_again() -> httpx.Response | None:
@@ -192,6 +193,7 @@ def test_one_export_per_user_the_worker_adopts_the_lease_and_releases_it(stack: 
         return response if response.status_code == 202 else None
 
     third = wait_for(accepted_again, timeout=15, interval=0.1, what="a 202 once the export is over")
+    assert third is not None  # for mypy: wait_for returns only a truthy value
     assert "finished" in runs(client, accepted["message_id"]), "a new export started before the first ended"
     assert third.json()["fence"] == accepted["fence"] + 1
     assert leases.fence_state(key)["released"] >= accepted["fence"], "the job released its lease, not its TTL"
@@ -222,6 +224,7 @@ def test_the_lease_expires_by_its_ttl_when_no_worker_takes_the_job(stack: Stack,
         timeout=5,
         what="the lease to near its end",
     )
+    assert late  # for mypy: wait_for returns only a truthy value
     assert late.state is State.ALIVE
 
     started = time.monotonic()
@@ -248,7 +251,7 @@ def test_a_web_caller_that_sends_its_ticket_back_gets_its_export_while_workers_k
     client, leases = stack.client(WORKER_DB), stack.leases(WORKER_DB)
     user = {"flask": 31, "fastapi": 32}[kind]
     key = f"export:report:{user}"
-    producer = RedisBroker(url=stack.redis.url(WORKER_DB), middleware=[])
+    producer = RedisBroker(url=stack.redis.url(WORKER_DB), middleware=[])  # type: ignore[no-untyped-call]  # dramatiq leaves RedisBroker unannotated
     sent: list[str] = []
 
     def finished() -> int:
@@ -257,13 +260,15 @@ def test_a_web_caller_that_sends_its_ticket_back_gets_its_export_while_workers_k
     def feed() -> None:
         """Keep four jobs of this key sent and not finished: one runs, the others queue in its line."""
         while len(sent) - finished() < 4:
-            message = Message(queue_name="default", actor_name="export_report", args=(user, 0.3), kwargs={}, options={})
+            message: Message[Any] = Message(
+                queue_name="default", actor_name="export_report", args=(user, 0.3), kwargs={}, options={}
+            )
             sent.append(producer.enqueue(message).message_id)
 
     try:
         feed()
         wait_for(
-            lambda: feed() or leases.inspect_line(key).length >= 2,
+            lambda: feed() or leases.inspect_line(key).length >= 2,  # type: ignore[func-returns-value]  # feed() tops the line up, then the condition is read
             timeout=30,
             interval=0.05,
             what="workers queueing on the key",
@@ -290,6 +295,7 @@ def test_a_web_caller_that_sends_its_ticket_back_gets_its_export_while_workers_k
             return None
 
         accepted = wait_for(exported, timeout=60, interval=0.2, what="the web caller's turn")
+        assert accepted is not None  # for mypy: wait_for returns only a truthy value
         assert answers, "its first ask with the ticket took a place behind the queued workers"
         last = answers[-1]
         # When it last asked, workers were queued behind it, and they still were when its turn came:
@@ -297,6 +303,7 @@ def test_a_web_caller_that_sends_its_ticket_back_gets_its_export_while_workers_k
         assert last["line_length"] - last["place"] - 1 >= 1, answers
         message_id = accepted.json()["message_id"]
         done = wait_for(lambda: runs(client, message_id).get("finished"), timeout=30, what="the web export")
+        assert done is not None  # for mypy: wait_for returns only a truthy value
         assert done["fence"] == accepted.json()["fence"], "the worker adopted the web request's lease"
     finally:
         sent.clear()  # feed no more: the jobs still queued run out by themselves

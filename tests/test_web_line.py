@@ -150,6 +150,7 @@ def test_a_ticket_not_sent_back_loses_its_place_and_the_workers_go_on(leases: Le
         interval=0.25,
         what="the worker behind a vanished web caller to get the key",
     )
+    assert isinstance(granted, Lease)  # for mypy: wait_for returns only a truthy value, here the Lease
     assert granted.from_line
     comeback = locked(web.try_acquire(leases, KEY, TTL, ticket=ticket))
     assert comeback.busy.place == 0 and comeback.ticket == ticket, "back late, it joins again (the line was empty)"
