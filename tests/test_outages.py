@@ -102,7 +102,7 @@ def server() -> Iterator[EmbeddedRedis]:
 
 def one_redis_stack(server: EmbeddedRedis, freezer: Middleware | None = None, **broker_options: Any) -> Stack:
     """Broker and leases on the same Redis (databases 0 and 1), every client with short timeouts."""
-    broker = RedisBroker(url=f"{server.url(0)}?{TIMEOUTS}", **broker_options)
+    broker = RedisBroker(url=f"{server.url(0)}?{TIMEOUTS}", **broker_options)  # type: ignore[no-untyped-call]  # dramatiq leaves RedisBroker unannotated
     if freezer is not None:
         broker.add_middleware(freezer)
     middleware = LeaseMiddleware(f"{server.url(1)}?{TIMEOUTS}", metrics_endpoint=False, lock_ttl=2_000)
@@ -235,9 +235,11 @@ def test_an_interrupted_send_back_still_sends_the_message_back_once(server: Embe
 
 def test_enqueue_back_stops_at_its_deadline_and_not_for_other_errors(server: EmbeddedRedis) -> None:
     """A broker away past the deadline: ``False``; an error that is not an outage: raised at once, not retried."""
-    broker = RedisBroker(url=f"{server.url(0)}?{TIMEOUTS}")
+    broker = RedisBroker(url=f"{server.url(0)}?{TIMEOUTS}")  # type: ignore[no-untyped-call]  # dramatiq leaves RedisBroker unannotated
     try:
-        message = dramatiq.Message(queue_name="q", actor_name="a", args=(), kwargs={}, options={})
+        message: dramatiq.Message[Any] = dramatiq.Message(
+            queue_name="q", actor_name="a", args=(), kwargs={}, options={}
+        )
         freeze = Freeze(server)
         freeze.freeze()
         try:
@@ -293,10 +295,12 @@ def test_a_broker_refusing_writes_for_a_while_is_waited_out(setting: str, refusi
 
 
 def refusing_broker_waited_out(server: EmbeddedRedis, setting: str, refusing: str) -> None:
-    broker = RedisBroker(url=f"{server.url(0)}?{TIMEOUTS}")
+    broker = RedisBroker(url=f"{server.url(0)}?{TIMEOUTS}")  # type: ignore[no-untyped-call]  # dramatiq leaves RedisBroker unannotated
     admin = redis.Redis.from_url(server.url(0))
     try:
-        message = dramatiq.Message(queue_name="q", actor_name="a", args=(), kwargs={}, options={})
+        message: dramatiq.Message[Any] = dramatiq.Message(
+            queue_name="q", actor_name="a", args=(), kwargs={}, options={}
+        )
         normal = admin.config_get(setting)[setting]
         admin.config_set(setting, refusing)
         threading.Timer(1.0, admin.config_set, (setting, normal)).start()
