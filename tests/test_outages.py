@@ -27,7 +27,7 @@ from dramatiq.middleware import Middleware
 
 from dramatiq_leases import LeaseMiddleware
 from dramatiq_leases.embedded import EmbeddedRedis
-from dramatiq_leases.middleware.requeue import enqueue_back
+from dramatiq_leases.middleware.outages import enqueue_through_outage
 
 from .support.brokers import pending, redis_dead_letters
 from .support.stack import Stack
@@ -233,7 +233,7 @@ def test_an_interrupted_send_back_still_sends_the_message_back_once(server: Embe
     assert redis_dead_letters(server) == []
 
 
-def test_enqueue_back_stops_at_its_deadline_and_not_for_other_errors(server: EmbeddedRedis) -> None:
+def test_enqueue_through_outage_stops_at_its_deadline_and_not_for_other_errors(server: EmbeddedRedis) -> None:
     """A broker away past the deadline: ``False``; an error that is not an outage: raised at once, not retried."""
     broker = RedisBroker(url=f"{server.url(0)}?{TIMEOUTS}")  # type: ignore[no-untyped-call]  # dramatiq leaves RedisBroker unannotated
     try:
@@ -244,7 +244,7 @@ def test_enqueue_back_stops_at_its_deadline_and_not_for_other_errors(server: Emb
         freeze.freeze()
         try:
             started = time.monotonic()
-            assert not enqueue_back(broker, message, 10, started + 1.5)
+            assert not enqueue_through_outage(broker, message, 10, started + 1.5)
             assert 1.5 <= time.monotonic() - started < 1.5 + 2 * 0.5 + 0.5  # the last attempt's timeout at most
         finally:
             freeze.thaw()
@@ -257,7 +257,7 @@ def test_enqueue_back_stops_at_its_deadline_and_not_for_other_errors(server: Emb
 
         broker.add_middleware(Attempts())
         with pytest.raises(TypeError, match="not JSON serializable"):
-            enqueue_back(broker, message.copy(args=(object(),)), 10, time.monotonic() + 30)
+            enqueue_through_outage(broker, message.copy(args=(object(),)), 10, time.monotonic() + 30)
         assert Attempts.count == 1  # not tried again
     finally:
         broker.close()
@@ -305,7 +305,7 @@ def refusing_broker_waited_out(server: EmbeddedRedis, setting: str, refusing: st
         admin.config_set(setting, refusing)
         threading.Timer(1.0, admin.config_set, (setting, normal)).start()
         with said("Trying again") as refused:
-            assert enqueue_back(broker, message, 10, time.monotonic() + 30)
+            assert enqueue_through_outage(broker, message, 10, time.monotonic() + 30)
         assert refused.is_set()
         assert admin.hlen("dramatiq:q.DQ.msgs") == 1  # in the broker, once
     finally:

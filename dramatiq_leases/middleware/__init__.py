@@ -1,11 +1,14 @@
 """The Dramatiq middleware: each message of an actor with ``lock_key`` runs under its lease.
 
 A small package, one idea a module: :mod:`.options` (names, defaults,
-checks), :mod:`.backoff` (how a busy message waits), :mod:`.guard` (the run
-of an actor under its lease, safe from asynchronous exceptions),
-:mod:`.busy` (a busy key: back to the queue), :mod:`.declarations` (what
+checks), :mod:`.backoff` (how a busy message waits), :mod:`.acquiring` (one
+delivery's way to its lease), :mod:`.guard` (the run of an actor under its
+lease, safe from asynchronous exceptions), :mod:`.busy` (a busy key: back to
+the queue), :mod:`.outages` (sending a message back through a broker outage),
+:mod:`.waiting` (the process's side of the line), :mod:`.declarations` (what
 actors declare and messages carry), :mod:`.runs` (which thread holds which
-lease, and how a run ends), :mod:`.dramatiq_metrics` (Dramatiq's own
+lease, and how a run ends), :mod:`.stop_budget` (time limits against the
+worker's shutdown timeout), :mod:`.dramatiq_metrics` (Dramatiq's own
 Prometheus middleware, kept from counting busy rounds), :mod:`.errors`, and
 :mod:`.hooks` (:class:`LeaseMiddleware` itself).
 """

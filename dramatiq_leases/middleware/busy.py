@@ -14,7 +14,7 @@ from ..core.metrics import LeaseMetrics
 from .backoff import backoff_delay
 from .errors import LeaseWaitExceeded
 from .options import ATTEMPTS_OPTION, FIRST_ATTEMPT_OPTION, SENT_BACK_OPTION, Options
-from .requeue import enqueue_back
+from .outages import enqueue_through_outage
 from .waiting import Waiting, waiter_id
 
 logger = logging.getLogger(__name__)
@@ -137,7 +137,7 @@ def on_busy(
         "Lease %r is busy; message %s parks at place %d of %d.", busy.key, message.message_id, busy.place, busy.line
     )
     copy, delay = waiting.parked_copy(message, busy.key, busy, first_ms, opts.max_wait)
-    _hand_back(broker, message, copy, delay, deadline)
+    _send_copy_back(broker, message, copy, delay, deadline)
 
 
 def send_back(
@@ -166,11 +166,11 @@ def send_back(
         if opts.max_wait is not None:
             # Land the last retry at the end of the budget rather than past it.
             delay = max(1, min(delay, first_ms + opts.max_wait - now_ms))
-    _hand_back(broker, message, message.copy(options=options), delay, deadline)
+    _send_copy_back(broker, message, message.copy(options=options), delay, deadline)
 
 
-def _hand_back(broker: dramatiq.Broker, message: Any, copy: Any, delay: int, deadline: float) -> None:
-    """Skip this delivery once ``copy`` is in the broker; fail it if the copy cannot get there (see :mod:`.requeue`).
+def _send_copy_back(broker: dramatiq.Broker, message: Any, copy: Any, delay: int, deadline: float) -> None:
+    """Skip this delivery once ``copy`` is in the broker; fail it if the copy cannot get there (see :mod:`.outages`).
 
     An interruption (``Shutdown``, ``TimeLimitExceeded``) while the broker is asked does not end this: the
     enqueue it cut short may have been applied all the same, so the copy is sent again and the delivery is
@@ -181,7 +181,7 @@ def _hand_back(broker: dramatiq.Broker, message: Any, copy: Any, delay: int, dea
     sent = False
     for _ in range(MAX_INTERRUPTIONS + 1):
         try:
-            sent = enqueue_back(broker, copy, delay, deadline)
+            sent = enqueue_through_outage(broker, copy, delay, deadline)
             break
         except Interrupt as e:
             logger.info(

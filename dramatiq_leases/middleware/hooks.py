@@ -5,34 +5,31 @@ from __future__ import annotations
 import inspect
 import logging
 import math
-import os
 import socket
-import threading
 import time
 from collections.abc import Callable
 from typing import Any, NoReturn
 
 import dramatiq
 from dramatiq.asyncio import async_to_sync
-from dramatiq.middleware import Interrupt, Middleware, SkipMessage
+from dramatiq.middleware import Interrupt, Middleware
 
 from ..core.client import client_from_url, connection_kwargs
-from ..core.errors import LeaseConfigError, LeaseKeyError, LeaseUnavailableError
+from ..core.errors import LeaseConfigError, LeaseKeyError
 from ..core.heartbeat import Heartbeat
 from ..core.keys import DEFAULT_PREFIX
-from ..core.lease import Busy, Lease, Wait, new_token
 from ..core.numbers import whole_count, whole_ms
 from ..core.replication import DEFAULT_REPLICA_TIMEOUT_MS, MAX_REPLICAS
 from ..core.store import Leases
 from ..exposition import WorkerExposition
 from ..metrics import LeaseMetrics, PrometheusMetrics
 from ..tracing import record_keys
+from .acquiring import Acquisition, refuse, skip
 from .backoff import DEFAULT_MAX_BACKOFF, DEFAULT_MIN_BACKOFF
-from .busy import REQUEUED_MARK, SKIP_MARK, RoutineSkipFilter, gives_up, on_busy, send_back
+from .busy import REQUEUED_MARK, RoutineSkipFilter, send_back
 from .declarations import Declarations
 from .dramatiq_metrics import DramatiqPrometheus
 from .errors import LeaseOptionError
-from .guard import Run
 from .options import (
     ACTOR_OPTIONS,
     ATTEMPTS_OPTION,
@@ -40,12 +37,11 @@ from .options import (
     DEFAULT_MAX_WAIT,
     DEFAULT_TTL,
     FIRST_ATTEMPT_OPTION,
-    LEASE_OPTION,
     SENT_BACK_OPTION,
-    Options,
 )
 from .runs import Runs
-from .waiting import LINE_OPTION, MAX_IN_PLACE, Waiting, waiter_id
+from .stop_budget import warn_stop_budget
+from .waiting import LINE_OPTION, Waiting
 
 __all__ = ["LeaseMiddleware"]
 
@@ -181,7 +177,7 @@ class LeaseMiddleware(Middleware):
         self.waiting = Waiting(self.leases, on_drop=self.dramatiq_prometheus.left_delay_queue)
         self._exposition = WorkerExposition(metrics_endpoint)
         self._booted = False
-        self._host = socket.gethostname()
+        self.host = socket.gethostname()  # named in every lease's metadata
         logging.getLogger("dramatiq.worker.WorkerThread").addFilter(_skip_filter)
 
     @property
@@ -228,9 +224,14 @@ class LeaseMiddleware(Middleware):
         self.waiting.prepare()
 
     def after_worker_boot(self, broker: dramatiq.Broker, worker: dramatiq.Worker) -> None:
-        """Start the heartbeat and the line's listener here, on threads no asynchronous exception can reach."""
+        """Start the heartbeat and the line's listener here, on threads no asynchronous exception can reach.
+
+        Then warn of each leased actor whose run may outlast the worker's shutdown timeout (its lease would
+        be left to expire rather than released at a stop: docs/deployment.md); the actors are declared now.
+        """
         self.heartbeat.start()
         self.waiting.boot(broker, worker.worker_threads)
+        warn_stop_budget(broker, default_max_hold=self.declarations.defaults["lock_max_hold"])
 
     def before_worker_shutdown(self, broker: dramatiq.Broker, worker: dramatiq.Worker) -> None:
         """Wake the threads waiting in place: they park their messages instead of holding up the shutdown."""
@@ -284,7 +285,7 @@ class LeaseMiddleware(Middleware):
                 opts = self.declarations.message_options(message, actor)
                 limit = self.declarations.time_limit(message, actor)
             except Exception as e:  # options the interruption came before checking: refused, as they would be
-                self._refuse(message, e)
+                refuse(message, e)
             first = int(message.options.get(FIRST_ATTEMPT_OPTION) or 0)
             send_back(
                 broker,
@@ -296,7 +297,7 @@ class LeaseMiddleware(Middleware):
                 now_ms=int(time.time() * 1000),
                 remember=True,
             )
-        _skip(message, f"interrupted ({type(error).__name__}) before the actor started")
+        skip(message, f"interrupted ({type(error).__name__}) before the actor started")
 
     def _acquire_or_skip(self, broker: dramatiq.Broker, message: Any) -> None:
         hook_started = time.monotonic()
@@ -306,168 +307,18 @@ class LeaseMiddleware(Middleware):
         try:
             template = self.declarations.template(message.actor_name, message.options)
         except LeaseOptionError as e:
-            self._refuse(message, e)
+            refuse(message, e)
         if template is None:
             self.runs.unleased()
             return
         actor = broker.get_actor(message.actor_name)
-        meta = {
-            "actor": message.actor_name,
-            "queue": message.queue_name,
-            "message_id": message.message_id,
-            "host": self._host,
-            "pid": str(os.getpid()),
-        }
         try:
             opts = self.declarations.message_options(message, actor)
             key = template.render(tuple(message.args), message.kwargs)
         except (LeaseConfigError, LeaseKeyError) as e:
-            self._refuse(message, e)
-
-        # Registered before Redis is asked: if anything interrupts us from here on, the
-        # after-hooks release by this token (an owner-checked no-op if nothing was granted).
-        run = Run(key, new_token(), threading.get_ident())
-        self.runs.register(run)
-        max_hold = self.declarations.max_hold(opts, message, actor)
-        waiter = waiter_id(message)
-        first = int(message.options.get(FIRST_ATTEMPT_OPTION) or 0)
-        if first:
-            meta["first_attempt_ms"] = str(first)
-        # TimeLimit counts this hook: wait in place for a quarter of the time limit at most, then park.
-        limit = self.declarations.time_limit(message, actor)
-        budget = MAX_IN_PLACE if limit is None else min(MAX_IN_PLACE, limit / 4000)
-        # Sending the message back through a broker outage may take until half the time limit.
-        hand_back_by = hook_started + (math.inf if limit is None else limit / 2000)
-        in_place = 0.0
-        # Its place to wait in place is given back however the hook ends (an interruption included).
-        try:
-            while True:
-                may_wait = in_place < budget and self.waiting.reserve(key, waiter)
-                started = time.monotonic()
-                try:
-                    result = self._acquire(run, key, opts, max_hold, meta, message.options, waiter, first, may_wait)
-                except Exception as e:
-                    # Fail closed: no lease, no run.
-                    self.metrics.acquire(meta, "error", time.monotonic() - started)
-                    self.metrics.redis_error("acquire")
-                    # One WARNING per message, not per round: an outage would otherwise log one every backoff.
-                    repeated = bool(message.options.get(SENT_BACK_OPTION))
-                    logger.log(
-                        logging.DEBUG if repeated else logging.WARNING,
-                        "Could not acquire lease %r for message %s: %s. Retrying later%s.",
-                        key,
-                        message.message_id,
-                        e,
-                        " (again)" if repeated else ", with growing backoff",
-                    )
-                    self.waiting.forget_thread()
-                    send_back(broker, message, opts, hand_back_by, count_attempt=True, remember=True)
-                    _skip(message, f"lease {key!r} unavailable: {e}")
-                if isinstance(result, Lease):
-                    break
-                self.metrics.acquire(meta, "busy", time.monotonic() - started)
-                if not first:
-                    first = result.now_ms
-                    meta["first_attempt_ms"] = str(first)  # stored with the lease it gets: how long it waited
-                    message.options[FIRST_ATTEMPT_OPTION] = first  # its place, if it is interrupted and sent back
-                if (
-                    result.wait is Wait.IN_PLACE
-                    and not gives_up(opts, first, result.now_ms)
-                    and not self.waiting.stopping
-                ):
-                    block_ms = min(result.block_ms, max(1, int((budget - in_place) * 1000)))
-                    if opts.max_wait is not None:  # wake up in time to give up
-                        block_ms = max(1, min(block_ms, first + opts.max_wait - result.now_ms))
-                    started = time.monotonic()
-                    try:
-                        self.waiting.wait_in_place(key, waiter, block_ms)
-                    except LeaseUnavailableError as e:
-                        # Ask once more, not waiting in place again: Redis away sends the message back with
-                        # backoff, as a failed acquire does. Raised from here, the error would fail the message:
-                        # Dramatiq logs it and calls the actor, whose guard fails it for want of a lease.
-                        self.metrics.redis_error("acquire")
-                        logger.warning(
-                            "Could not wait in place for lease %r for message %s: %s.", key, message.message_id, e
-                        )
-                        in_place = budget
-                        continue
-                    in_place += time.monotonic() - started
-                    continue
-                self.waiting.forget_thread()
-                self.runs.not_granted()
-                on_busy(broker, message, opts, result, meta, self.metrics, self.waiting, first, hand_back_by)
-                _skip(message, f"lease {key!r} is busy")
-        finally:
-            self.waiting.forget_thread()
-
-        if first or result.from_line or message.options.get(SENT_BACK_OPTION):
-            # It waited in the line (this delivery or another copy of it), or was sent back: remembered as
-            # having run when released, so a copy of it parked or sent back twice never runs again.
-            run.waiter = waiter
-        self.runs.granted(run, result)
-        self.metrics.acquire(meta, "acquired", time.monotonic() - started)
-        if result.handoff is not None:
-            self.metrics.handoff(meta, result.handoff)
-        # The wait clock belongs to this delivery: a retry of it (Retries) starts a new one.
-        message.options.pop(FIRST_ATTEMPT_OPTION, None)
-        message.options.pop(ATTEMPTS_OPTION, None)
-        message.options.pop(SENT_BACK_OPTION, None)
-        message.options.pop(LINE_OPTION, None)
-        self.metrics.wait(meta, max(0.0, result.acquired_at - first / 1000) if first else 0.0)
-        logger.debug("Acquired lease %r (fence %d) for message %s.", key, result.fence, message.message_id)
-
-    @staticmethod
-    def _refuse(message: Any, error: Exception) -> NoReturn:
-        # Only reachable when the producer had no LeaseMiddleware to refuse it at send time.
-        logger.error("Message %s cannot run: %s. Moving it to the dead-letter queue.", message.message_id, error)
-        message.fail()
-        _skip(message, str(error))
-
-    def _acquire(
-        self,
-        run: Run,
-        key: str,
-        opts: Options,
-        max_hold: int | None,
-        meta: dict[str, str],
-        options: dict[str, Any],
-        waiter: str,
-        first: int,
-        may_wait: bool,
-    ) -> Lease | Busy:
-        handed = options.get(LEASE_OPTION)
-        if isinstance(handed, dict) and handed.get("key") == key and handed.get("token"):
-            adopted = self.leases.adopt(
-                key,
-                handed["token"],
-                opts.ttl,
-                interval=opts.renew_interval,
-                max_hold=max_hold,
-                meta=meta,
-                new_token=run.token,
-            )
-            if isinstance(adopted, Lease):
-                return adopted
-            # Ended, or held by another token (an earlier adopter: a token replaced never holds again). Its
-            # copies must not carry it: the message waits in the key's line like any other.
-            options.pop(LEASE_OPTION, None)
-            logger.info(
-                "Lease %r handed over with message %s has %s; acquiring anew.",
-                key,
-                meta["message_id"],
-                "ended" if adopted is None else "been adopted or taken by another holder",
-            )
-        return self.leases._line.join(
-            key,
-            opts.ttl,
-            interval=opts.renew_interval,
-            max_hold=max_hold,
-            meta=meta,
-            token=run.token,
-            waiter=waiter,
-            first_ms=first,
-            may_wait=may_wait,
-        )
+            refuse(message, e)
+        attempt = Acquisition(self, broker, message, actor, key, opts, hook_started)
+        attempt.granted(attempt.acquire())
 
     def after_process_message(
         self, broker: dramatiq.Broker, message: Any, *, result: Any = None, exception: BaseException | None = None
@@ -513,12 +364,6 @@ class LeaseMiddleware(Middleware):
         if not running:
             self.heartbeat.stop()
         self._exposition.shutdown()
-
-
-def _skip(message: Any, reason: str) -> NoReturn:
-    """Skip this delivery, marked as this middleware's skip."""
-    message.options[SKIP_MARK] = True
-    raise SkipMessage(reason) from None
 
 
 def _warn_without_socket_timeout(client: Any) -> None:

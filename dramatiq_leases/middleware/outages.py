@@ -79,7 +79,7 @@ FIRST_PAUSE_S = 0.25
 MAX_PAUSE_S = 5.0
 
 
-def enqueue_back(broker: dramatiq.Broker, message: Any, delay: int, deadline: float) -> bool:
+def enqueue_through_outage(broker: dramatiq.Broker, message: Any, delay: int, deadline: float) -> bool:
     """Enqueue ``message`` with ``delay`` (ms), trying again while the broker is unreachable.
 
     Returns ``True`` once enqueued, ``False`` if the broker was still unreachable at ``deadline``

@@ -1,0 +1,213 @@
+"""One delivery's way to its lease: acquire (or adopt), wait in place, or send the message back and skip it.
+
+Runs in a worker thread, inside ``LeaseMiddleware.before_process_message``, where Dramatiq may raise an
+interruption between any two bytecodes: the run is registered before Redis is asked (the after-hooks then
+release by its token), and a place to wait in place is given back however the attempt ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+import time
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import dramatiq
+from dramatiq.middleware import SkipMessage
+
+from ..core.errors import LeaseUnavailableError
+from ..core.lease import Busy, Lease, Wait, new_token
+from .busy import SKIP_MARK, gives_up, on_busy, send_back
+from .guard import Run
+from .options import ATTEMPTS_OPTION, FIRST_ATTEMPT_OPTION, LEASE_OPTION, SENT_BACK_OPTION, Options
+from .waiting import LINE_OPTION, MAX_IN_PLACE, waiter_id
+
+if TYPE_CHECKING:
+    from .hooks import LeaseMiddleware
+
+logger = logging.getLogger(__name__)
+
+
+class Acquisition:
+    """The acquisition of one delivery's lease on ``key``; :meth:`acquire` returns the lease or skips the delivery.
+
+    Every way out but a grant sends the message back (or fails it) and raises ``SkipMessage``, marked as
+    this middleware's skip. TimeLimit counts the hook: a thread waits in place for a quarter of the
+    message's time limit at most, then parks it; a send-back through a broker outage may take until half.
+    """
+
+    def __init__(
+        self,
+        middleware: LeaseMiddleware,
+        broker: dramatiq.Broker,
+        message: Any,
+        actor: Any,
+        key: str,
+        opts: Options,
+        hook_started: float,
+    ) -> None:
+        self.mw = middleware
+        self.broker = broker
+        self.message = message
+        self.key = key
+        self.opts = opts
+        self.meta = {
+            "actor": message.actor_name,
+            "queue": message.queue_name,
+            "message_id": message.message_id,
+            "host": middleware.host,
+            "pid": str(os.getpid()),
+        }
+        # Registered before Redis is asked: if anything interrupts us from here on, the
+        # after-hooks release by this token (an owner-checked no-op if nothing was granted).
+        self.run = Run(key, new_token(), threading.get_ident())
+        middleware.runs.register(self.run)
+        declarations = middleware.declarations
+        self.max_hold = declarations.max_hold(opts, message, actor)
+        self.waiter = waiter_id(message)
+        self.first = int(message.options.get(FIRST_ATTEMPT_OPTION) or 0)
+        if self.first:
+            self.meta["first_attempt_ms"] = str(self.first)
+        limit = declarations.time_limit(message, actor)
+        self.budget = MAX_IN_PLACE if limit is None else min(MAX_IN_PLACE, limit / 4000)
+        self.send_back_by = hook_started + (math.inf if limit is None else limit / 2000)
+        self.in_place = 0.0
+        self.started = hook_started  # the last acquire call's start
+
+    def acquire(self) -> Lease:
+        """Ask until granted, waiting in place while near the head of the line; else send back and skip."""
+        waiting = self.mw.waiting
+        try:
+            while True:
+                may_wait = self.in_place < self.budget and waiting.reserve(self.key, self.waiter)
+                self.started = time.monotonic()
+                try:
+                    result = self._ask(may_wait)
+                except Exception as e:
+                    self._unavailable(e)
+                if isinstance(result, Lease):
+                    return result
+                self._busy(result)
+        finally:
+            waiting.forget_thread()  # its place to wait in place, however the attempt ends
+
+    def _ask(self, may_wait: bool) -> Lease | Busy:
+        """Adopt the lease handed over with the message, if it still holds; else join the key's line."""
+        key, opts, options = self.key, self.opts, self.message.options
+        handed = options.get(LEASE_OPTION)
+        if isinstance(handed, dict) and handed.get("key") == key and handed.get("token"):
+            adopted = self.mw.leases.adopt(
+                key,
+                handed["token"],
+                opts.ttl,
+                interval=opts.renew_interval,
+                max_hold=self.max_hold,
+                meta=self.meta,
+                new_token=self.run.token,
+            )
+            if isinstance(adopted, Lease):
+                return adopted
+            # Ended, or held by another token (an earlier adopter: a token replaced never holds again). Its
+            # copies must not carry it: the message waits in the key's line like any other.
+            options.pop(LEASE_OPTION, None)
+            logger.info(
+                "Lease %r handed over with message %s has %s; acquiring anew.",
+                key,
+                self.meta["message_id"],
+                "ended" if adopted is None else "been adopted or taken by another holder",
+            )
+        return self.mw.leases._line.join(
+            key,
+            opts.ttl,
+            interval=opts.renew_interval,
+            max_hold=self.max_hold,
+            meta=self.meta,
+            token=self.run.token,
+            waiter=self.waiter,
+            first_ms=self.first,
+            may_wait=may_wait,
+        )
+
+    def _unavailable(self, error: Exception) -> NoReturn:
+        """Redis could not be asked. Fail closed: no lease, no run; back later, with growing backoff."""
+        mw, message = self.mw, self.message
+        mw.metrics.acquire(self.meta, "error", time.monotonic() - self.started)
+        mw.metrics.redis_error("acquire")
+        # One WARNING per message, not per round: an outage would otherwise log one every backoff.
+        repeated = bool(message.options.get(SENT_BACK_OPTION))
+        logger.log(
+            logging.DEBUG if repeated else logging.WARNING,
+            "Could not acquire lease %r for message %s: %s. Retrying later%s.",
+            self.key,
+            message.message_id,
+            error,
+            " (again)" if repeated else ", with growing backoff",
+        )
+        mw.waiting.forget_thread()
+        send_back(self.broker, message, self.opts, self.send_back_by, count_attempt=True, remember=True)
+        skip(message, f"lease {self.key!r} unavailable: {error}")
+
+    def _busy(self, result: Busy) -> None:
+        """The key is busy: wait in place (then ask again) if near the head, else go back to the broker."""
+        mw, message, opts = self.mw, self.message, self.opts
+        mw.metrics.acquire(self.meta, "busy", time.monotonic() - self.started)
+        if not self.first:
+            self.first = result.now_ms
+            self.meta["first_attempt_ms"] = str(self.first)  # stored with the lease it gets: how long it waited
+            message.options[FIRST_ATTEMPT_OPTION] = self.first  # its place, if it is interrupted and sent back
+        if result.wait is Wait.IN_PLACE and not gives_up(opts, self.first, result.now_ms) and not mw.waiting.stopping:
+            block_ms = min(result.block_ms, max(1, int((self.budget - self.in_place) * 1000)))
+            if opts.max_wait is not None:  # wake up in time to give up
+                block_ms = max(1, min(block_ms, self.first + opts.max_wait - result.now_ms))
+            started = time.monotonic()
+            try:
+                mw.waiting.wait_in_place(self.key, self.waiter, block_ms)
+            except LeaseUnavailableError as e:
+                # Ask once more, not waiting in place again: Redis away sends the message back with backoff,
+                # as a failed acquire does. Raised from here, the error would fail the message: Dramatiq logs
+                # it and calls the actor, whose guard fails it for want of a lease.
+                mw.metrics.redis_error("acquire")
+                logger.warning(
+                    "Could not wait in place for lease %r for message %s: %s.", self.key, message.message_id, e
+                )
+                self.in_place = self.budget
+                return
+            self.in_place += time.monotonic() - started
+            return
+        mw.waiting.forget_thread()
+        mw.runs.not_granted()
+        on_busy(self.broker, message, opts, result, self.meta, mw.metrics, mw.waiting, self.first, self.send_back_by)
+        skip(message, f"lease {self.key!r} is busy")
+
+    def granted(self, lease: Lease) -> None:
+        """Hand the granted ``lease`` to the run, count it, and clear the delivery's wait clock."""
+        mw, message, first = self.mw, self.message, self.first
+        if first or lease.from_line or message.options.get(SENT_BACK_OPTION):
+            # It waited in the line (this delivery or another copy of it), or was sent back: remembered as
+            # having run when released, so a copy of it parked or sent back twice never runs again.
+            self.run.waiter = self.waiter
+        mw.runs.granted(self.run, lease)
+        mw.metrics.acquire(self.meta, "acquired", time.monotonic() - self.started)
+        if lease.handoff is not None:
+            mw.metrics.handoff(self.meta, lease.handoff)
+        # The wait clock belongs to this delivery: a retry of it (Retries) starts a new one.
+        for name in (FIRST_ATTEMPT_OPTION, ATTEMPTS_OPTION, SENT_BACK_OPTION, LINE_OPTION):
+            message.options.pop(name, None)
+        mw.metrics.wait(self.meta, max(0.0, lease.acquired_at - first / 1000) if first else 0.0)
+        logger.debug("Acquired lease %r (fence %d) for message %s.", self.key, lease.fence, message.message_id)
+
+
+def skip(message: Any, reason: str) -> NoReturn:
+    """Skip this delivery, marked as this middleware's skip."""
+    message.options[SKIP_MARK] = True
+    raise SkipMessage(reason) from None
+
+
+def refuse(message: Any, error: Exception) -> NoReturn:
+    """Fail a message whose lease options or key cannot work, to the dead-letter queue, and skip it."""
+    # Only reachable when the producer had no LeaseMiddleware to refuse it at send time.
+    logger.error("Message %s cannot run: %s. Moving it to the dead-letter queue.", message.message_id, error)
+    message.fail()
+    skip(message, str(error))
