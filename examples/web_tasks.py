@@ -33,7 +33,7 @@ EXPORT_LOCK_TTL_MS = int(os.environ.get("EXPORT_LOCK_TTL_MS", "30000"))
 RUNS_KEY = "examples:export_report:runs"
 
 lease_middleware = LeaseMiddleware(REDIS_URL, prefix=PREFIX)
-broker = RedisBroker(url=REDIS_URL)
+broker = RedisBroker(url=REDIS_URL)  # type: ignore[no-untyped-call]  # dramatiq leaves RedisBroker unannotated
 broker.add_middleware(CurrentMessage())
 broker.add_middleware(lease_middleware)
 dramatiq.set_broker(broker)
