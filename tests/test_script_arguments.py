@@ -13,7 +13,12 @@ import redis
 
 from dramatiq_leases.core import Busy, Lease, Leases, scripts
 from dramatiq_leases.core.errors import LeaseUnavailableError
-from dramatiq_leases.core.keys import done_name, fence_name, lease_name, line_name, waiters_name, wake_name
+from dramatiq_leases.core.keys import fence_name, lease_name, line_name, wake_name
+
+
+def sibling(kind: str, key: str) -> str:
+    """A key of the line the scripts derive from the lease's name (``waiters``, ``done``), as they do."""
+    return lease_name("t", key).replace(":lease:{", f":{kind}:{{", 1)
 
 
 @pytest.fixture
@@ -42,10 +47,10 @@ def test_the_line_refuses_a_holder_that_would_split_a_waiters_entry(
     assert isinstance(leases.try_acquire("k", 60_000), Lease)
     busy = leases._line.join("k", 60_000, waiter="w1", first_ms=1, ready=0, meta={"actor": "send_invoice"})
     assert isinstance(busy, Busy)
-    entry = redis_client.hget(waiters_name("t", "k"), "w1")
+    entry = redis_client.hget(sibling("waiters", "k"), "w1")
     with pytest.raises(redis.ResponseError, match="dramatiq-leases: invalid holder"):
         redis_client.eval(scripts.LINE, 1, leases.lease_name("k"), "hold", holder, "1000", "2", "1000", "w1")
-    assert redis_client.hget(waiters_name("t", "k"), "w1") == entry
+    assert redis_client.hget(sibling("waiters", "k"), "w1") == entry
     assert leases._line.hold("k", ["w1"], "channel", park_ms=1_000, ready=0) == ["p"]
 
 
@@ -60,10 +65,10 @@ def test_acquire_refuses_a_line_key_of_another_type_before_its_first_write(
     """A hand-written waiters key failed the script after it had added the waiter to a new line: a line
     key without TTL for ever, and the key's messages failing on every attempt."""
     assert isinstance(leases.try_acquire("k", 60_000), Lease)
-    redis_client.set(waiters_name("t", "k"), "written by hand")
+    redis_client.set(sibling("waiters", "k"), "written by hand")
     with pytest.raises(LeaseUnavailableError, match="invalid waiters"):
         leases._line.join("k", 60_000, waiter="w1", first_ms=1)
-    assert no_ttl(redis_client) == [waiters_name("t", "k").encode()]  # only the hand-written key
+    assert no_ttl(redis_client) == [sibling("waiters", "k").encode()]  # only the hand-written key
 
 
 def test_a_wake_list_of_another_type_does_not_stop_the_release_waking_its_waiter(
@@ -186,7 +191,7 @@ def test_a_waiter_in_place_blocks_by_the_block_constants(redis_client: redis.Red
     reply = acquire(redis_client, "k", "t1", waiter="w1", line="1 2 2 1000 1000 0")
     pttl, now, action, block = int(reply[1]), int(reply[3]), int(reply[4]), int(reply[7])
     assert action == 1 and block == min(scripts.MAX_BLOCK_MS, pttl + scripts.BLOCK_SLACK_MS)
-    entry = redis_client.hget(waiters_name("t", "k"), "w1")
+    entry = redis_client.hget(sibling("waiters", "k"), "w1")
     assert isinstance(entry, bytes)
     state, deadline = entry.split()[:2]
     assert state == b"r" and int(deadline) == now + block + scripts.READY_SLACK_MS
@@ -202,12 +207,12 @@ def test_the_line_keys_live_as_long_as_the_constants_say(redis_client: redis.Red
         redis_client,
         lambda: acquire(redis_client, "k", "t1", waiter="w1", line="1 2 2 1000 1000 0"),
         line_name("t", "k"),
-        waiters_name("t", "k"),
+        sibling("waiters", "k"),
     )
     assert all(scripts.LINE_TTL_MS - lost <= pttl <= scripts.LINE_TTL_MS for pttl in pttls), pttls
     release: list[Any] = [scripts.RELEASE, 2, lease_name("t", "k"), fence_name("t", "k"), "holder", "w0", 2, 1000, 0]
     (wake, done), lost = ttls_set(
-        redis_client, lambda: redis_client.eval(*release), wake_name("t", "k", "w1"), done_name("t", "k")
+        redis_client, lambda: redis_client.eval(*release), wake_name("t", "k", "w1"), sibling("done", "k")
     )
     assert scripts.WAKE_TTL_MS - lost <= wake <= scripts.WAKE_TTL_MS  # the head, waiting in place, woken
     assert scripts.DONE_MS - lost <= done <= scripts.DONE_MS  # w0, which ran
@@ -233,6 +238,6 @@ def test_one_call_drops_at_most_head_drops_max_vanished_waiters(redis_client: re
     """HEAD_DROPS_MAX bounds the work of one call on a line of waiters that all vanished."""
     vanished = [f"w{i:02}" for i in range(scripts.HEAD_DROPS_MAX + 3)]
     redis_client.zadd(line_name("t", "k"), {w: i + 1 for i, w in enumerate(vanished)})
-    redis_client.hset(waiters_name("t", "k"), mapping={w: "p 1 h a" for w in vanished})  # deadlines long past
+    redis_client.hset(sibling("waiters", "k"), mapping={w: "p 1 h a" for w in vanished})  # deadlines long past
     redis_client.eval(scripts.LINE, 1, lease_name("t", "k"), "leave", "", 1, 2, 1000, "someone")
     assert redis_client.zcard(line_name("t", "k")) == 3
