@@ -42,7 +42,7 @@ from dramatiq.middleware import CurrentMessage, Retries, default_middleware
 from dramatiq.rate_limits import ConcurrentRateLimiter
 from dramatiq.rate_limits.backends import RedisBackend
 
-from dramatiq_leases.metrics import NULL_METRICS
+from dramatiq_leases.prometheus import NULL_METRICS
 
 from .defaults import TTL_MS as DEFAULT_TTL_MS
 from .enqueues import EnqueueCounter

@@ -32,9 +32,9 @@ from .core import (
     Wait,
 )
 from .core import tracing as _core_tracing
-from .metrics import LeaseMetrics, OTelMetrics, PrometheusMetrics
-from .tracing import current_context as _otel_context
-from .tracing import span as _otel_span
+from .otel_tracing import current_context as _otel_context
+from .otel_tracing import span as _otel_span
+from .prometheus import LeaseMetrics, OTelMetrics, PrometheusMetrics
 
 # The core opens its spans through an interface; OpenTelemetry's plugs in here.
 _core_tracing.set_tracer(_otel_span, _otel_context)

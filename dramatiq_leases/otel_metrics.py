@@ -3,7 +3,7 @@
 For applications that export OpenTelemetry metrics rather than scrape
 ``prometheus_client``. Through OpenTelemetry's Prometheus exporter (or an
 OTLP pipeline into Prometheus) the figures come out under exactly the names,
-labels and histogram buckets of :class:`~dramatiq_leases.metrics.PrometheusMetrics`,
+labels and histogram buckets of :class:`~dramatiq_leases.prometheus.PrometheusMetrics`,
 so the bundled alerts and dashboards work on either:
 
 ============================================  ================  ================================================
@@ -27,8 +27,8 @@ Attributes are those labels: ``actor_name``, ``queue_name``, and ``outcome``,
 exporter adds its own ``otel_scope_*`` labels (and a ``target_info``
 metric) unless told not to; aggregations by the labels above ignore them.
 
-Histograms ask for the buckets of :data:`~dramatiq_leases.metrics.LATENCY_BUCKETS`
-and :data:`~dramatiq_leases.metrics.DURATION_BUCKETS` through
+Histograms ask for the buckets of :data:`~dramatiq_leases.prometheus.LATENCY_BUCKETS`
+and :data:`~dramatiq_leases.prometheus.DURATION_BUCKETS` through
 ``explicit_bucket_boundaries_advisory``: the SDK's default buckets (0 to
 10 000) are meant for milliseconds and would put every latency in seconds in
 the first few. A ``View`` configured in the application still overrides them.
@@ -59,7 +59,7 @@ class OTelMetrics(LeaseMetrics):
     ``MeterProvider`` in your application. Instruments are named
     ``dramatiq.lease.*`` with unit ``s`` for durations; OpenTelemetry's
     Prometheus exporter turns them into the same names as
-    :class:`~dramatiq_leases.metrics.PrometheusMetrics`
+    :class:`~dramatiq_leases.prometheus.PrometheusMetrics`
     (``dramatiq.lease.acquire.duration`` becomes
     ``dramatiq_lease_acquire_duration_seconds``; the module docstring lists
     them all). Use one or the other, never both: two sources under one name

@@ -25,8 +25,8 @@ from prometheus_client.metrics_core import Metric
 from dramatiq_leases import Leases
 from dramatiq_leases.cli import build_parser
 from dramatiq_leases.exporter.observer import LeaseObserver
-from dramatiq_leases.metrics import PrometheusMetrics
 from dramatiq_leases.middleware import ACTOR_OPTIONS, LeaseMiddleware
+from dramatiq_leases.prometheus import PrometheusMetrics
 
 ROOT = Path(__file__).resolve().parent.parent
 REFERENCE = ROOT / "docs" / "reference.md"

@@ -12,7 +12,7 @@ import redis
 
 from dramatiq_leases.core import Heartbeat, Lease, Leases
 from dramatiq_leases.embedded import EmbeddedRedis
-from dramatiq_leases.metrics import LeaseMetrics
+from dramatiq_leases.prometheus import LeaseMetrics
 
 from .support.waiting import wait_for
 

@@ -33,7 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from dramatiq_leases import Leases
 from dramatiq_leases.embedded import EmbeddedRedis, free_port
 from dramatiq_leases.exposition import forget_dead_processes
-from dramatiq_leases.metrics import LOST_REASONS
+from dramatiq_leases.prometheus import LOST_REASONS
 
 from .support.processes import (
     LONG_ACTOR,
@@ -359,7 +359,7 @@ def test_a_killed_workers_held_leases_are_not_summed_in_forever(tmp_path: Path) 
     directory.mkdir()
     code = (
         "import os, signal\n"
-        "from dramatiq_leases.metrics import PrometheusMetrics\n"
+        "from dramatiq_leases.prometheus import PrometheusMetrics\n"
         "PrometheusMetrics().held({'actor': 'charge', 'queue': 'q'}, 1)\n"
         "os.kill(os.getpid(), signal.SIGKILL)\n"
     )

@@ -21,10 +21,10 @@ from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, V
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-import dramatiq_leases.metrics
+import dramatiq_leases.prometheus
 from dramatiq_leases import LeaseMetrics, OTelMetrics, PrometheusMetrics
 from dramatiq_leases.embedded import EmbeddedRedis
-from dramatiq_leases.metrics import DURATION_BUCKETS, LATENCY_BUCKETS
+from dramatiq_leases.prometheus import DURATION_BUCKETS, LATENCY_BUCKETS
 
 from .support.promtool import run_rule_tests, scrape_series
 from .support.stack import Stack
@@ -32,7 +32,7 @@ from .support.waiting import wait_for
 
 
 def test_otel_metrics_is_importable_from_both_places() -> None:
-    assert dramatiq_leases.metrics.OTelMetrics is OTelMetrics
+    assert dramatiq_leases.prometheus.OTelMetrics is OTelMetrics
 
 
 def points(reader: InMemoryMetricReader) -> dict[str, list[Any]]:

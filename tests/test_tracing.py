@@ -27,8 +27,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import Span, SpanContext, SpanKind, StatusCode
 
-from dramatiq_leases import LeaseMetrics, Leases, LeaseUnavailableError, current_lease
-from dramatiq_leases import tracing as otel_tracing
+from dramatiq_leases import LeaseMetrics, Leases, LeaseUnavailableError, current_lease, otel_tracing
 from dramatiq_leases.core import Heartbeat, Lease, Renewal
 from dramatiq_leases.core import tracing as core_tracing
 from dramatiq_leases.embedded import EmbeddedRedis, free_port
@@ -158,7 +157,7 @@ def test_lease_keys_are_recorded_when_opted_in(
 
 @pytest.mark.parametrize("value, recorded", [("1", True), ("true", True), ("", False), ("0", False)])
 def test_the_environment_variable_opts_in_to_keys(value: str, recorded: bool) -> None:
-    code = "import dramatiq_leases.tracing as t; print(t.keys_recorded())"
+    code = "import dramatiq_leases.otel_tracing as t; print(t.keys_recorded())"
     env = {**os.environ, "DRAMATIQ_LEASES_TRACE_KEYS": value}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.strip() == str(recorded)
@@ -168,7 +167,7 @@ def test_without_an_sdk_spans_cost_nothing() -> None:
     """No SDK configured: no span is opened and no context captured (the API is never entered)."""
     code = (
         "import dramatiq_leases\n"
-        "from dramatiq_leases import tracing\n"
+        "from dramatiq_leases import otel_tracing as tracing\n"
         "from dramatiq_leases.core import tracing as core\n"
         "assert tracing.span('x', {}, [object()]) is tracing._NO_SPAN\n"
         "assert tracing.current_context() is None and core.current_context() is None\n"

@@ -105,16 +105,6 @@ def line_name(prefix: str, key: str) -> str:
     return f"{prefix}:line:{{{hash_tag(key)}}}"
 
 
-def waiters_name(prefix: str, key: str) -> str:
-    """The Redis key of the hash holding each waiter's state for ``key``."""
-    return f"{prefix}:waiters:{{{hash_tag(key)}}}"
-
-
-def done_name(prefix: str, key: str) -> str:
-    """The Redis key of the waiters of ``key`` that ran (kept an hour, so stray copies never run again)."""
-    return f"{prefix}:done:{{{hash_tag(key)}}}"
-
-
 def wake_name(prefix: str, key: str, waiter: str) -> str:
     """The Redis list a waiter waiting in place blocks on (the scripts derive it from the line's name)."""
     return f"{line_name(prefix, key)}:w:{waiter}"

@@ -16,6 +16,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
+from typing import Literal
 
 from .numbers import margin_ms
 
@@ -166,7 +167,7 @@ class Busy:
             return 1
         return max(1, math.ceil(self.ttl_left / 1000))
 
-    def __bool__(self) -> bool:
+    def __bool__(self) -> Literal[False]:
         # So that ``if leases.try_acquire(...):`` reads as "if acquired".
         return False
 

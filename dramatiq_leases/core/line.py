@@ -118,7 +118,7 @@ class Line:
         self,
         key: str,
         waiters: Sequence[str],
-        holder: str,
+        channel: str,
         *,
         park_ms: int = DEFAULT_PARK_MS,
         ready: int = DEFAULT_READY,
@@ -130,11 +130,11 @@ class Line:
         back now (its turn is near); ``"r"`` keep it (the waiter waits in place
         elsewhere: this copy is a spare); ``"d"`` it already ran (drop it);
         ``"x"`` it has no place (send it back now to take it again).
-        ``holder`` is the channel this process listens on for promotions.
+        ``channel`` is the one this process listens on for promotions (the holder of the copies).
         """
         validate_key(key)
         with unavailable(f"hold waiters of {key!r}", key):
-            args = ["hold", holder, park_ms, ready, promote_ms, *waiters]
+            args = ["hold", channel, park_ms, ready, promote_ms, *waiters]
             reply = self._call(self._store._line_script, self._line_keys(key), args)
         return [r.decode() if isinstance(r, bytes) else str(r) for r in reply]
 

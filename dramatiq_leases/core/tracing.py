@@ -3,7 +3,7 @@
 The core never imports a tracing library. It calls :func:`span` and
 :func:`current_context`, which do nothing until an integration registers a
 tracer with :func:`set_tracer`; importing :mod:`dramatiq_leases` registers
-the OpenTelemetry one (:mod:`dramatiq_leases.tracing`).
+the OpenTelemetry one (:mod:`dramatiq_leases.otel_tracing`).
 
 Each span is one Redis call (or one pipeline) and follows OpenTelemetry's
 semantic conventions for database client spans, for Redis: kind ``CLIENT``,

@@ -22,8 +22,8 @@ from ..core.numbers import whole_count, whole_ms
 from ..core.replication import DEFAULT_REPLICA_TIMEOUT_MS, MAX_REPLICAS
 from ..core.store import Leases
 from ..exposition import WorkerExposition
-from ..metrics import LeaseMetrics, PrometheusMetrics
-from ..tracing import record_keys
+from ..otel_tracing import record_keys
+from ..prometheus import LeaseMetrics, PrometheusMetrics
 from .acquiring import Acquisition, refuse, skip
 from .backoff import DEFAULT_MAX_BACKOFF, DEFAULT_MIN_BACKOFF
 from .busy import REQUEUED_MARK, RoutineSkipFilter, send_back

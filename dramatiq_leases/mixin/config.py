@@ -53,7 +53,7 @@ class MixinConfig:
         warn.
       acquire_latency_warning_seconds / acquire_latency_critical_seconds:
         p99 acquire latency thresholds (put them on bucket boundaries of
-        ``dramatiq_leases.metrics.LATENCY_BUCKETS``, where
+        ``dramatiq_leases.prometheus.LATENCY_BUCKETS``, where
         ``histogram_quantile`` is exact).
       acquire_latency_min_rate: acquire attempts per second an actor needs
         before its p99 means anything (fewer: no latency alert).

@@ -26,7 +26,7 @@ from prometheus_client.samples import Sample
 
 from dramatiq_leases.core import RedisClient
 from dramatiq_leases.exporter import LEAK_REASONS
-from dramatiq_leases.metrics import LOST_REASONS
+from dramatiq_leases.prometheus import LOST_REASONS
 
 from .promtool import require
 
