@@ -1,11 +1,27 @@
 # Two commands on a fresh machine, from a clean clone:
 #   make demo   the live demo (starts its own Redis: nothing to install by hand)
-#   make test   lint, type-check and the whole test suite
+#   make test   lint, type-check, the whole test suite, then the compatibility lanes (docs/compatibility.md)
+# For everyday work:
+#   make fast   lint, type-check and the quick lane (pytest -m "not system")
+#   make compat the compatibility lanes alone
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
+PYTEST := -p no:cacheprovider
 
-.PHONY: demo test lint tools bench
+# The oldest and newest Python the package promises, from pyenv (as on these machines) or PATH.
+PYTHON3.10 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.10*/bin/python3.10) $(shell command -v python3.10))
+PYTHON3.13 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.13*/bin/python3.13) $(shell command -v python3.13))
+
+# What the compatibility lanes run: the tests of Redis and Python semantics (the scripts, the line, the
+# middleware, the heartbeat, the core), not the system tests (docs/compatibility.md says why these).
+COMPAT_TESTS := tests/test_core.py tests/test_line.py tests/test_middleware.py tests/test_heartbeat.py \
+	tests/test_script_arguments.py tests/test_fence_retention.py tests/test_release_if_dead_counter.py \
+	tests/test_review_promises.py tests/test_promises.py
+COMPAT_ARGS  := $(PYTEST) -q -m "not system" $(COMPAT_TESTS)
+COMPAT_LANES := compat-redis-6.2 compat-valkey compat-py3.10 compat-py3.13
+
+.PHONY: demo test fast lint suite tools bench compat $(COMPAT_LANES)
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +35,14 @@ $(VENV)/.demo: $(BIN)/python pyproject.toml
 
 $(VENV)/.dev: $(BIN)/python pyproject.toml
 	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $@
+
+# A venv per extra Python, made on first use: .venv-3.10, .venv-3.13.
+.venv-%/.dev: pyproject.toml
+	@test -n "$(PYTHON$*)" || { echo "no Python $* found (pyenv install $*, or PYTHON$*=/path/to/python$*)"; exit 1; }
+	test -x .venv-$*/bin/python || $(PYTHON$*) -m venv .venv-$*
+	.venv-$*/bin/pip install --quiet --upgrade pip
+	.venv-$*/bin/pip install --quiet -e '.[dev]'
 	touch $@
 
 demo: $(VENV)/.demo
@@ -35,10 +59,34 @@ tools:
 
 lint: $(VENV)/.dev
 	$(BIN)/ruff check dramatiq_leases tests examples bench
+	$(BIN)/ruff format --check dramatiq_leases tests examples bench
 	$(BIN)/mypy dramatiq_leases
 
-test: $(VENV)/.dev tools lint
+fast: lint
+	$(BIN)/python -m pytest $(PYTEST) -q -m "not system" tests
+
+suite: $(VENV)/.dev tools
 	$(BIN)/python -m pytest tests
+
+test: lint suite compat
+
+# The venvs first (two editable installs at once would race on the checkout's egg-info), then the four lanes
+# side by side: each is one pytest that mostly waits on TTLs and deadlines (about a third of one core for
+# all four), so a lane's tests see no more load than on a busy machine. `make compat-valkey` runs one.
+compat: $(VENV)/.dev .venv-3.10/.dev .venv-3.13/.dev
+	$(MAKE) --no-print-directory -j4 -O $(COMPAT_LANES)
+
+compat-redis-6.2: $(VENV)/.dev
+	DRAMATIQ_LEASES_TEST_SERVER=redis-6.2 $(BIN)/python -m pytest $(COMPAT_ARGS)
+
+compat-valkey: $(VENV)/.dev
+	DRAMATIQ_LEASES_TEST_SERVER=valkey $(BIN)/python -m pytest $(COMPAT_ARGS)
+
+compat-py3.10: .venv-3.10/.dev
+	DRAMATIQ_LEASES_TEST_SERVER=redis .venv-3.10/bin/python -m pytest $(COMPAT_ARGS)
+
+compat-py3.13: .venv-3.13/.dev
+	DRAMATIQ_LEASES_TEST_SERVER=redis .venv-3.13/bin/python -m pytest $(COMPAT_ARGS)
 
 bench: $(VENV)/.dev
 	$(BIN)/pip install --quiet -r bench/requirements.txt

@@ -11,12 +11,30 @@ import redis
 
 from dramatiq_leases.embedded import EmbeddedRedis
 
+from .support import servers
 from .support.stack import MakeStack, Stack
+
+_SERVER: tuple[str, str] = ("redis", "")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Every server the tests start is the one ``DRAMATIQ_LEASES_TEST_SERVER`` names (tests/support/servers.py)."""
+    global _SERVER
+    try:
+        _SERVER = servers.select()
+    except (ValueError, RuntimeError) as problem:
+        raise pytest.UsageError(str(problem)) from None
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    """The server this run tests against, as its binary prints it."""
+    name, version = _SERVER
+    return f"{servers.VARIABLE}={name}: {version}"
 
 
 @pytest.fixture
 def redis_server() -> Iterator[EmbeddedRedis]:
-    """A private redis-server for one test."""
+    """A private server (the one ``DRAMATIQ_LEASES_TEST_SERVER`` chooses) for one test."""
     server = EmbeddedRedis().start()
     try:
         yield server
