@@ -323,6 +323,21 @@ def _exporter(leases: Leases, args: argparse.Namespace, out: TextIO, err: TextIO
         return EXIT_CANNOT_LISTEN
 
 
+def _open(url: str, args: argparse.Namespace, err: TextIO) -> Leases | int:
+    """The lease store at ``url``, or the exit code of why it cannot be used (said on ``err``)."""
+    try:
+        return Leases.from_url(url, prefix=args.prefix or DEFAULT_PREFIX)
+    except LeaseUnavailableError as e:  # a cluster URL: its seed node is asked for the cluster's nodes at once
+        _fail(err, f"cannot use Redis at {redact_url(url)}: {e}")
+        return EXIT_UNREACHABLE
+    except LeaseError as e:  # an invalid --prefix
+        _fail(err, str(e))
+        return EXIT_USAGE
+    except ValueError as e:
+        _fail(err, f"invalid --redis-url {redact_url(url)!r}: {e}")
+        return EXIT_USAGE
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``dramatiq-leases`` with ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
     parser = build_parser()
@@ -345,17 +360,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return EXIT_USAGE
             return cmd_demo(args)
         url = args.redis_url or os.environ.get("REDIS_URL") or DEFAULT_REDIS_URL
-        try:
-            leases = Leases.from_url(url, prefix=args.prefix or DEFAULT_PREFIX)
-        except LeaseUnavailableError as e:  # a cluster URL: its seed node is asked for the cluster's nodes at once
-            _fail(err, f"cannot use Redis at {redact_url(url)}: {e}")
-            return EXIT_UNREACHABLE
-        except LeaseError as e:  # an invalid --prefix
-            _fail(err, str(e))
-            return EXIT_USAGE
-        except ValueError as e:
-            _fail(err, f"invalid --redis-url {redact_url(url)!r}: {e}")
-            return EXIT_USAGE
+        leases = _open(url, args, err)
+        if isinstance(leases, int):
+            return leases
         try:
             args.url = url  # for the exporter's `show` commands
             if args.command == "exporter":

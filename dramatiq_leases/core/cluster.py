@@ -53,7 +53,7 @@ def call(client: Any, script: Any, keys: list[str], args: list[Any]) -> Any:
     return run(client, script, [(keys, args)])[0]
 
 
-def run(client: Any, script: Any, calls: list[Call]) -> list[Any]:
+def run(client: Any, script: Any, calls: list[Call]) -> list[Any]:  # noqa: C901, PLR0912 (one pass loop over a round's states; split, they would cross functions)
     """The replies of ``calls``, in one round trip in all (a renewal round of N leases spans ~N slots: each
     lease key is a hash tag of its own), and one socket timeout for a node that hangs.
 
@@ -132,7 +132,7 @@ def _route(client: Any, calls: list[Call], todo: list[_Retry], errors: list[Exce
     return routed
 
 
-def _fan_out(todo: list[tuple[int, Any, bool]], script: Any, calls: list[Call]) -> list[Any]:
+def _fan_out(todo: list[tuple[int, Any, bool]], script: Any, calls: list[Call]) -> list[Any]:  # noqa: C901, PLR0912 (its write and read loops must share one try: an interruption leaves no reply unread)
     """Send each node its calls on one connection, then read them: a reply, or the exception, per call.
 
     A node that cannot be reached fails its own calls only. Whatever interrupts this (an asynchronous

@@ -63,7 +63,7 @@ class Line:
     def _line_keys(self, key: str) -> list[str]:
         return [lease_name(self.prefix, key)]  # the script derives the line's keys from it
 
-    def join(
+    def join(  # noqa: PLR0913 (keyword-only: the acquire's options and the waiter's)
         self,
         key: str,
         ttl: int,

@@ -217,7 +217,9 @@ class Reader:
         moved: list[int] = []
         again: dict[str, tuple[Any, list[int]]] = {}
         for node, (client, positions) in groups.items():
-            for i, reply in self._send(node, client, positions, names, gaps, what, commands, clock, False).items():
+            for i, reply in self._send(
+                node, client, positions, names, gaps=gaps, what=what, commands=commands, clock=clock, asking=False
+            ).items():
                 redirect = next((r for r in reply[0] if _redirected(r)), None)
                 if redirect is None:
                     out[i] = reply
@@ -235,7 +237,11 @@ class Reader:
             if client is None:
                 self._failed(gaps, target, "not in the slot map", what)
                 continue
-            out.update(self._settled(target, client, positions, names, gaps, what, commands, clock, True))
+            out.update(
+                self._settled(
+                    target, client, positions, names, gaps=gaps, what=what, commands=commands, clock=clock, asking=True
+                )
+            )
         if moved:
             self._refresh()
             for node, (client, positions) in self._by_node([names[i] for i in moved], gaps).items():
@@ -245,11 +251,11 @@ class Reader:
                     client,
                     list(range(len(positions))),
                     [names[moved[j]] for j in positions],
-                    gaps,
-                    what,
-                    commands,
-                    clock,
-                    False,
+                    gaps=gaps,
+                    what=what,
+                    commands=commands,
+                    clock=clock,
+                    asking=False,
                 )
                 out.update({moved[positions[j]]: reply for j, reply in replies.items()})
         return out, asked
@@ -266,6 +272,7 @@ class Reader:
         client: Any,
         positions: list[int],
         names: Sequence[str],
+        *,
         gaps: ReadGaps | None,
         what: str,
         commands: Callable[[Any, str], None],
@@ -274,7 +281,9 @@ class Reader:
     ) -> dict[int, tuple[list[Any], int]]:
         """:meth:`_send`, for names sent again: one still redirected (its slot still moving) fails as its node's."""
         out = {}
-        for i, reply in self._send(node, client, positions, names, gaps, what, commands, clock, asking).items():
+        for i, reply in self._send(
+            node, client, positions, names, gaps=gaps, what=what, commands=commands, clock=clock, asking=asking
+        ).items():
             redirect = next((r for r in reply[0] if _redirected(r)), None)
             if redirect is not None:
                 self._failed(gaps, node, redirect, what)
@@ -288,6 +297,7 @@ class Reader:
         client: Any,
         positions: list[int],
         names: Sequence[str],
+        *,
         gaps: ReadGaps | None,
         what: str,
         commands: Callable[[Any, str], None],

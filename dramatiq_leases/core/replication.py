@@ -39,7 +39,7 @@ def check_replication(client: RedisClient, timeout_ms: int) -> None:
 
 
 def evalsha_acked(
-    client: Any, script: Any, keys: list[str], args: list[Any], replicas: int, timeout_ms: int
+    client: Any, script: Any, keys: list[str], args: list[Any], *, replicas: int, timeout_ms: int
 ) -> tuple[Any, int]:
     """Run ``script`` then ``WAIT replicas timeout_ms`` on one connection, in one round trip.
 
@@ -59,7 +59,7 @@ def evalsha_acked(
 
 
 def not_replicated(
-    what: str, key: str, acked: int, wanted: int, timeout_ms: int, released: bool | None
+    what: str, key: str, *, acked: int, wanted: int, timeout_ms: int, released: bool | None
 ) -> LeaseUnavailableError:
     """The error for a grant fewer than ``wanted`` replicas acknowledged in time, released (or not: ``None``)."""
     outcome = "not released (it ends by its TTL)" if released is None else "released"

@@ -255,7 +255,7 @@ class Leases:
         """
         return self._grant(key, ttl, interval=interval, max_hold=max_hold, meta=meta, token=token)
 
-    def _grant(
+    def _grant(  # noqa: PLR0913 (keyword-only: one script's arguments)
         self,
         key: str,
         ttl: int,
@@ -417,8 +417,10 @@ class Leases:
             return self._call(script, keys, args), 0
         replicas, timeout_ms = self.min_replicas, self.replica_timeout
         if self._threads is None:
-            return evalsha_acked(self.client, script, keys, args, replicas, timeout_ms)
-        return self._threads.run(lambda client: evalsha_acked(client, script, keys, args, replicas, timeout_ms))
+            return evalsha_acked(self.client, script, keys, args, replicas=replicas, timeout_ms=timeout_ms)
+        return self._threads.run(
+            lambda client: evalsha_acked(client, script, keys, args, replicas=replicas, timeout_ms=timeout_ms)
+        )
 
     def _not_replicated(self, what: str, key: str, token: str, acked: int) -> NoReturn:
         """A grant too few replicas acknowledged: a failover may lose it, so it is not trusted. Release it
@@ -427,7 +429,9 @@ class Leases:
             released = self.release_token(key, token)
         except LeaseUnavailableError:
             released = None
-        raise not_replicated(what, key, acked, self.min_replicas, self.replica_timeout, released)
+        raise not_replicated(
+            what, key, acked=acked, wanted=self.min_replicas, timeout_ms=self.replica_timeout, released=released
+        )
 
     def renew(self, lease: Lease) -> Renewal:
         """Restore ``lease``'s TTL if this token still holds it. Raises :class:`LeaseUnavailableError`."""

@@ -199,7 +199,7 @@ class _Demo:
             time.sleep(POLL_INTERVAL)
         took = self.console.elapsed()
         assert self.chaos.kill is not None  # finished() needs one
-        failures = report.summary(self.console, self.jobs, self.chaos.kill, stack, metrics_url, took)
+        failures = report.summary(self.console, self.jobs, self.chaos.kill, stack, metrics_url=metrics_url, took=took)
         if failures:
             line("demo FAILED: " + "; ".join(failures))
             stack.show_logs()

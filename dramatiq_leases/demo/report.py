@@ -34,7 +34,7 @@ def status(console: Console, jobs: Jobs, leases_seen: dict[str, LeaseInfo], busy
     )
 
 
-def summary(console: Console, jobs: Jobs, kill: Kill, stack: Stack, metrics_url: str, took: float) -> list[str]:
+def summary(console: Console, jobs: Jobs, kill: Kill, stack: Stack, *, metrics_url: str, took: float) -> list[str]:
     """Check the run and write its summary; returns the checks that failed (none if the story held)."""
     failures: list[str] = []
     done = [a for a in jobs.attempts if a.outcome == "done"]
@@ -43,30 +43,12 @@ def summary(console: Console, jobs: Jobs, kill: Kill, stack: Stack, metrics_url:
     twice = len(done) - once
     if once != total:
         failures.append(f"only {once} of {total} jobs completed")
-    intervals: dict[str, list[tuple[int, int]]] = {}
-    fences: dict[str, list[int]] = {}
-    for a in sorted(jobs.attempts, key=lambda a: a.start_ms):
-        if a.end_ms is not None:
-            end = a.end_ms
-        elif a.pid == kill.pid:
-            end = kill.kill_ms  # a killed job ran until the kill
-        else:
-            end = stack.server_ms()  # unknown: assume it still runs, the strict reading
-        intervals.setdefault(a.key, []).append((a.start_ms, end))
-        fences.setdefault(a.key, []).append(a.fence)
-    concurrency = max((max_overlap(v) for v in intervals.values()), default=0)
+    concurrency, fences = _runs_per_key(jobs, kill, stack)
     if concurrency != 1:
         failures.append(f"max concurrency per key was {concurrency}")
     if any(f != sorted(set(f)) for f in fences.values()):
         failures.append("fencing tokens did not rise strictly per key")
-    if any(o.released for o in kill.orphans):
-        failures.append("an orphaned lease was released by someone instead of expiring")
-    order = [State.HEARTBEAT_OVERDUE, State.HOLDER_DEAD]
-    if any(o.seen != [s for s in order if s in o.seen] for o in kill.orphans):
-        failures.append(
-            "an orphaned lease was seen in an unexpected state or order: "
-            + "; ".join(f"{o.key} {[s.value for s in o.seen]}" for o in kill.orphans)
-        )
+    failures += _orphan_failures(kill)
     killed = jobs.killed_messages(kill.pid)
     redone = {a.message_id: a for a in done if a.message_id in killed and a.start_ms > kill.kill_ms}
     if not killed:
@@ -102,4 +84,34 @@ def summary(console: Console, jobs: Jobs, kill: Kill, stack: Stack, metrics_url:
     )
     console.line(f"  metrics                 {metrics_url} (served until the demo exits)")
     console.line(f"  took                    {took:.1f}s")
+    return failures
+
+
+def _runs_per_key(jobs: Jobs, kill: Kill, stack: Stack) -> tuple[int, dict[str, list[int]]]:
+    """The most runs of one key at once, and each key's fences in the order its runs started."""
+    intervals: dict[str, list[tuple[int, int]]] = {}
+    fences: dict[str, list[int]] = {}
+    for a in sorted(jobs.attempts, key=lambda a: a.start_ms):
+        if a.end_ms is not None:
+            end = a.end_ms
+        elif a.pid == kill.pid:
+            end = kill.kill_ms  # a killed job ran until the kill
+        else:
+            end = stack.server_ms()  # unknown: assume it still runs, the strict reading
+        intervals.setdefault(a.key, []).append((a.start_ms, end))
+        fences.setdefault(a.key, []).append(a.fence)
+    return max((max_overlap(v) for v in intervals.values()), default=0), fences
+
+
+def _orphan_failures(kill: Kill) -> list[str]:
+    """What went wrong with the leases the kill orphaned: each must expire, seen overdue then dead."""
+    failures = []
+    if any(o.released for o in kill.orphans):
+        failures.append("an orphaned lease was released by someone instead of expiring")
+    order = [State.HEARTBEAT_OVERDUE, State.HOLDER_DEAD]
+    if any(o.seen != [s for s in order if s in o.seen] for o in kill.orphans):
+        failures.append(
+            "an orphaned lease was seen in an unexpected state or order: "
+            + "; ".join(f"{o.key} {[s.value for s in o.seen]}" for o in kill.orphans)
+        )
     return failures

@@ -18,7 +18,7 @@ from ..core import LeaseInfo, Leases, State
 from ..core.errors import LeaseUnavailableError
 from ..core.info import UNREADABLE_KINDS, UnreadableKey
 from ..core.keys import fence_name
-from ..core.reading import ReadGaps
+from ..core.reading import LineInfo, ReadGaps
 from . import busy_page
 from .busy_page import DEFAULT_TOP, BusyPage
 
@@ -155,33 +155,7 @@ class LeaseObserver(Collector):
         snap.page = busy_page.build(
             infos, lines, prefix=self.leases.prefix, top=self.top, cli_options=self.cli_options, match=self.match
         )
-        for info in infos:
-            labels = (info.meta.get("actor", ""), info.meta.get("queue", ""))
-            snap.present[labels] += 1
-            state = info.state
-            if state.leaked:
-                snap.leaked[(labels[0], labels[1], state.value)] += 1
-            elif state is State.HEARTBEAT_OVERDUE:
-                snap.overdue[labels] += 1
-            acquired = info.acquired_ms / 1000
-            if labels not in snap.oldest or acquired < snap.oldest[labels]:
-                snap.oldest[labels] = acquired
-        for line in lines:
-            for actor, count in line.actors.items():
-                snap.waiting[actor] += count
-        # What waits on each leaked key: a leak with a line is one users are waiting on.
-        waiting_on = {
-            tag: line.length
-            for line in lines
-            if (tag := busy_page.hash_tag_of(line.name, self.leases.prefix, "line")) is not None
-        }
-        for info in infos:
-            state = info.state
-            if state.leaked:
-                tag = busy_page.hash_tag_of(info.redis_key, self.leases.prefix, "lease") or ""
-                snap.leaked_waiting[(info.meta.get("actor", ""), info.meta.get("queue", ""), state.value)] += (
-                    waiting_on.get(tag, 0)
-                )
+        self._count(snap, infos, lines)
         snap.duration = time.monotonic() - started
         self._tell_gaps(gaps)
         with self._lock:
@@ -210,6 +184,36 @@ class LeaseObserver(Collector):
                 unknown.fence,
             )
         return snap
+
+    def _count(self, snap: Snapshot, infos: list[LeaseInfo], lines: list[LineInfo]) -> None:
+        """Fill ``snap``'s figures per actor and queue: present, leaked, overdue, oldest, waiting."""
+        for info in infos:
+            labels = (info.meta.get("actor", ""), info.meta.get("queue", ""))
+            snap.present[labels] += 1
+            state = info.state
+            if state.leaked:
+                snap.leaked[(labels[0], labels[1], state.value)] += 1
+            elif state is State.HEARTBEAT_OVERDUE:
+                snap.overdue[labels] += 1
+            acquired = info.acquired_ms / 1000
+            if labels not in snap.oldest or acquired < snap.oldest[labels]:
+                snap.oldest[labels] = acquired
+        for line in lines:
+            for actor, count in line.actors.items():
+                snap.waiting[actor] += count
+        # What waits on each leaked key: a leak with a line is one users are waiting on.
+        waiting_on = {
+            tag: line.length
+            for line in lines
+            if (tag := busy_page.hash_tag_of(line.name, self.leases.prefix, "line")) is not None
+        }
+        for info in infos:
+            state = info.state
+            if state.leaked:
+                tag = busy_page.hash_tag_of(info.redis_key, self.leases.prefix, "lease") or ""
+                snap.leaked_waiting[(info.meta.get("actor", ""), info.meta.get("queue", ""), state.value)] += (
+                    waiting_on.get(tag, 0)
+                )
 
     def _ended_grants(
         self, infos: list[LeaseInfo], gaps: ReadGaps

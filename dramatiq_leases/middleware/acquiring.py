@@ -43,6 +43,7 @@ class Acquisition:
         middleware: LeaseMiddleware,
         broker: dramatiq.Broker,
         message: Any,
+        *,
         actor: Any,
         key: str,
         opts: Options,
@@ -178,7 +179,17 @@ class Acquisition:
             return
         mw.waiting.forget_thread()
         mw.runs.not_granted()
-        on_busy(self.broker, message, opts, result, self.meta, mw.metrics, mw.waiting, self.first, self.send_back_by)
+        on_busy(
+            self.broker,
+            message,
+            opts,
+            result,
+            meta=self.meta,
+            metrics=mw.metrics,
+            waiting=mw.waiting,
+            first_ms=self.first,
+            deadline=self.send_back_by,
+        )
         skip(message, f"lease {self.key!r} is busy")
 
     def granted(self, lease: Lease) -> None:

@@ -62,6 +62,7 @@ def on_busy(
     message: Any,
     opts: Options,
     busy: Busy,
+    *,
     meta: dict[str, str],
     metrics: LeaseMetrics,
     waiting: Waiting,

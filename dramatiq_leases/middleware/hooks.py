@@ -118,7 +118,7 @@ class LeaseMiddleware(Middleware):
     send time. Every time is a whole number of milliseconds.
     """
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 (keyword-only: the middleware's documented options)
         self,
         redis_url: str | None = None,
         *,
@@ -317,7 +317,7 @@ class LeaseMiddleware(Middleware):
             key = template.render(tuple(message.args), message.kwargs)
         except (LeaseConfigError, LeaseKeyError) as e:
             refuse(message, e)
-        attempt = Acquisition(self, broker, message, actor, key, opts, hook_started)
+        attempt = Acquisition(self, broker, message, actor=actor, key=key, opts=opts, hook_started=hook_started)
         attempt.granted(attempt.acquire())
 
     def after_process_message(

@@ -115,7 +115,7 @@ def _annotations(cfg: MixinConfig, alert: str, summary: str, description: str, a
 
 
 def _alert(
-    name: str, expr: str, for_: str, severity: str, annotations: dict[str, str], extra: dict[str, str] | None = None
+    name: str, expr: str, for_: str, severity: str, annotations: dict[str, str], *, extra: dict[str, str] | None = None
 ) -> Rule:
     return {
         "alert": name,
@@ -416,7 +416,7 @@ def alert_rules(cfg: MixinConfig) -> list[Rule]:
                         f"budget ({budget:.3%} of {unit}) {factor:g}x too fast over {long} and {short}: "
                         "{{ $value | humanizePercentage }} now.",
                     ),
-                    {"long": long, "short": short},
+                    extra={"long": long, "short": short},
                 )
             )
     return rules
