@@ -315,7 +315,7 @@ SEND_BACK_FAILS_S = BLOCKING_READ_TIMEOUT_S + 2 + 5
         # actor, whose guard fails the message for want of a lease (dead-lettered here, max_retries=0).
         pytest.param(BLOCKING_READ_TIMEOUT_S + 1.0, id="longer-than-the-blocking-read-timeout"),
         # The send-back fails too (one Redis for the broker and the leases): the worker keeps the delivery and sends
-        # it back once Redis answers (middleware/requeue.py), instead of dead-lettering it.
+        # it back once Redis answers (middleware/outages.py), instead of dead-lettering it.
         pytest.param(SEND_BACK_FAILS_S + 3.0, id="longer-than-the-send-back"),
     ],
 )

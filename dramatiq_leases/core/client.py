@@ -15,6 +15,7 @@ from redis.exceptions import RedisClusterException
 from redis.sentinel import Sentinel
 
 from .errors import LeaseUnavailableError
+from .scripts import MAX_BLOCK_MS
 from .tracing import DB_NAMESPACE, SERVER_ADDRESS, SERVER_PORT
 
 T = TypeVar("T")
@@ -26,8 +27,8 @@ RedisClient = redis.Redis | RedisCluster
 DEFAULT_SOCKET_TIMEOUT = 2.0
 
 
-#: The longest a blocking wait lasts before the caller asks again (seconds).
-MAX_BLOCK_S = 10
+#: The longest a blocking wait lasts before the caller asks again (seconds; the scripts' ``MAX_BLOCK_MS``).
+MAX_BLOCK_S = MAX_BLOCK_MS / 1000
 
 
 @contextmanager

@@ -6,7 +6,7 @@ Near the head, up to ``ready`` waiters wait *in place*: a worker thread blocks
 on the waiter's wake list, which the release pushes to, so the head starts at
 once. Further back a waiter is *parked*: its message goes back to the broker
 with a long delay, held by some worker process, which registers it here
-(:meth:`LeaseLine.hold`) and is told on its channel when its turn nears (the
+(:meth:`Line.hold`) and is told on its channel when its turn nears (the
 waiter is *promoted*) to send it back at once. A waiter whose turn came and
 who does not show up within a bounded time (its deadline) has vanished and
 loses its place; if it comes back later it takes its place again, by its first
@@ -25,6 +25,7 @@ from .client import MAX_BLOCK_S, connection_kwargs, pool_connection, unavailable
 from .errors import LeaseConfigError
 from .keys import lease_name, validate_key, wake_name
 from .lease import Busy, Lease
+from .scripts import WAKE_TTL_MS
 
 if TYPE_CHECKING:
     from .store import Leases
@@ -38,8 +39,6 @@ DEFAULT_PARK_MS = 300_000
 #: How long a waiter asked to come back (promoted) has to show up, in ms (as in ``lua/*.lua``).
 PROMOTE_MS = 10_000
 
-#: How long a wake-up waits in its list for a waiter that has not blocked yet (ms; as in ``lua/*.lua``).
-WAKE_TTL_MS = 12_000
 
 
 class Line:

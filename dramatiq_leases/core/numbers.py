@@ -8,9 +8,6 @@ from typing import Any
 from .errors import LeaseConfigError
 from .scripts import MAX_MS
 
-#: The largest Unix time in milliseconds accepted (the year 2286); the scripts declare the same value.
-MAX_TIMESTAMP_MS = 10**13
-
 #: Part of the TTL a holder keeps as a safety margin: it stops trusting its lease
 #: ``ttl * SAFETY_MARGIN`` before the key can expire on the server, so an actor
 #: interrupted at its deadline has that long to stop before anyone else is granted the key.

@@ -29,10 +29,11 @@ from .info import LeaseInfo, meta_args, text
 from .keys import DEFAULT_PREFIX, fence_name, lease_name, validate_key, validate_prefix
 from .lease import Busy, Lease, LostReason, Renewal, Wait, default_interval, new_token
 from .line import DEFAULT_PARK_MS, DEFAULT_READY, PROMOTE_MS, Line
-from .numbers import MAX_TIMESTAMP_MS, margin_ms, whole_count, whole_ms
+from .numbers import margin_ms, whole_count, whole_ms
 from .reading import LineInfo, Reader, ReadGaps
 from .recovery import DeadRelease, release_if_dead
 from .replication import DEFAULT_REPLICA_TIMEOUT_MS, MAX_REPLICAS, check_replication, evalsha_acked, not_replicated
+from .scripts import MAX_TIMESTAMP_MS
 
 if TYPE_CHECKING:
     from .heartbeat import Heartbeat
