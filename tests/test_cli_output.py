@@ -157,3 +157,18 @@ def test_release_messages_escape_the_holder_on_stdout_and_stderr(
     code, out, err = run(redis_server, "release", FORGED, "--if-dead")
     assert (code, err) == (0, b"")
     assert "held by web\\x1b[1A\\x1b[2K7\\x0a:42\\x9b" in assert_clean(out)
+
+
+def test_a_key_that_is_not_utf8_is_listed_escaped_not_a_crash(
+    redis_server: EmbeddedRedis, redis_client: redis.Redis
+) -> None:
+    """A lease key written by hand in bytes that are not UTF-8: ``list`` lists the rest and names it, escaped,
+    as a key it could not read (exit 6, partial), instead of crashing or hiding it."""
+    leases = Leases(redis_client)
+    assert isinstance(leases.try_acquire("invoice:1", 60_000, meta={"actor": "send_invoice"}), Lease)
+    redis_client.hset(b"dramatiq-leases:lease:\xff\xfeinvoice", mapping={b"token": b"t", b"actor": b"\xc3("})
+    code, out, err = run(redis_server, "list")
+    assert code == 6, err
+    assert "invoice:1" in assert_clean(out)
+    said = assert_clean(err)
+    assert "\\xff\\xfeinvoice" in said and "its name is not UTF-8" in said, said

@@ -48,6 +48,7 @@ from .commands import (
     EXIT_INTERRUPTED,
     EXIT_NOT_FOUND,
     EXIT_OK,
+    EXIT_PARTIAL,
     EXIT_REFUSED,
     EXIT_UNREACHABLE,
     EXIT_USAGE,
@@ -70,6 +71,7 @@ __all__ = [
     "EXIT_INTERRUPTED",
     "EXIT_NOT_FOUND",
     "EXIT_OK",
+    "EXIT_PARTIAL",
     "EXIT_REFUSED",
     "EXIT_UNREACHABLE",
     "EXIT_USAGE",
@@ -312,12 +314,10 @@ def _fail(err: TextIO, text: str) -> None:
 
 def _exporter(leases: Leases, args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     """``exporter``: its ``--busy-*`` flags reach the exporter's HTTP app; a bind that fails ends in one line."""
-    from ..exporter.server import BusyAccess, ListenError, busy_access  # prometheus_client: only for the exporter
+    from ..exporter.server import ListenError  # prometheus_client: only for the exporter
 
-    access = BusyAccess(open=args.busy_view == "open", token=args.busy_token, hash_keys=args.busy_keys == "hashed")
     try:
-        with busy_access(access):  # serve() takes no access argument: the app reads it from this block
-            return cmd_exporter(leases, args, out)
+        return cmd_exporter(leases, args, out)
     except ListenError as e:  # an environment error, not a usage one: the same flags may work elsewhere
         _fail(err, str(e))
         return EXIT_CANNOT_LISTEN

@@ -94,7 +94,12 @@ def cmd_list(leases: Leases, args: argparse.Namespace, out: TextIO, err: TextIO 
         out.write(f"no leases {where}under prefix {leases.prefix!r}{masters}\n")
     else:
         write_list(found, problems, out)
-    return _warn_unanswered(gaps, err)
+    listed = {info.redis_key for info in found}
+    unread = sorted((name, bad) for name, bad in gaps.keys.items() if name not in listed)
+    for name, bad in unread:  # keys the scan found but no read could name (not UTF-8): not silently left out
+        (err or sys.stderr).write(printable(f"dramatiq-leases: {name} could not be read: {bad.problem}") + "\n")
+    code = _warn_unanswered(gaps, err)
+    return EXIT_PARTIAL if unread else code
 
 
 def _unreadable_notes(key: str, gaps: ReadGaps, out: TextIO) -> None:
@@ -189,6 +194,7 @@ def cmd_exporter(leases: Leases, args: argparse.Namespace, out: TextIO) -> int:
     except redis.RedisError as e:
         raise LeaseUnavailableError(f"{type(e).__name__}: {e}") from e
     from ..exporter import serve  # type: ignore[import-not-found, unused-ignore]
+    from ..exporter.server import BusyAccess
 
     serve(
         leases,
@@ -197,6 +203,9 @@ def cmd_exporter(leases: Leases, args: argparse.Namespace, out: TextIO) -> int:
         interval=args.interval,
         top=args.top,
         cli_options=exporter_cli_options(getattr(args, "url", None), leases.prefix),
+        busy_access=BusyAccess(
+            open=args.busy_view == "open", token=args.busy_token, hash_keys=args.busy_keys == "hashed"
+        ),
     )
     return EXIT_OK
 

@@ -159,7 +159,8 @@ _CORE_FIELDS = frozenset(
 
 
 def text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
+    """A reply as text; bytes that are not UTF-8 (a key written by hand) shown escaped, never an error."""
+    return value.decode("utf-8", "backslashreplace") if isinstance(value, bytes) else str(value)
 
 
 def parse_info(redis_key: str, pttl: int, flat: Sequence[Any], now_ms: int) -> LeaseInfo:
@@ -232,6 +233,9 @@ _EXPECTED = {
 #: The kinds of key a reader may find of the wrong type (``dramatiq_lease_exporter_unreadable_keys``'s ``kind``).
 UNREADABLE_KINDS = tuple(_EXPECTED)
 
+#: The ``found`` of an :class:`UnreadableKey` whose name is not UTF-8 (its type is not asked).
+NOT_UTF8 = "name not UTF-8"
+
 
 @dataclass(frozen=True)
 class UnreadableKey:
@@ -250,5 +254,7 @@ class UnreadableKey:
     @property
     def problem(self) -> str:
         """What is wrong with it, as in ``a string key, not a line of waiters (a sorted set)``."""
+        if self.found == NOT_UTF8:
+            return "its name is not UTF-8, so no command can name it (written by hand?)"
         found = f"a {self.found} key" if self.found else "a key of another type"
         return f"{found}, not a {_EXPECTED[self.kind][1]}"

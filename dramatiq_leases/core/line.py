@@ -40,7 +40,6 @@ DEFAULT_PARK_MS = 300_000
 PROMOTE_MS = 10_000
 
 
-
 class Line:
     """The line of waiters of a :class:`~dramatiq_leases.core.store.Leases` (its ``_line`` part).
 

@@ -136,13 +136,14 @@ from ..core import Leases
 from ..core.errors import LeaseUnavailableError
 from .busy_page import DEFAULT_TOP, BusyPage, HotKeyRow, LeaseRow, inspect_command
 from .observer import LEAK_REASONS, LeaseObserver, Snapshot, ended_by_ttl
-from .server import LEASES_PATH, ExporterApp, start_server
+from .server import LEASES_PATH, BusyAccess, ExporterApp, start_server
 
 __all__ = [
     "DEFAULT_PORT",
     "DEFAULT_TOP",
     "LEAK_REASONS",
     "LEASES_PATH",
+    "BusyAccess",
     "BusyPage",
     "Exporter",
     "ExporterApp",
@@ -178,6 +179,7 @@ class Exporter:
         top: int = DEFAULT_TOP,
         cli_options: Sequence[str] = (),
         interval: float = 5.0,
+        busy_access: BusyAccess | None = None,
     ) -> None:
         self.observer = LeaseObserver(
             leases, match=match, top=top, cli_options=cli_options, stale_after=max(3 * interval, 30.0)
@@ -185,7 +187,7 @@ class Exporter:
         self.interval = interval
         self.registry = CollectorRegistry()
         self.registry.register(self.observer)
-        app = ExporterApp(self.registry, self.observer.busy_json if top > 0 else None)
+        app = ExporterApp(self.registry, self.observer.busy_json if top > 0 else None, busy_access)
         self.server, self._thread = start_server(app, host, port)
 
     @property
@@ -224,13 +226,24 @@ def serve(
     top: int = DEFAULT_TOP,
     cli_options: Sequence[str] = (),
     stop: threading.Event | None = None,
+    busy_access: BusyAccess | None = None,
 ) -> None:
     """Scan every ``interval`` seconds and serve the figures on ``host:port`` until ``stop`` is set or SIGTERM.
 
     ``top``: rows per table of ``/leases`` (0 turns it off); ``cli_options``:
-    global ``dramatiq-leases`` arguments for its ``show`` commands.
+    global ``dramatiq-leases`` arguments for its ``show`` commands; ``busy_access``: who may read
+    ``/leases`` (default :class:`BusyAccess()`: a loopback bind only).
     """
-    exporter = Exporter(leases, host=host, port=port, match=match, top=top, cli_options=cli_options, interval=interval)
+    exporter = Exporter(
+        leases,
+        host=host,
+        port=port,
+        match=match,
+        top=top,
+        cli_options=cli_options,
+        interval=interval,
+        busy_access=busy_access,
+    )
     stop = stop or threading.Event()
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, lambda *_: stop.set())

@@ -37,9 +37,7 @@ import json
 import logging
 import socket
 import threading
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from socketserver import ThreadingMixIn
 from typing import TYPE_CHECKING, Any
@@ -167,26 +165,6 @@ def is_loopback(address: str) -> bool:
     return ip.is_loopback
 
 
-# The exporter (``Exporter``, ``serve``) builds its app itself and takes no access argument yet: the
-# command line hands its flags over through this context variable, read when an app is created.
-_ACCESS: ContextVar[BusyAccess | None] = ContextVar("dramatiq_leases_busy_access", default=None)
-
-
-@contextmanager
-def busy_access(access: BusyAccess) -> Iterator[BusyAccess]:
-    """Every :class:`ExporterApp` created inside this block (in this thread) applies ``access``.
-
-    How ``dramatiq-leases exporter`` passes its ``--busy-*`` flags to
-    :class:`~dramatiq_leases.exporter.Exporter`; outside any block, apps get
-    the default :class:`BusyAccess`.
-    """
-    reset = _ACCESS.set(access)
-    try:
-        yield access
-    finally:
-        _ACCESS.reset(reset)
-
-
 class _ThreadingServer(ThreadingMixIn, WSGIServer):
     """One thread per request, none of which keeps the process alive."""
 
@@ -210,8 +188,7 @@ class ExporterApp:
       registry: what ``/metrics`` exposes.
       busy_json: the Busy page for a ``limit`` (``None``: the default), without any Redis call;
         ``None`` turns ``/leases`` off (404).
-      access: who may read ``/leases``; default: the one of the enclosing :func:`busy_access` block,
-        else :class:`BusyAccess()`.
+      access: who may read ``/leases``; default :class:`BusyAccess()`.
 
     Attributes:
       bound: the address the endpoint listens on, set by :func:`start_server`; until then (an app
@@ -227,7 +204,7 @@ class ExporterApp:
     ) -> None:
         self.metrics = make_wsgi_app(registry)
         self.busy_json = busy_json
-        self.access = access or _ACCESS.get() or BusyAccess()
+        self.access = access or BusyAccess()
         self.bound = "an unknown address"
         self.loopback = False
         # Digests of equal length: compare_digest then reveals neither the token nor its length.
