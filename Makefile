@@ -10,8 +10,9 @@ BIN    := $(VENV)/bin
 PYTEST := -p no:cacheprovider
 
 # The oldest and newest Python the package promises, from pyenv (as on these machines) or PATH.
-PYTHON3.10 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.10*/bin/python3.10) $(shell command -v python3.10))
-PYTHON3.13 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.13*/bin/python3.13) $(shell command -v python3.13))
+PYENV_ROOT ?= $(HOME)/.pyenv
+PYTHON3.10 ?= $(firstword $(wildcard $(PYENV_ROOT)/versions/3.10*/bin/python3.10) $(shell command -v python3.10))
+PYTHON3.13 ?= $(firstword $(wildcard $(PYENV_ROOT)/versions/3.13*/bin/python3.13) $(shell command -v python3.13))
 
 # What the compatibility lanes run: the tests of Redis and Python semantics (the scripts, the line, the
 # middleware, the heartbeat, the core), not the system tests (docs/compatibility.md says why these).
