@@ -106,7 +106,7 @@ class LeaseInfo:
     def state(self) -> State:
         """The lease's health; see :class:`State`. Agrees with :meth:`Leases.release_if_dead` on the same snapshot."""
         deadline = self.ends_ms
-        if deadline is not None and self.now_ms < deadline:
+        if deadline is not None and self.now_ms <= deadline:  # as the script: whole ms, rounded down
             # interval 0: nobody heartbeats this lease (taken in a web request, say); only its TTL ends it.
             if self.interval and self.now_ms - self.renewed_ms > stale_after(self.interval):
                 return State.HEARTBEAT_OVERDUE

@@ -36,8 +36,9 @@ if not cur.err then
 end
 if deadline == nil then
   if pttl ~= -1 then return {0, -1, fence} end
-elseif now < deadline then
-  return {0, deadline - now, fence}
+elseif now <= deadline then
+  -- Both clocks are whole ms, rounded down: only a now past the deadline is surely past the holder's.
+  return {0, deadline + 1 - now, fence}
 end
 redis.call('DEL', KEYS[1])
 if fence > 0 then record_release(KEYS[2], counter, fence, retention_ms) end
