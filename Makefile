@@ -59,9 +59,10 @@ tools:
 	fi
 
 lint: $(VENV)/.dev
-	$(BIN)/ruff check dramatiq_leases tests examples bench
-	$(BIN)/ruff format --check dramatiq_leases tests examples bench
-	$(BIN)/mypy dramatiq_leases
+	$(BIN)/ruff check dramatiq_leases tests tools examples bench
+	$(BIN)/ruff format --check dramatiq_leases tests tools examples bench
+	$(BIN)/mypy dramatiq_leases tests tools
+	$(BIN)/mypy -p examples
 
 fast: lint
 	$(BIN)/python -m pytest $(PYTEST) -q -m "not system" tests
