@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from .client import unavailable
@@ -24,11 +25,13 @@ class DeadRelease(NamedTuple):
     fence: int
 
 
-def release_if_dead(script: Any, prefix: str, fence_retention: int, key: str) -> DeadRelease:
-    """:meth:`Leases.release_if_dead` with its ``RELEASE_IF_DEAD`` script, on the store's ``prefix``."""
+def release_if_dead(
+    call: Callable[[list[str], list[Any]], Any], prefix: str, fence_retention: int, key: str
+) -> DeadRelease:
+    """:meth:`Leases.release_if_dead`: ``call`` runs the ``RELEASE_IF_DEAD`` script with its keys and arguments."""
     keys = [lease_name(prefix, validate_key(key)), fence_name(prefix, key)]
     with unavailable(f"release lease {key!r}", key):
-        reply = script(keys=keys, args=[fence_retention])
+        reply = call(keys, [fence_retention])
     code = int(reply[0])
     if code < 0:
         return DeadRelease(None, None, 0)

@@ -627,7 +627,11 @@ class Leases:
         this store has none (the CLI's, which cannot know the fleet's): never
         without a TTL. A counter of another type is left alone.
         """
-        return release_if_dead(self._release_if_dead, self.prefix, self.fence_retention, key)
+
+        def call(keys: list[str], args: list[Any]) -> Any:
+            return self._call(self._release_if_dead, keys, args)
+
+        return release_if_dead(call, self.prefix, self.fence_retention, key)
 
 
 def _ignore_lost(lease: Lease, reason: LostReason) -> None:
