@@ -20,10 +20,13 @@ from .core import (
     LeaseBusyError,
     LeaseConfigError,
     LeaseError,
+    LeaseExpiredError,
     LeaseInfo,
     LeaseKeyError,
     Leases,
+    LeaseStateError,
     LeaseUnavailableError,
+    LeaseURLError,
     LineInfo,
     LostReason,
     ReadGaps,
@@ -49,7 +52,7 @@ if TYPE_CHECKING:
         current_lease,
     )
 
-__version__ = "0.1.0"
+__version__ = "0.2.0.dev0"  # 0.1.0 is the first version (CHANGELOG.md); this one freezes the API for 1.0
 
 _MIDDLEWARE_NAMES = {
     "LeaseKeyRenderError",
@@ -79,6 +82,7 @@ __all__ = [
     "LeaseBusyError",
     "LeaseConfigError",
     "LeaseError",
+    "LeaseExpiredError",
     "LeaseInfo",
     "LeaseKeyError",
     "LeaseKeyRenderError",
@@ -86,6 +90,8 @@ __all__ = [
     "LeaseMetrics",
     "LeaseMiddleware",
     "LeaseOptionError",
+    "LeaseStateError",
+    "LeaseURLError",
     "LeaseUnavailableError",
     "LeaseWaitExceeded",
     "Leases",

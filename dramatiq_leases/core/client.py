@@ -14,7 +14,7 @@ from redis.connection import parse_url
 from redis.exceptions import RedisClusterException
 from redis.sentinel import Sentinel
 
-from .errors import LeaseUnavailableError
+from .errors import LeaseUnavailableError, LeaseURLError
 from .scripts import MAX_BLOCK_MS
 from .tracing import DB_NAMESPACE, SERVER_ADDRESS, SERVER_PORT
 
@@ -64,8 +64,17 @@ def client_from_url(url: str, *, socket_timeout: float = DEFAULT_SOCKET_TIMEOUT)
 
     Raises:
       LeaseUnavailableError: the cluster's seed node could not be asked.
-      ValueError: a URL redis-py cannot parse, or a cluster URL naming a database other than 0.
+      LeaseURLError: a URL redis-py cannot parse, or a cluster URL naming a database other than 0.
     """
+    try:
+        return _client_from_url(url, socket_timeout)
+    except LeaseUnavailableError:
+        raise
+    except ValueError as e:  # redis-py's own, and ours below
+        raise LeaseURLError(str(e)) from None
+
+
+def _client_from_url(url: str, socket_timeout: float) -> RedisClient:
     scheme, _, rest = url.partition("://")
     if is_sentinel_url(url):
         return sentinel_client_from_url(url, socket_timeout=socket_timeout)

@@ -30,6 +30,29 @@ class LeaseConfigError(LeaseError, ValueError):
     """An option has a value that cannot work (raised where it is declared)."""
 
 
+class LeaseURLError(LeaseConfigError):
+    """A Redis URL that cannot be used: unparsable, or naming what its scheme cannot have (the message never
+    repeats the URL, which may hold a password)."""
+
+
+class LeaseStateError(LeaseError, RuntimeError):
+    """Called where it cannot work: ``current_lease()`` outside an actor that holds a lease, an embedded
+    ``redis-server`` that cannot be found or started."""
+
+
+class LeaseExpiredError(LeaseError):
+    """Raised at the end of a :meth:`~dramatiq_leases.core.store.Leases.lease` block whose lease ended before
+    the block did (lost, expired or taken): the block's work may have overlapped another holder's.
+
+    Attributes:
+      lease: the lease the block held.
+    """
+
+    def __init__(self, message: str, *, lease: object) -> None:
+        super().__init__(message, key=getattr(lease, "key", None))
+        self.lease = lease
+
+
 class LeaseKeyError(LeaseError, ValueError):
     """A lease key is not a non-empty string, or cannot be rendered from arguments."""
 

@@ -370,6 +370,7 @@ class Heartbeat:
 
     def _lose(self, entry: _Entry, reason: LostReason) -> None:
         lease = entry.lease
+        lease._lost()
         logger.error("Lease %r (fence %d) lost: %s.", lease.key, lease.fence, reason.description)
         self.metrics.lost(lease.meta, reason.value)
         try:

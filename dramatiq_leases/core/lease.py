@@ -56,6 +56,7 @@ class Lease:
     """
 
     __slots__ = (
+        "_ended",
         "_hold_until",
         "_valid_until",
         "acquired_at",
@@ -97,6 +98,7 @@ class Lease:
         self.from_line = False
         self._hold_until = math.inf if max_hold is None else sent_at + max_hold / 1000
         self._valid_until = min(sent_at + (ttl - self.margin) / 1000, self._hold_until)
+        self._ended = False
 
     @property
     def valid_until(self) -> float:
@@ -112,10 +114,17 @@ class Lease:
         """Seconds this process may still rely on the lease (0 once it must not)."""
         return max(0.0, self._valid_until - time.monotonic())
 
-    def confirm(self, sent_at: float) -> None:
+    def _confirm(self, sent_at: float) -> None:
         """Record a renewal that Redis confirmed; ``sent_at`` is when it was sent (monotonic)."""
+        if self._ended:
+            return  # declared lost: a late reply never revives it
         # max: a slow reply to an earlier renewal must not pull back what a later one confirmed.
         self._valid_until = max(self._valid_until, min(sent_at + (self.ttl - self.margin) / 1000, self._hold_until))
+
+    def _lost(self) -> None:
+        """The lease was declared lost: this process must not rely on it any more (``remaining()`` is 0)."""
+        self._ended = True
+        self._valid_until = -math.inf
 
     def __repr__(self) -> str:
         return f"Lease(key={self.key!r}, fence={self.fence}, ttl={self.ttl}, remaining={self.remaining():.3f}s)"

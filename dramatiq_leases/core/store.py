@@ -24,7 +24,7 @@ from .client import (
     server_attributes,
     unavailable,
 )
-from .errors import LeaseBusyError, LeaseConfigError, LeaseUnavailableError
+from .errors import LeaseBusyError, LeaseConfigError, LeaseExpiredError, LeaseUnavailableError
 from .info import LeaseInfo, meta_args, text
 from .keys import DEFAULT_PREFIX, fence_name, lease_name, validate_key, validate_prefix
 from .lease import Busy, Lease, LostReason, Renewal, Wait, default_interval, new_token
@@ -151,7 +151,8 @@ class Leases:
         self._adopt = client.register_script(scripts.ADOPT)
         self._line_script = client.register_script(scripts.LINE)
         self._names: dict[str, list[str]] = {}
-        # Parts, each with one idea; every script call goes through _call (or _call_acked).
+        # Parts, each with one idea. Every write script goes through _call (or _call_acked); reads go through
+        # the reader's pipelines, master by master.
         self._reader = Reader(client, self.prefix)
         self._line = Line(self)
         # The span attributes every call of an operation shares, built once: spans are per message.
@@ -485,7 +486,7 @@ class Leases:
                         if unconfirmed:
                             out[i] = Renewal.ERROR
                         else:
-                            leases[i].confirm(sent_at)
+                            leases[i]._confirm(sent_at)
             lost = len(leases) - out.count(Renewal.OK)
             span.set_attributes({tracing.OUTCOME: "ok" if not lost else "lost", tracing.LOST_COUNT: lost})
         return out
@@ -553,29 +554,45 @@ class Leases:
 
         With a started :class:`~dramatiq_leases.core.heartbeat.Heartbeat`, the lease is renewed while the
         block runs and ``on_lost`` is called (on a heartbeat thread) if it is lost; without one it lasts
-        ``ttl`` ms from the grant, and the block should check :meth:`Lease.remaining`. A release that
-        cannot reach Redis is not raised over the block's own outcome: the lease then ends by its TTL.
+        ``ttl`` ms from the grant. Either way :meth:`Lease.remaining` says how long the block may still rely
+        on it (0 once lost). The token is chosen before Redis is asked, so an interruption anywhere
+        (``KeyboardInterrupt``, a time limit) still releases what was granted.
 
         Raises:
           LeaseBusyError: another owner holds ``key`` (its ``busy`` says when to retry).
-          LeaseConfigError, LeaseUnavailableError: as :meth:`try_acquire`; nothing is held.
+          LeaseExpiredError: at the end of a block that raised nothing, if its token no longer held the key
+            (expired or taken: its work may have overlapped another holder's).
+          LeaseConfigError, LeaseUnavailableError: as :meth:`try_acquire`; nothing is held. A release
+            that cannot reach Redis at the end is not raised (it cannot say): the lease ends by its TTL.
 
         Example:
           >>> with leases.lease("export:report:42", ttl=30_000, heartbeat=heartbeat) as lease:
           ...     do_export(fence=lease.fence)
         """
-        got = self.try_acquire(key, ttl, interval=interval, max_hold=max_hold, meta=meta)
-        if isinstance(got, Busy):
-            raise LeaseBusyError(got)
+        if on_lost is not None and heartbeat is None:
+            raise LeaseConfigError(f"lease {key!r}: on_lost is called by a heartbeat; pass heartbeat= too", key=key)
+        token = new_token()
+        got: Lease | Busy | None = None
+        released: bool | None = None
         try:
+            got = self.try_acquire(key, ttl, interval=interval, max_hold=max_hold, meta=meta, token=token)
+            if isinstance(got, Busy):
+                raise LeaseBusyError(got)
             if heartbeat is not None:
                 heartbeat.track(got, on_lost or _ignore_lost)
             yield got
         finally:
-            if heartbeat is not None:
+            if isinstance(got, Lease) and heartbeat is not None:
                 heartbeat.untrack(got)
-            with contextlib.suppress(LeaseUnavailableError):
-                self.release(got)
+            if not isinstance(got, Busy):  # granted, or perhaps granted by a call an interruption cut short
+                with contextlib.suppress(LeaseUnavailableError):
+                    released = self.release_token(key, token, fence=got.fence if got else None)
+        if isinstance(got, Lease) and released is False:  # released: still ours, so nobody held it between
+            raise LeaseExpiredError(
+                f"lease {key!r} (fence {got.fence}) ended before its with block did: its work may have "
+                "overlapped another holder's",
+                lease=got,
+            )
 
     # Reading and recovery: the _reader part and the recovery script -------------
 

@@ -9,6 +9,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from ..core.errors import LeaseStateError
 from ..core.heartbeat import Heartbeat
 from ..core.lease import Lease
 from ..core.metrics import LeaseMetrics
@@ -26,11 +27,11 @@ def current_lease() -> Lease:
     """The lease held by the running actor (works in sync and async actors).
 
     Raises:
-      RuntimeError: outside an actor that holds a lease.
+      LeaseStateError: outside an actor that holds a lease (a ``RuntimeError`` too).
     """
     lease = _current.get()
     if lease is None:
-        raise RuntimeError("current_lease() was called outside an actor that holds a lease (is lock_key set?)")
+        raise LeaseStateError("current_lease() was called outside an actor that holds a lease (is lock_key set?)")
     return lease
 
 
