@@ -370,13 +370,14 @@ class Heartbeat:
 
     def _lose(self, entry: _Entry, reason: LostReason) -> None:
         lease = entry.lease
-        lease._lost()
         logger.error("Lease %r (fence %d) lost: %s.", lease.key, lease.fence, reason.description)
         self.metrics.lost(lease.meta, reason.value)
         try:
-            entry.on_lost(lease, reason)
+            entry.on_lost(lease, reason)  # first: whoever reads remaining() == 0 next finds the reason set
         except Exception:
             logger.exception("Lost-lease callback failed for %r.", lease.key)
+        finally:
+            lease._lost()
 
 
 _LOST = {Renewal.GONE: LostReason.GONE, Renewal.STOLEN: LostReason.STOLEN, Renewal.MAX_HOLD: LostReason.MAX_HOLD}
