@@ -38,7 +38,7 @@ if deadline == nil then
   if pttl ~= -1 then return {0, -1, fence} end
 elseif now <= deadline then
   -- Both clocks are whole ms, rounded down: only a now past the deadline is surely past the holder's.
-  return {0, deadline + 1 - now, fence}
+  return {0, deadline - now, fence}
 end
 redis.call('DEL', KEYS[1])
 if fence > 0 then record_release(KEYS[2], counter, fence, retention_ms) end
