@@ -240,17 +240,19 @@ def test_a_lease_whose_renewals_no_replica_acknowledges_is_lost_at_its_deadline(
     primary = replicated.node(replicated.primary_port)
     leases = Leases(replicated.node(replicated.primary_port), min_replicas=1, replica_timeout=50)
     lease = grant(leases, "report:1", ttl=600)  # renewed every 200 ms
-    lost: queue.SimpleQueue[tuple[Lease, LostReason, float]] = queue.SimpleQueue()
+    # The deadline it had when it was declared lost (after which remaining() reads 0).
+    lost: queue.SimpleQueue[tuple[float, LostReason, float]] = queue.SimpleQueue()
     heartbeat = Heartbeat(leases)
-    heartbeat.track(lease, lambda lease, reason: lost.put((lease, reason, time.monotonic())))
+    heartbeat.track(lease, lambda lease, reason: lost.put((lease.valid_until, reason, time.monotonic())))
     try:
         wait_for(lambda: lease.valid_until > time.monotonic() + 0.5, what="a confirmed renewal")
         replicated.cut()
         cut_at = time.monotonic()
-        _, reason, lost_at = lost.get(timeout=10)
+        deadline, reason, lost_at = lost.get(timeout=10)
         assert reason is LostReason.UNREACHABLE
-        assert lease.valid_until <= lost_at, "not lost before its deadline"
-        assert lease.valid_until <= cut_at + 0.54, "no renewal made during the cut extended it"
+        assert deadline <= lost_at, "not lost before its deadline"
+        assert deadline <= cut_at + 0.54, "no renewal made during the cut extended it"
+        assert lease.remaining() == 0
         # The primary had renewed the key all along: nobody else could take it while its holder trusted it.
         assert primary.pttl(leases.lease_name("report:1")) > 0
     finally:
@@ -344,10 +346,11 @@ def test_a_failover_loses_unreplicated_grants_unless_min_replicas(sentinels: Rep
     # Two holders whose renewals go through a heartbeat: one outlasts the failover, one does not.
     long_lived = grant(plain, "report:3", ttl=20_000, interval=1_000)
     short_lived = grant(plain, "report:4", ttl=300)  # promotion takes seconds (down-after alone: 1 s)
-    lost: queue.SimpleQueue[tuple[str, LostReason, float]] = queue.SimpleQueue()
+    # Each loss with the deadline its lease had then (after which remaining() reads 0).
+    lost: queue.SimpleQueue[tuple[str, LostReason, float, float]] = queue.SimpleQueue()
     heartbeat = Heartbeat(plain)
     for lease in (long_lived, short_lived):
-        heartbeat.track(lease, lambda lease, reason: lost.put((lease.key, reason, time.monotonic())))
+        heartbeat.track(lease, lambda lease, reason: lost.put((lease.key, reason, time.monotonic(), lease.valid_until)))
     try:
         sentinels.kill_primary()
         killed_at = time.monotonic()
@@ -372,14 +375,14 @@ def test_a_failover_loses_unreplicated_grants_unless_min_replicas(sentinels: Rep
 
         # What the first holders see: the key re-owned (stolen) or gone, or Redis silent past their deadline.
         assert workers.renew(first) is Renewal.STOLEN
-        losses = {key: (reason, at) for key, reason, at in (lost.get(timeout=15) for _ in range(2))}
+        losses = {key: (reason, at, until) for key, reason, at, until in (lost.get(timeout=15) for _ in range(2))}
         # A TTL shorter than the failover (its deadline passed with no primary to ask): lost at that deadline.
-        reason, at = losses["report:4"]
-        assert short_lived.valid_until < killed_at + 0.3
-        assert reason is LostReason.UNREACHABLE and at >= short_lived.valid_until, "lost at its local deadline"
+        reason, at, until = losses["report:4"]
+        assert until < killed_at + 0.3
+        assert reason is LostReason.UNREACHABLE and at >= until, "lost at its local deadline"
         # A TTL longer than the failover: lost at its first renewal on the new primary, before its deadline.
-        reason, at = losses["report:3"]
-        assert reason is LostReason.GONE and killed_at < at < long_lived.valid_until
+        reason, at, until = losses["report:3"]
+        assert reason is LostReason.GONE and killed_at < at < until
 
         # min_replicas: the acknowledged lease is still held, the refused grant was never anyone's; and with
         # no replica left, every grant is refused until one is attached again.
