@@ -49,13 +49,15 @@ $(VENV)/.dev: $(BIN)/python pyproject.toml
 demo: $(VENV)/.demo
 	$(BIN)/dramatiq-leases demo
 
-# promtool, amtool, prometheus and alertmanager for the bundle tests (Debian packages, needs root).
+# promtool, amtool, prometheus, alertmanager and supervisord for the bundle and deploy tests (Debian packages,
+# needs root).
 tools:
-	@if ! command -v promtool >/dev/null || ! command -v prometheus-alertmanager >/dev/null; then \
+	@if ! command -v promtool >/dev/null || ! command -v prometheus-alertmanager >/dev/null \
+	    || ! command -v supervisord >/dev/null; then \
 	  if [ "$$(id -u)" = 0 ]; then \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-	      prometheus prometheus-alertmanager redis-server >/dev/null; \
-	  else echo "note: promtool/alertmanager missing; their tests will be skipped (run 'make tools' as root)"; fi; \
+	      prometheus prometheus-alertmanager redis-server supervisor >/dev/null; \
+	  else echo "note: promtool, alertmanager or supervisord missing; their tests will be skipped (run 'make tools' as root)"; fi; \
 	fi
 
 lint: $(VENV)/.dev

@@ -36,6 +36,17 @@ _NODE_ERRORS = (redis.RedisError, RedisClusterException)
 _TYPES_ASKED = 100
 
 
+@dataclass(frozen=True)
+class _Read:
+    """One pipelined read's constants: where its blind spots go, what it is (for errors), the commands per
+    name, and whether it asks each node's clock."""
+
+    gaps: ReadGaps | None
+    what: str
+    commands: Callable[[Any, str], None]
+    clock: bool
+
+
 @dataclass
 class ReadGaps:
     """What a read could not see, for a caller that wants what could be read rather than an error.
@@ -219,15 +230,14 @@ class Reader:
         connection. A name whose node did not answer is left out (:meth:`_failed`). One whose slot is moving
         goes again once: answered ``ASK``, to the importing master with ``ASKING``; ``MOVED``, to its new
         master once the slot map is read again."""
+        read = _Read(gaps, what, commands, clock)
         out: dict[int, tuple[list[Any], int]] = {}
         groups = self._by_node(names, gaps)
         asked = set(groups)
         moved: list[int] = []
         again: dict[str, tuple[Any, list[int]]] = {}
         for node, (client, positions) in groups.items():
-            for i, reply in self._send(
-                node, client, positions, names, gaps=gaps, what=what, commands=commands, clock=clock, asking=False
-            ).items():
+            for i, reply in self._send(read, node, client, positions, names, asking=False).items():
                 redirect = next((r for r in reply[0] if _redirected(r)), None)
                 if redirect is None:
                     out[i] = reply
@@ -245,26 +255,13 @@ class Reader:
             if client is None:
                 self._failed(gaps, target, "not in the slot map", what)
                 continue
-            out.update(
-                self._settled(
-                    target, client, positions, names, gaps=gaps, what=what, commands=commands, clock=clock, asking=True
-                )
-            )
+            out.update(self._settled(read, target, client, positions, names, asking=True))
         if moved:
             self._refresh()
             for node, (client, positions) in self._by_node([names[i] for i in moved], gaps).items():
                 asked.add(node)
-                replies = self._settled(
-                    node,
-                    client,
-                    list(range(len(positions))),
-                    [names[moved[j]] for j in positions],
-                    gaps=gaps,
-                    what=what,
-                    commands=commands,
-                    clock=clock,
-                    asking=False,
-                )
+                again_names = [names[moved[j]] for j in positions]
+                replies = self._settled(read, node, client, list(range(len(positions))), again_names, asking=False)
                 out.update({moved[positions[j]]: reply for j, reply in replies.items()})
         return out, asked
 
@@ -275,46 +272,25 @@ class Reader:
         return None if node is None else client.get_redis_connection(node)
 
     def _settled(
-        self,
-        node: str,
-        client: Any,
-        positions: list[int],
-        names: Sequence[str],
-        *,
-        gaps: ReadGaps | None,
-        what: str,
-        commands: Callable[[Any, str], None],
-        clock: bool,
-        asking: bool,
+        self, read: _Read, node: str, client: Any, positions: list[int], names: Sequence[str], *, asking: bool
     ) -> dict[int, tuple[list[Any], int]]:
         """:meth:`_send`, for names sent again: one still redirected (its slot still moving) fails as its node's."""
         out = {}
-        for i, reply in self._send(
-            node, client, positions, names, gaps=gaps, what=what, commands=commands, clock=clock, asking=asking
-        ).items():
+        for i, reply in self._send(read, node, client, positions, names, asking=asking).items():
             redirect = next((r for r in reply[0] if _redirected(r)), None)
             if redirect is not None:
-                self._failed(gaps, node, redirect, what)
+                self._failed(read.gaps, node, redirect, read.what)
             else:
                 out[i] = reply
         return out
 
     def _send(
-        self,
-        node: str,
-        client: Any,
-        positions: list[int],
-        names: Sequence[str],
-        *,
-        gaps: ReadGaps | None,
-        what: str,
-        commands: Callable[[Any, str], None],
-        clock: bool,
-        asking: bool,
+        self, read: _Read, node: str, client: Any, positions: list[int], names: Sequence[str], *, asking: bool
     ) -> dict[int, tuple[list[Any], int]]:
         """The replies of ``names[i]``'s commands for each of ``positions``, on one pipeline of ``client``
-        (``asking``: each name's commands after ``ASKING``), with that node's clock if ``clock``; ``{}`` if the
-        node did not answer (:meth:`_failed`)."""
+        (``asking``: each name's commands after ``ASKING``), with that node's clock if ``read.clock``; ``{}``
+        if the node did not answer (:meth:`_failed`)."""
+        commands, clock = read.commands, read.clock
         pipe = client.pipeline(transaction=False)
         staged = _Asking(pipe) if asking else pipe
         counts = []
@@ -333,7 +309,7 @@ class Reader:
                 seconds, micros = replies[-1]
                 now_ms = int(seconds) * 1000 + int(micros) // 1000
         except _NODE_ERRORS as e:
-            self._failed(gaps, node, e, what)
+            self._failed(read.gaps, node, e, read.what)
             return {}
         out = {}
         start = 0
