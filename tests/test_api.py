@@ -24,6 +24,8 @@ from dramatiq_leases import (
     LeaseExpiredError,
     LeaseLost,
     Leases,
+    LeaseStateError,
+    LeaseURLError,
     LostReason,
 )
 from dramatiq_leases.web import LockedError
@@ -157,3 +159,14 @@ def test_on_lost_without_a_heartbeat_is_refused(redis_client: redis.Redis) -> No
     ):
         pass
     assert leases.inspect("export:6") is None  # refused before Redis was asked
+
+
+def test_a_bad_url_and_a_lease_asked_outside_an_actor_are_lease_errors() -> None:
+    """What users meet most often outside Redis itself: still caught by ``except LeaseError``, and by the
+    ``ValueError`` / ``RuntimeError`` clauses they may already have."""
+    with pytest.raises(LeaseURLError, match="only database 0") as bad:
+        Leases.from_url("redis+cluster://user:secret@127.0.0.1:1/3")
+    assert isinstance(bad.value, ValueError) and "secret" not in str(bad.value)
+    with pytest.raises(LeaseStateError, match="outside an actor") as outside:
+        dramatiq_leases.current_lease()
+    assert isinstance(outside.value, RuntimeError)
