@@ -281,7 +281,7 @@ def test_bad_numbers_are_refused_before_any_write(
 @pytest.mark.parametrize(
     "args",
     [
-        [*head, "", "0 0 2 1000 1000 0"]
+        [*head, "", "0 0 2 1000 1000 0 1 0"]
         for head in (
             ["t", "1500.5", "0", "0", "0"],
             ["t", "1000", "-1", "0", "0"],

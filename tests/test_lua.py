@@ -103,7 +103,7 @@ def test_each_helper_is_written_once_in_the_prelude() -> None:
     """The helpers the scripts share live in lua/prelude.lua only; a script gets them by --#include."""
     prelude = LUA.joinpath("prelude.lua").read_text(encoding="utf-8")
     helpers = re.findall(r"^local function (\w+)", prelude, re.MULTILINE)
-    assert {"whole", "bad", "server_time", "sibling", "entry", "line_head", "wake", "call_forward"} <= set(helpers)
+    assert {"whole", "bad", "server_time", "sibling", "entry", "line_front", "wake", "call_forward"} <= set(helpers)
     for name, source in SOURCES.items():
         for helper in helpers:
             assert not re.search(rf"\bfunction {helper}\b", source), f"{name}.lua defines {helper} again"
@@ -115,7 +115,7 @@ def test_each_helper_is_written_once_in_the_prelude() -> None:
 def test_the_uncontended_paths_create_no_line_helper() -> None:
     """Figure 1's path (acquire of a free key with no line, release without one) runs past no closure it does
     not call: the line's helpers are included after it."""
-    for name, fast_path_end in (("acquire", "if not held and not lined then"), ("release", "if waiter == '' and")):
+    for name, fast_path_end in (("acquire", "if count == 0 and not lined then"), ("release", "if waiter == '' and")):
         built = scripts.ALL[name]
         before = built[: built.index(fast_path_end)]
         assert "local function entry(" not in before and "local function call_forward(" not in before, name

@@ -115,10 +115,10 @@ def acquire(
     token: str = "t",
     ttl: int = 60_000,
     waiter: str = "",
-    line: str = "0 0 2 1000 1000 0",
+    line: str = "0 0 2 1000 1000 0 1 0",
 ) -> Any:
     """The acquire script as the store calls it: token, ttl_ms, max_hold_ms, interval_ms, margin_ms, waiter,
-    line_numbers ("first_ms mode ready park_ms promote_ms retention_ms")."""
+    line_numbers ("first_ms mode ready park_ms promote_ms retention_ms limit latest")."""
     return client.eval(
         scripts.ACQUIRE, 2, lease_name("t", key), fence_name("t", key), token, ttl, 0, 0, 0, waiter, line
     )
@@ -138,18 +138,19 @@ def ttls_set(client: redis.Redis, call: Callable[[], Any], *names: str) -> tuple
     [
         ({"ttl": scripts.MAX_MS}, {"ttl": scripts.MAX_MS + 1}, "ttl_ms"),
         (
-            {"line": f"{scripts.MAX_TIMESTAMP_MS} 0 2 1 1 0"},
-            {"line": f"{scripts.MAX_TIMESTAMP_MS + 1} 0 2 1 1 0"},
+            {"line": f"{scripts.MAX_TIMESTAMP_MS} 0 2 1 1 0 1 0"},
+            {"line": f"{scripts.MAX_TIMESTAMP_MS + 1} 0 2 1 1 0 1 0"},
             "line_numbers",
         ),
-        ({"line": f"0 0 {scripts.MAX_READY} 1 1 0"}, {"line": f"0 0 {scripts.MAX_READY + 1} 1 1 0"}, "line_numbers"),
+        ({"line": f"0 0 {scripts.MAX_READY} 1 1 0 1 0"}, {"line": f"0 0 {scripts.MAX_READY + 1} 1 1 0 1 0"}, "line_numbers"),
+        ({"line": f"0 0 2 1 1 0 {scripts.MAX_LIMIT} 0"}, {"line": f"0 0 2 1 1 0 {scripts.MAX_LIMIT + 1} 0"}, "line_numbers"),
         (
-            {"waiter": "w" * scripts.MAX_ID_LENGTH, "line": "0 1 2 1 1 0"},
-            {"waiter": "w" * (scripts.MAX_ID_LENGTH + 1), "line": "0 1 2 1 1 0"},
+            {"waiter": "w" * scripts.MAX_ID_LENGTH, "line": "0 1 2 1 1 0 1 0"},
+            {"waiter": "w" * (scripts.MAX_ID_LENGTH + 1), "line": "0 1 2 1 1 0 1 0"},
             "waiter",
         ),
     ],
-    ids=["MAX_MS", "MAX_TIMESTAMP_MS", "MAX_READY", "MAX_ID_LENGTH"],
+    ids=["MAX_MS", "MAX_TIMESTAMP_MS", "MAX_READY", "MAX_LIMIT", "MAX_ID_LENGTH"],
 )
 def test_acquire_takes_each_bound_python_declares_and_refuses_one_past_it(
     redis_client: redis.Redis, good: dict[str, Any], bad: dict[str, Any], refused: str
@@ -188,7 +189,7 @@ def test_a_waiter_in_place_blocks_by_the_block_constants(redis_client: redis.Red
     """MAX_BLOCK_MS (a key without TTL), BLOCK_SLACK_MS (past the holder's TTL) and READY_SLACK_MS (the place
     kept past the block), read from the reply and the waiter's entry: exact, whatever the machine's speed."""
     assert acquire(redis_client, "k", "holder")[0] == 1
-    reply = acquire(redis_client, "k", "t1", waiter="w1", line="1 2 2 1000 1000 0")
+    reply = acquire(redis_client, "k", "t1", waiter="w1", line="1 2 2 1000 1000 0 1 0")
     pttl, now, action, block = int(reply[1]), int(reply[3]), int(reply[4]), int(reply[7])
     assert action == 1 and block == min(scripts.MAX_BLOCK_MS, pttl + scripts.BLOCK_SLACK_MS)
     entry = redis_client.hget(sibling("waiters", "k"), "w1")
@@ -196,7 +197,7 @@ def test_a_waiter_in_place_blocks_by_the_block_constants(redis_client: redis.Red
     state, deadline = entry.split()[:2]
     assert state == b"r" and int(deadline) == now + block + scripts.READY_SLACK_MS
     redis_client.persist(lease_name("t", "k"))  # a key without TTL: no expiry to wait for
-    reply = acquire(redis_client, "k", "t2", waiter="w2", line="2 2 2 1000 1000 0")
+    reply = acquire(redis_client, "k", "t2", waiter="w2", line="2 2 2 1000 1000 0 1 0")
     assert int(reply[4]) == 1 and int(reply[7]) == scripts.MAX_BLOCK_MS
 
 
@@ -205,7 +206,7 @@ def test_the_line_keys_live_as_long_as_the_constants_say(redis_client: redis.Red
     assert acquire(redis_client, "k", "holder")[0] == 1
     pttls, lost = ttls_set(
         redis_client,
-        lambda: acquire(redis_client, "k", "t1", waiter="w1", line="1 2 2 1000 1000 0"),
+        lambda: acquire(redis_client, "k", "t1", waiter="w1", line="1 2 2 1000 1000 0 1 0"),
         line_name("t", "k"),
         sibling("waiters", "k"),
     )

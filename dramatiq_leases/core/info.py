@@ -9,6 +9,7 @@ from enum import Enum
 from typing import Any
 
 from .errors import LeaseConfigError
+from .keys import slot_of
 
 
 class State(str, Enum):
@@ -66,6 +67,8 @@ class LeaseInfo:
     meta: Mapping[str, str] = field(default_factory=dict)
     margin: int = 0
     adopted_ms: int = 0
+    #: The holder slot (0 but on a key held by several at once: ``lock_limit``).
+    slot: int = 0
 
     @property
     def age(self) -> float:
@@ -138,6 +141,7 @@ class LeaseInfo:
             "max_hold_until": self.max_hold_until_ms / 1000 if self.max_hold_until_ms else None,
             "holder_deadline": deadline / 1000 if deadline is not None else None,
             "adopted_at": self.adopted_ms / 1000 if self.adopted_ms else None,
+            "slot": self.slot,
         }
 
 
@@ -154,6 +158,7 @@ _CORE_FIELDS = frozenset(
         "max_hold_until_ms",
         "adopted_ms",
         "key",
+        "slot",
     }
 )
 
@@ -187,6 +192,7 @@ def parse_info(redis_key: str, pttl: int, flat: Sequence[Any], now_ms: int) -> L
         meta=_meta(raw),
         margin=num("margin_ms"),
         adopted_ms=num("adopted_ms"),
+        slot=num("slot") if "slot" in raw else slot_of(redis_key),
     )
 
 

@@ -90,9 +90,23 @@ def hash_tag(key: str) -> str:
     return key
 
 
-def lease_name(prefix: str, key: str) -> str:
-    """The Redis key of the hash holding the lease on ``key``."""
+
+
+def lease_name(prefix: str, key: str, slot: int = 0) -> str:
+    """The Redis key of the hash holding the lease on ``key`` in holder ``slot`` (0 to ``scripts.MAX_LIMIT - 1``).
+
+    Slot 0 is ``{prefix}:lease:{tag}`` (a key of one holder has only it); slot ``s`` of a key held by several
+    at once (``lock_limit``) is ``{prefix}:lease:{tag}:s``, in the same hash slot.
+    """
+    if slot:
+        return f"{prefix}:lease:{{{hash_tag(key)}}}:{slot}"
     return f"{prefix}:lease:{{{hash_tag(key)}}}"
+
+
+def slot_of(redis_key: str) -> int:
+    """The holder slot of a lease hash's Redis key (0 for ``{prefix}:lease:{tag}``; see :func:`lease_name`)."""
+    tail = redis_key.rpartition("}")[2]
+    return int(tail[1:]) if tail.startswith(":") and tail[1:].isdigit() else 0
 
 
 def fence_name(prefix: str, key: str) -> str:

@@ -52,7 +52,8 @@ class Lease:
       meta: holder metadata stored with the lease (actor, message id, host...).
       handoff: seconds from the previous holder's release to this grant, when
         it went to a waiter of the key's line; ``None`` otherwise.
-      from_line: whether it was granted as the head of the key's line.
+      from_line: whether it was granted from the front of the key's line.
+      slot: the holder slot it holds (0 but on a key several may hold at once: ``limit``).
     """
 
     __slots__ = (
@@ -68,6 +69,7 @@ class Lease:
         "margin",
         "max_hold",
         "meta",
+        "slot",
         "token",
         "ttl",
     )
@@ -96,6 +98,7 @@ class Lease:
         self.meta = dict(meta)
         self.handoff: float | None = None
         self.from_line = False
+        self.slot = 0
         self._hold_until = math.inf if max_hold is None else sent_at + max_hold / 1000
         self._valid_until = min(sent_at + (ttl - self.margin) / 1000, self._hold_until)
         self._ended = False
@@ -143,6 +146,8 @@ class Wait(str, Enum):
     SOON = "soon"
     #: This waiter already ran: the message is a stray copy and must not run.
     DUPLICATE = "duplicate"
+    #: A newer waiter of the key took this one's place (``lock_on_busy="latest"``): it must not run.
+    SUPERSEDED = "superseded"
 
 
 @dataclass(frozen=True)

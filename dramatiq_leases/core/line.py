@@ -76,12 +76,17 @@ class Line:
         ready: int = DEFAULT_READY,
         park_ms: int = DEFAULT_PARK_MS,
         promote_ms: int = PROMOTE_MS,
+        limit: int = 1,
+        latest: bool = False,
     ) -> Lease | Busy:
         """:meth:`Leases.try_acquire` as ``waiter`` of ``key``'s line: granted at the head, else a place.
 
         ``waiter`` is a message id and its retry count; ``first_ms`` its first attempt (server Unix ms;
         0 for now), which orders the line; ``may_wait``: it may wait in place (block on its wake list)
         when among the ``ready`` first, else it parks. The :class:`Busy` answer's ``wait`` says how.
+        ``limit``: how many may hold the key at once (then ``ready + limit - 1`` may wait in place);
+        ``latest``: the key keeps only its newest waiter that joined so (the older one's answer, or its
+        holder's :meth:`hold`, becomes ``superseded``).
         """
         if not isinstance(waiter, str) or not waiter:
             raise LeaseConfigError(f"a waiter of {key!r} needs a non-empty id, got {waiter!r}", key=key)
@@ -96,6 +101,8 @@ class Line:
             first_ms=first_ms,
             mode=2 if may_wait else 1,
             rules=(ready, park_ms, promote_ms),
+            limit=limit,
+            latest=latest,
         )
 
     def release(
@@ -105,12 +112,16 @@ class Line:
         *,
         waiter: str = "",
         fence: int | None = None,
+        slot: int | None = None,
         ready: int = DEFAULT_READY,
         promote_ms: int = PROMOTE_MS,
     ) -> bool:
         """:meth:`Leases.release_token` by a holder that was ``waiter`` in the line (if given): it is
-        remembered as having run (for an hour), so a stray copy of its message never runs again."""
-        return self._store._release_token(key, token, fence=fence, waiter=waiter, ready=ready, promote_ms=promote_ms)
+        remembered as having run (for an hour), so a stray copy of its message never runs again. ``slot``: the
+        grant's (``None``: looked for by token)."""
+        return self._store._release_token(
+            key, token, fence=fence, slot=slot, waiter=waiter, ready=ready, promote_ms=promote_ms
+        )
 
     def hold(
         self,
@@ -126,7 +137,7 @@ class Line:
 
         Returns one letter per waiter: ``"p"`` keep it parked; ``"m"`` send it
         back now (its turn is near); ``"r"`` keep it (the waiter waits in place
-        elsewhere: this copy is a spare); ``"d"`` it already ran (drop it);
+        elsewhere: this copy is a spare); ``"d"`` it already ran (drop it); ``"s"`` a newer waiter took its place (drop it);
         ``"x"`` it has no place (send it back now to take it again).
         ``channel`` is the one this process listens on for promotions (the holder of the copies).
         """

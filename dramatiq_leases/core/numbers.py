@@ -60,3 +60,16 @@ def whole_count(value: Any, name: str, *, maximum: int, owner: str = "") -> int:
         prefix = f"{owner}: " if owner else ""
         raise LeaseConfigError(f"{prefix}{name} must be a whole number from 0 to {maximum}, got {value!r}")
     return int(value)
+
+
+def whole_limit(value: Any, name: str, *, maximum: int, owner: str = "") -> int:
+    """Return ``value`` if it is an ``int`` from 1 to ``maximum``: a limit of holders (``True``, ``2.0`` and
+    ``"2"`` are refused: a limit is counted, never converted).
+
+    Raises:
+      LeaseConfigError: naming ``owner`` (if given), ``name`` and the value.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= maximum:
+        prefix = f"{owner}: " if owner else ""
+        raise LeaseConfigError(f"{prefix}{name} must be a whole number (an int) from 1 to {maximum}, got {value!r}")
+    return value

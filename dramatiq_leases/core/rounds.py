@@ -25,19 +25,19 @@ RENEW_BATCH = 1000
 Call = tuple[list[str], list[Any]]
 
 
-def plan(leases: Sequence[Lease], name: Callable[[str], str], *, cluster: bool) -> tuple[list[list[int]], list[Call]]:
+def plan(leases: Sequence[Lease], name: Callable[[Lease], str], *, cluster: bool) -> tuple[list[list[int]], list[Call]]:
     """Group ``leases`` into script calls: the indexes each call renews, and the calls.
 
     One call per slot (Cluster) and TTL, so the TTL travels once, not once per lease;
-    ``name`` gives a lease key's Redis key.
+    ``name`` gives a lease's Redis key.
     """
     groups: dict[tuple[int, int], list[int]] = defaultdict(list)
     for i, lease in enumerate(leases):
-        slot = key_slot(name(lease.key).encode()) if cluster else 0
+        slot = key_slot(name(lease).encode()) if cluster else 0
         groups[(slot, lease.ttl)].append(i)
     batches = [idx[n : n + RENEW_BATCH] for idx in groups.values() for n in range(0, len(idx), RENEW_BATCH)]
     calls = [
-        ([name(leases[i].key) for i in batch], [leases[batch[0]].ttl, *(leases[i].token for i in batch)])
+        ([name(leases[i]) for i in batch], [leases[batch[0]].ttl, *(leases[i].token for i in batch)])
         for batch in batches
     ]
     return batches, calls

@@ -73,6 +73,8 @@ LINE_TTL_MS = 86_400_000
 DONE_MS = 3_600_000
 #: How long a fence counter made again to record a release is kept when the caller knows no retention (ms).
 RECORD_MS = 3_600_000
+#: The most holders one key may have at once (``keys.MAX_LIMIT``).
+MAX_LIMIT = 1000
 #: How many vanished waiters one call drops from the head of a line at most (bounded work per call).
 HEAD_DROPS_MAX = 16
 
@@ -90,6 +92,7 @@ LUA_CONSTANTS: dict[str, int] = {
     "DONE_MS": DONE_MS,
     "RECORD_MS": RECORD_MS,
     "HEAD_DROPS_MAX": HEAD_DROPS_MAX,
+    "MAX_LIMIT": MAX_LIMIT,
 }
 
 _INCLUDE = re.compile(r"^--#include((?: \w+)+)\n", re.MULTILINE)

@@ -29,11 +29,11 @@ from .info import LeaseInfo, meta_args, text
 from .keys import DEFAULT_PREFIX, fence_name, lease_name, validate_key, validate_prefix
 from .lease import Busy, Lease, LostReason, Renewal, Wait, default_interval, new_token
 from .line import DEFAULT_PARK_MS, DEFAULT_READY, PROMOTE_MS, Line
-from .numbers import margin_ms, whole_count, whole_ms
+from .numbers import margin_ms, whole_count, whole_limit, whole_ms
 from .reading import LineInfo, Reader, ReadGaps
 from .recovery import DeadRelease, release_if_dead
 from .replication import DEFAULT_REPLICA_TIMEOUT_MS, MAX_REPLICAS, check_replication, evalsha_acked, not_replicated
-from .scripts import MAX_TIMESTAMP_MS
+from .scripts import MAX_LIMIT, MAX_TIMESTAMP_MS
 
 if TYPE_CHECKING:
     from .heartbeat import Heartbeat
@@ -49,7 +49,7 @@ def _check_numbers(ttl: Any, interval: Any, max_hold: Any) -> tuple[int, int, in
     return ttl, interval, max_hold
 
 
-_WAITS = [Wait.NONE, Wait.IN_PLACE, Wait.PARK, Wait.SOON, Wait.DUPLICATE]
+_WAITS = [Wait.NONE, Wait.IN_PLACE, Wait.PARK, Wait.SOON, Wait.DUPLICATE, Wait.SUPERSEDED]
 
 _RENEW_CODES = {"1": Renewal.OK, "0": Renewal.GONE, "s": Renewal.STOLEN, "m": Renewal.MAX_HOLD}
 
@@ -222,12 +222,13 @@ class Leases:
         max_hold: int | None = None,
         meta: Mapping[str, str] | None = None,
         token: str | None = None,
+        limit: int = 1,
     ) -> Lease | Busy:
         """Acquire ``key`` for ``ttl`` milliseconds without waiting.
 
         A key with a line of waiters (messages of the middleware waiting for
-        it) goes to the head of its line only: this caller is answered
-        :class:`Busy`, and the head is woken if the key is free.
+        it) goes to the front of its line only: this caller is answered
+        :class:`Busy`, and the front is woken if the key has a free slot.
 
         Parameters:
           key: the lease key.
@@ -242,6 +243,10 @@ class Leases:
           meta: holder metadata stored with the lease (strings).
           token: the owner token to use; default a fresh random one. Choose
             it beforehand to be able to release a grant whose reply was lost.
+          limit: how many may hold ``key`` at once (1 to 1 000; default 1):
+            granted while fewer hold it, whatever limit they were granted
+            with. Each holder has its own slot (:attr:`Lease.slot`), token,
+            TTL and fence; the fences of one key only grow across all of them.
 
         Returns:
           a :class:`Lease` with the token and a new fence, or :class:`Busy`
@@ -255,7 +260,7 @@ class Leases:
             acknowledged in time, released again (owner-checked; if the
             release fails too, it ends by its TTL).
         """
-        return self._grant(key, ttl, interval=interval, max_hold=max_hold, meta=meta, token=token)
+        return self._grant(key, ttl, interval=interval, max_hold=max_hold, meta=meta, token=token, limit=limit)
 
     def _grant(  # noqa: PLR0913 (keyword-only: one script's arguments)
         self,
@@ -270,17 +275,21 @@ class Leases:
         first_ms: int = 0,
         mode: int = 0,
         rules: tuple[int, int, int] = (DEFAULT_READY, DEFAULT_PARK_MS, PROMOTE_MS),
+        limit: int = 1,
+        latest: bool = False,
     ) -> Lease | Busy:
         """The acquire script, for :meth:`try_acquire` (``mode`` 0: never joins the line) and
-        :meth:`Line.join` (1: may park, 2: may wait in place); ``rules``: ready, park_ms, promote_ms."""
+        :meth:`Line.join` (1: may park, 2: may wait in place); ``rules``: ready, park_ms, promote_ms;
+        ``latest``: the key keeps only its newest such waiter."""
         validate_key(key)
         ttl, stored_interval, max_hold_ms = _check_numbers(ttl, interval, max_hold)
+        limit = whole_limit(limit, "limit", maximum=MAX_LIMIT)
         if first_ms:
             first_ms = whole_ms(first_ms, "first_ms", minimum=0, maximum=MAX_TIMESTAMP_MS)
         token = token or new_token()
         meta = dict(meta or {})
         ready, park_ms, promote_ms = rules
-        line = f"{first_ms} {mode} {ready} {park_ms} {promote_ms} {self.fence_retention}"
+        line = f"{first_ms} {mode} {ready} {park_ms} {promote_ms} {self.fence_retention} {limit} {int(latest)}"
         args: list[Any] = [
             token,
             ttl,
@@ -328,11 +337,14 @@ class Leases:
         if released_ms:
             lease.handoff = max(0, int(reply[2]) - released_ms) / 1000
         lease.from_line = int(reply[5]) == 1
+        lease.slot = int(reply[6])
         return lease
 
-    def _keys(self, key: str) -> list[str]:
-        """The Redis keys of a lease's scripts: lease, fence (the last 1 024 keys cached; the scripts derive the
-        line's keys from the lease's name)."""
+    def _keys(self, key: str, slot: int = 0) -> list[str]:
+        """The Redis keys of a lease's scripts: lease (its holder ``slot``'s), fence (the last 1 024 keys cached; the
+        scripts derive the line's keys from the lease's name)."""
+        if slot:
+            return [lease_name(self.prefix, key, slot), self._keys(key)[1]]
         names = self._names.get(key)
         if names is None:
             names = [lease_name(self.prefix, key), fence_name(self.prefix, key)]
@@ -351,6 +363,7 @@ class Leases:
         max_hold: int | None = None,
         meta: Mapping[str, str] | None = None,
         new_token: str | None = None,
+        slot: int = 0,
     ) -> Lease | Busy | None:
         """Take over a lease acquired elsewhere (a web request) by proving its ``token``.
 
@@ -358,7 +371,7 @@ class Leases:
         adopter presenting the same handed-over token finds the key busy. The
         fence stays the grant's (one grant, one run). The TTL becomes ``ttl``;
         the maximum hold becomes the earlier of the grant's and ``max_hold``
-        from now.
+        from now. ``slot``: the handed lease's :attr:`Lease.slot`.
 
         Returns:
           the adopted :class:`Lease` (with the new token); :class:`Busy` if
@@ -383,7 +396,7 @@ class Leases:
         args: list[Any] = [token, mine, ttl, interval_ms, margin, max_hold_ms, *meta_args(key, meta)]
         sent_at = time.monotonic()
         with unavailable(f"adopt lease {key!r}", key):
-            reply, acked = self._call_acked(self._adopt, [self.lease_name(key)], args)
+            reply, acked = self._call_acked(self._adopt, [lease_name(self.prefix, key, slot)], args)
         code = int(reply[0])
         if code == 0:
             return None
@@ -392,7 +405,7 @@ class Leases:
         if acked < self.min_replicas:
             self._not_replicated("adopt", key, mine, acked)
         _, fence, acquired_ms, until_ms, now_ms = (int(x) for x in reply)
-        return Lease(
+        adopted = Lease(
             key=key,
             token=mine,
             fence=fence,
@@ -404,6 +417,8 @@ class Leases:
             meta=meta,
             sent_at=sent_at,
         )
+        adopted.slot = slot
+        return adopted
 
     def _call(self, script: Any, keys: list[str], args: list[Any]) -> Any:
         if self._cluster:
@@ -456,7 +471,7 @@ class Leases:
         """
         if not leases:
             return []
-        batches, calls = rounds.plan(leases, lambda key: self._keys(key)[0], cluster=self._cluster)
+        batches, calls = rounds.plan(leases, lambda lease: self._keys(lease.key, lease.slot)[0], cluster=self._cluster)
         # Several script calls on one connection are a pipeline: a batch in the conventions' terms.
         attributes: dict[str, str | int]
         if not self._cluster and len(batches) > 1:
@@ -497,25 +512,27 @@ class Leases:
         Raises:
           LeaseUnavailableError: Redis could not be asked; the lease expires by its TTL.
         """
-        return self.release_token(lease.key, lease.token, fence=lease.fence)
+        return self.release_token(lease.key, lease.token, fence=lease.fence, slot=lease.slot)
 
-    def release_token(self, key: str, token: str, *, fence: int | None = None) -> bool:
+    def release_token(self, key: str, token: str, *, fence: int | None = None, slot: int | None = None) -> bool:
         """Release the lease on ``key`` only if ``token`` holds it; ``False`` if it did not (nothing touched).
 
         For a holder that kept the token, not the :class:`Lease` (a web request that handed its lease on,
-        an operator). ``fence`` only labels the span. The head of the key's line, if any, is woken.
+        an operator). ``fence`` only labels the span; ``slot`` is the grant's :attr:`Lease.slot` (``None``:
+        the token is looked for in every slot of the key). The front of the key's line, if any, is woken.
 
         Raises:
           LeaseUnavailableError: Redis could not be asked; the lease expires by its TTL.
         """
-        return self._release_token(key, token, fence=fence)
+        return self._release_token(key, token, fence=fence, slot=slot)
 
-    def _release_token(
+    def _release_token(  # noqa: PLR0913 (keyword-only: one script's arguments)
         self,
         key: str,
         token: str,
         *,
         fence: int | None,
+        slot: int | None = 0,
         waiter: str = "",
         ready: int = DEFAULT_READY,
         promote_ms: int = PROMOTE_MS,
@@ -530,7 +547,9 @@ class Leases:
         with tracing.span(_RELEASE_SPAN, attributes) as span:
             with unavailable(f"release lease {key!r}", key):
                 reply = self._call(
-                    self._release, self._keys(key), [token, waiter, ready, promote_ms, self.fence_retention]
+                    self._release,
+                    self._keys(key, slot or 0),
+                    [token, waiter, ready, promote_ms, self.fence_retention, "" if slot is not None else "find"],
                 )
                 released = int(reply) == 1
             span.set_attribute(tracing.OUTCOME, "released" if released else "not_held")

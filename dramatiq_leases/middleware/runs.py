@@ -146,11 +146,12 @@ class Runs:
         try:
             # Only a run whose actor returned is remembered as done: a message that failed may be
             # re-driven from the dead-letter queue (same id, same retry count), and must then run.
-            fence = lease.fence if lease else None
+            # A grant whose reply never came (lease None) is looked for by its token in every slot of the key.
+            fence, slot = (lease.fence, lease.slot) if lease else (None, None)
             if run.returned and run.waiter:
-                released = self.leases._line.release(run.key, run.token, waiter=run.waiter, fence=fence)
+                released = self.leases._line.release(run.key, run.token, waiter=run.waiter, fence=fence, slot=slot)
             else:
-                released = self.leases.release_token(run.key, run.token, fence=fence)
+                released = self.leases.release_token(run.key, run.token, fence=fence, slot=slot)
         except Exception as e:
             run.released = True
             self.metrics.redis_error("release")

@@ -8,33 +8,43 @@
 --   4 interval_ms: how often a heartbeat renews it (0: nobody renews it)
 --   5 margin_ms: how long before the key can expire its holder stops trusting it (below ttl_ms)
 --   6 waiter: a message's waiter id in the key's line ('': never joins it)
---   7 line_numbers: the line's numbers, as one argument of six space-separated fields:
+--   7 line_numbers: the line's numbers, as one argument of eight space-separated fields:
 --       first_ms: the waiter's first attempt, its place in the line (server ms; 0: now)
 --       mode: 0 never join the line, 1 join it, 2 join it and may wait in place
 --       ready: how many waiters of the key may wait in place
 --       park_ms: how long a parked waiter's copy is delayed
 --       promote_ms: how long a waiter whose turn came has to show up
 --       retention_ms: how long an idle fence counter is kept (0: for ever)
+--       limit: how many may hold the key at once (its holders counted whatever limit they were granted with)
+--       latest: 1 if the key keeps only its newest waiter of this kind (lock_on_busy="latest"), else 0
 --   8.. fields: field/value pairs of the lease hash ('key', and 'meta': the holder metadata as JSON)
--- Returns {1, fence, now, previous_fence_expired, released_ms, from_line} when granted (released_ms: when
--- the previous grant was released, if this waiter waited in the line, else 0; from_line: 1 if granted as
--- the head of the line, so its release must remember it), or {0, pttl, holder_fence, now, action, rank,
--- length, block_ms}: action 0 not in the line, 1 wait in place (BLPOP the waiter's wake list for block_ms),
--- 2 park, 3 ask again soon (a place to wait in but no thread for it), 4 this waiter already ran (a
--- duplicate). A free key with a line goes to its head only.
+-- Returns {1, fence, now, previous_fence_expired, released_ms, from_line, slot} when granted (released_ms:
+-- when the key's last grant was released, if this waiter waited in the line, else 0; from_line: 1 if granted
+-- from the front of the line, so its release must remember it; slot: the holder slot granted), or {0, pttl,
+-- holder_fence, now, action, rank, length, block_ms} (pttl: the soonest a holder's TTL ends; holder_fence:
+-- the newest holder's fence): action 0 not in the line, 1 wait in place (BLPOP the waiter's wake list for
+-- block_ms), 2 park, 3 ask again soon (a place to wait in but no thread for it), 4 this waiter already ran
+-- (a duplicate), 5 a newer waiter took its place (latest; it must not run). A key with free slots and a
+-- line goes to the front of its line only: its first waiters, one per free slot.
+-- Records: a key never held by several at once keeps its last release and expiry in the counter's
+-- `released` and `expired`; once it was (the counter has a `width`: how many slots may be held), each slot s
+-- keeps its own: `g:s` granted, `r:s` released, `e:s` expired, and each grant's hash names its `slot`.
 -- The uncontended path (free key, no line) comes first and creates no closure it does not call.
---#include args clock keys
+--#include args clock keys slots
 local token, waiter = ARGV[1], ARGV[6]
 local ttl_ms = whole(ARGV[2], 1, MAX_MS)
 local max_hold_ms = whole(ARGV[3], 0, MAX_MS)
 local interval_ms = whole(ARGV[4], 0, MAX_MS)
-local f1, f2, f3, f4, f5, f6 = string.match(ARGV[7] or '', '^(%d+) (%d+) (%d+) (%d+) (%d+) (%d+)$')
+local f1, f2, f3, f4, f5, f6, f7, f8 =
+  string.match(ARGV[7] or '', '^(%d+) (%d+) (%d+) (%d+) (%d+) (%d+) (%d+) (%d+)$')
 local first_ms = whole(f1, 0, MAX_TIMESTAMP_MS)
 local mode = whole(f2, 0, 2)
 local ready = whole(f3, 0, MAX_READY)
 local park_ms = whole(f4, 1, MAX_MS)
 local promote_ms = whole(f5, 1, MAX_MS)
 local retention_ms = whole(f6, 0, MAX_MS)
+local limit = whole(f7, 1, MAX_LIMIT)
+local latest = whole(f8, 0, 1)
 if token == nil or token == '' then return bad('token', token) end
 if ttl_ms == nil then return bad('ttl_ms', ARGV[2]) end
 if max_hold_ms == nil then return bad('max_hold_ms', ARGV[3]) end
@@ -42,20 +52,27 @@ if interval_ms == nil then return bad('interval_ms', ARGV[4]) end
 local margin_ms = whole(ARGV[5], 0, ttl_ms - 1)
 if margin_ms == nil then return bad('margin_ms', ARGV[5]) end
 if waiter == nil or #waiter > MAX_ID_LENGTH or (waiter == '' and mode ~= 0) then return bad('waiter', waiter) end
-if first_ms == nil or mode == nil or ready == nil or park_ms == nil or promote_ms == nil or retention_ms == nil then
+if first_ms == nil or mode == nil or ready == nil or park_ms == nil or promote_ms == nil or retention_ms == nil
+  or limit == nil or latest == nil or (latest == 1 and mode == 0) then
   return bad('line_numbers', ARGV[7])
 end
 if (#ARGV - 7) % 2 ~= 0 then return bad('fields', #ARGV - 7) end
-local LINE = sibling(KEYS[1], 'line')
+local LINE, DONE = sibling(KEYS[1], 'line'), sibling(KEYS[1], 'done')
 local now, now_us = server_time()
 if waiter ~= '' then
-  local done = redis.call('ZSCORE', sibling(KEYS[1], 'done'), waiter)
-  if done and tonumber(done) > now then return {0, 0, 0, now, 4, -1, 0, 0} end
+  local done = redis.call('ZMSCORE', DONE, waiter, 's:' .. waiter)
+  if done[1] and tonumber(done[1]) > now then return {0, 0, 0, now, 4, -1, 0, 0} end
+  if done[2] and tonumber(done[2]) > now then return {0, 0, 0, now, 5, -1, 0, 0} end
 end
--- One call for the common case: neither a lease nor a line.
-local present = redis.call('EXISTS', KEYS[1], LINE)
-local held = present > 0 and redis.call('EXISTS', KEYS[1]) == 1
-local lined = present > 0 and (not held or present == 2) and redis.call('EXISTS', LINE) == 1
+-- The counter first: one of another type fails the script here, before any write.
+local counter = redis.call('HMGET', KEYS[2], 'fence', 'width', 'released', 'released_ms')
+local prev_fence = tonumber(counter[1]) or 0
+local width = tonumber(counter[2])  -- nil: never held by several at once
+local slots = math.max(limit, width or 1)
+-- One call for the common case: no holder and no line.
+local found = present(KEYS[1], slots, LINE)
+local lined = found > 0 and redis.call('EXISTS', LINE) == 1
+local count = found - (lined and 1 or 0)
 
 -- The next fence. Kept for ever, the counter just counts. With a retention
 -- it expires when idle, so a fence is also never below the server's clock in
@@ -63,46 +80,57 @@ local lined = present > 0 and (not held or present == 2) and redis.call('EXISTS'
 -- a time and each takes over a microsecond), and a counter created again after
 -- an expiry starts above every fence it had handed out.
 local function next_fence()
-  if retention_ms == 0 then
-    local fence = redis.call('HINCRBY', KEYS[2], 'fence', 1)
-    return fence, fence - 1
-  end
-  local prev = tonumber(redis.call('HGET', KEYS[2], 'fence')) or 0
-  local fence = math.max(prev + 1, now_us)
+  local fence = prev_fence + 1
+  if retention_ms > 0 then fence = math.max(fence, now_us) end
   redis.call('HSET', KEYS[2], 'fence', string.format('%d', fence))
-  redis.call('PEXPIRE', KEYS[2], retention_ms)
-  return fence, prev
+  if retention_ms > 0 then redis.call('PEXPIRE', KEYS[2], retention_ms) end
+  return fence
 end
 
--- Grants the key to this caller: the fence counter first (if it fails on a
--- foreign value, nothing else was written), then the lease and its TTL.
-local function grant()
-  local fence, prev_fence = next_fence()
-  local expired, released_ms = 0, 0
-  if prev_fence > 0 then  -- a key seen before (a first grant has nothing to look back on)
-    local prev = redis.call('HMGET', KEYS[2], 'released', 'released_ms')
-    released_ms = tonumber(prev[2]) or 0
-    if (tonumber(prev[1]) or 0) < prev_fence then
-      -- The previous grant was never released: it ended by TTL.
+-- Grants slot s to this caller: the fence counter first, then the lease and its TTL. `top`: the highest
+-- slot held by others (-1: none), so the counter's width shrinks back once a lowered limit drained.
+local function grant(s, top)
+  local fence = next_fence()
+  local expired, released_ms = 0, tonumber(counter[4]) or 0
+  local wide = not (width == nil and slots == 1)
+  if not wide then
+    -- The previous grant was never released: it ended by TTL.
+    if prev_fence > 0 and (tonumber(counter[3]) or 0) < prev_fence then
       expired = prev_fence
       redis.call('HSET', KEYS[2], 'expired', string.format('%d', expired))
     end
+  else
+    local rec = redis.call('HMGET', KEYS[2], 'g:' .. s, 'r:' .. s)
+    local last = tonumber(rec[1]) or 0
+    if last > 0 and (tonumber(rec[2]) or 0) < last then
+      expired = last
+      redis.call('HSET', KEYS[2], 'e:' .. s, string.format('%d', expired))
+    end
+    local new_width = math.max(limit, top + 1)
+    redis.call('HSET', KEYS[2], 'g:' .. s, string.format('%d', fence), 'width', new_width)
   end
   local px, until_ms = ttl_ms, 0
   if max_hold_ms > 0 then
     until_ms = now + max_hold_ms + margin_ms
     if max_hold_ms + margin_ms < px then px = max_hold_ms + margin_ms end
   end
-  redis.call('HSET', KEYS[1], 'token', token, 'fence', string.format('%d', fence), 'ttl', ttl_ms,
-    'interval', interval_ms, 'margin_ms', margin_ms, 'acquired_ms', now, 'renewed_ms', now,
-    'max_hold_until_ms', until_ms, unpack(ARGV, 8))
-  redis.call('PEXPIRE', KEYS[1], px)
+  local name = slot_key(KEYS[1], s)
+  if wide then
+    redis.call('HSET', name, 'token', token, 'fence', string.format('%d', fence), 'ttl', ttl_ms,
+      'interval', interval_ms, 'margin_ms', margin_ms, 'acquired_ms', now, 'renewed_ms', now,
+      'max_hold_until_ms', until_ms, 'slot', s, unpack(ARGV, 8))
+  else
+    redis.call('HSET', name, 'token', token, 'fence', string.format('%d', fence), 'ttl', ttl_ms,
+      'interval', interval_ms, 'margin_ms', margin_ms, 'acquired_ms', now, 'renewed_ms', now,
+      'max_hold_until_ms', until_ms, unpack(ARGV, 8))
+  end
+  redis.call('PEXPIRE', name, px)
   return fence, expired, released_ms
 end
 
-if not held and not lined then
-  local fence, expired = grant()
-  return {1, fence, now, expired, 0, 0}
+if count == 0 and not lined then
+  local fence, expired = grant(0, -1)
+  return {1, fence, now, expired, 0, 0, 0}
 end
 
 local WAITERS = sibling(KEYS[1], 'waiters')
@@ -111,38 +139,96 @@ local WAITERS = sibling(KEYS[1], 'waiters')
 if lined and redis.call('TYPE', LINE).ok ~= 'zset' then return bad('line (not a sorted set)', LINE) end
 local waiters_type = redis.call('TYPE', WAITERS).ok
 if waiters_type ~= 'hash' and waiters_type ~= 'none' then return bad('waiters (not a hash)', WAITERS) end
-local pttl, holder_fence = 0, 0
-if held then
-  if redis.call('TYPE', KEYS[1]).ok == 'hash' then
-    local cur = redis.call('HMGET', KEYS[1], 'fence', 'token', 'acquired_ms')
-    holder_fence = tonumber(cur[1]) or 0
-    if cur[2] == token then
-      -- Our own grant, asked again (a client retry after a lost reply): the same answer.
-      return {1, holder_fence, tonumber(cur[3]) or now, 0, 0, 0}
+-- The holders: a free slot below the limit, the highest held, the soonest TTL end, the newest fence.
+local pttl, holder_fence, free_slot, top = 0, 0, nil, -1
+if count > 0 then
+  pttl = nil
+  for s = 0, slots - 1 do
+    local name = slot_key(KEYS[1], s)
+    local cur = redis.pcall('HMGET', name, 'fence', 'token', 'acquired_ms')
+    -- A hash without those fields (written by hand) blocks its slot as any holder does.
+    if cur.err or cur[1] or cur[2] or redis.call('EXISTS', name) == 1 then
+      if not cur.err and cur[2] == token then
+        -- Our own grant, asked again (a client retry after a lost reply): the same answer.
+        return {1, tonumber(cur[1]) or 0, tonumber(cur[3]) or now, 0, 0, 0, s}
+      end
+      if not cur.err then holder_fence = math.max(holder_fence, tonumber(cur[1]) or 0) end
+      local left = redis.call('PTTL', name)
+      if left >= -1 and (pttl == nil or (left >= 0 and (pttl < 0 or left < pttl))) then pttl = left end
+      top = s
+    elseif free_slot == nil and s < limit then
+      free_slot = s
     end
   end
-  pttl = redis.call('PTTL', KEYS[1])
+  pttl = pttl or 0
+else
+  free_slot = 0
 end
+local free = limit - count
+if free_slot == nil then free = 0 end
 
 --#include line
-local first_waiter, first_entry = nil, nil
-if lined then first_waiter, first_entry = line_head(LINE, WAITERS, now) end
-if not held and (first_waiter == nil or first_waiter == waiter) then
-  local fence, expired, released_ms = grant()
-  local handoff = 0
-  if first_waiter ~= nil then
-    forget(LINE, WAITERS, waiter)
-    if expired == 0 then handoff = released_ms end
-    call_forward(LINE, WAITERS, now, ready, promote_ms, false)
+local mine_first = first_ms > 0 and first_ms or now
+-- A newer waiter of this kind takes the place of the older: decided here, with the grant, so two never
+-- both think they are the one waiting.
+local function supersede(w)
+  local e = entry(WAITERS, w)
+  forget(LINE, WAITERS, w)
+  redis.call('ZADD', DONE, now + DONE_MS, 's:' .. w)
+  redis.call('PEXPIRE', DONE, DONE_MS)
+  if e and e.state == 'r' then
+    wake(LINE, w)
+  elseif e and e.holder ~= '' then
+    redis.call('PUBLISH', e.holder, w)
   end
-  return {1, fence, now, expired, handoff, first_waiter ~= nil and 1 or 0}
+end
+if latest == 1 and lined then
+  local w0, f0 = string.match(redis.call('HGET', WAITERS, '') or '', '^L (%S+) (%d+)$')
+  if w0 and w0 ~= waiter and redis.call('ZSCORE', LINE, w0) then
+    f0 = tonumber(f0)
+    if f0 > mine_first or (f0 == mine_first and w0 > waiter) then
+      supersede(waiter)
+      return {0, pttl, holder_fence, now, 5, -1, redis.call('ZCARD', LINE), 0}
+    end
+    supersede(w0)
+  end
 end
 
+local front = {}
+if lined then front = line_front(LINE, WAITERS, now, math.max(free, 1)) end
+local in_front = false
+for i = 1, math.min(free, #front) do
+  if front[i][1] == waiter then in_front = true end
+end
+if free > 0 and (#front < free or in_front) then
+  local fence, expired, released_ms = grant(free_slot, top)
+  local handoff = 0
+  if #front > 0 then
+    forget(LINE, WAITERS, waiter)
+    if latest == 1 and redis.call('HGET', WAITERS, '') == 'L ' .. waiter .. ' ' .. mine_first then
+      redis.call('HDEL', WAITERS, '')
+    end
+    if expired == 0 then handoff = released_ms end
+    -- The others of the front may take the slots still free.
+    call_forward(LINE, WAITERS, now, ready + limit - 1, promote_ms, free - 1)
+  end
+  return {1, fence, now, expired, handoff, #front > 0 and 1 or 0, free_slot}
+end
+
+-- The front of a key with free slots must know: woken if waiting in place, else asked to come back.
+local function call_front()
+  local parked = false
+  for i = 1, math.min(free, #front) do
+    local f = front[i]
+    if f[1] ~= waiter and f[2] and f[2].state == 'r' then wake(LINE, f[1]) elseif f[1] ~= waiter then parked = true end
+  end
+  if parked then call_forward(LINE, WAITERS, now, ready + limit - 1, promote_ms, 0) end
+end
 if mode == 0 then
-  if not held and first_entry and first_entry.state == 'r' then wake(LINE, first_waiter) end
+  call_front()
   return {0, pttl, holder_fence, now, 0, -1, redis.call('ZCARD', LINE), 0}
 end
-redis.call('ZADD', LINE, 'NX', first_ms > 0 and first_ms or now, waiter)
+redis.call('ZADD', LINE, 'NX', mine_first, waiter)
 local rank = redis.call('ZRANK', LINE, waiter)
 local mine = entry(WAITERS, waiter)
 local holder = mine and mine.holder or ''
@@ -153,30 +239,25 @@ for i = 8, #ARGV - 1, 2 do
     if ok and type(meta) == 'table' and type(meta.actor) == 'string' then actor = string.gsub(meta.actor, '%s', '_') end
   end
 end
+local places = math.min(MAX_READY, ready + limit - 1)
 local action, block_ms = 2, 0
-if rank < ready and mode == 2 then
-  -- Wait in place until woken: by a release, at the holder's TTL, or when
-  -- the head in transit would lose its place.
+if rank < places and mode == 2 then
+  -- Wait in place until woken: by a release, at the soonest holder's TTL, or when
+  -- the front in transit would lose its place.
   local until_ms = now + pttl
-  if not held and first_entry then until_ms = first_entry.deadline end
-  if held and pttl < 0 then until_ms = now + MAX_BLOCK_MS end  -- a key without TTL: no expiry to wait for
+  if free > 0 and front[1] and front[1][2] then until_ms = front[1][2].deadline end
+  if count > 0 and free <= 0 and pttl < 0 then until_ms = now + MAX_BLOCK_MS end  -- no TTL: no expiry to wait for
   block_ms = math.min(MAX_BLOCK_MS, math.max(BLOCK_SLACK_MS, until_ms - now + BLOCK_SLACK_MS))
   action = 1
   put(WAITERS, waiter, 'r', now + block_ms + READY_SLACK_MS, holder, actor)
-elseif rank < ready then
+elseif rank < places then
   action = 3
   put(WAITERS, waiter, 'm', now + promote_ms, holder, actor)
 else
   put(WAITERS, waiter, 'p', now + park_ms + promote_ms, holder, actor)
 end
-if not held and first_entry and first_waiter ~= waiter then
-  -- A free key whose head is elsewhere: make sure the head knows.
-  if first_entry.state == 'r' then
-    wake(LINE, first_waiter)
-  else
-    call_forward(LINE, WAITERS, now, ready, promote_ms, false)
-  end
-end
+if latest == 1 then redis.call('HSET', WAITERS, '', 'L ' .. waiter .. ' ' .. mine_first) end
+if free > 0 then call_front() end
 redis.call('PEXPIRE', LINE, LINE_TTL_MS)
 redis.call('PEXPIRE', WAITERS, LINE_TTL_MS)
 return {0, pttl, holder_fence, now, action, rank, redis.call('ZCARD', LINE), block_ms}

@@ -10,11 +10,12 @@
 -- hold: the process holds these waiters' parked copies; returns one state per waiter: 'p' parked (keep
 -- it), 'm' promoted (send it back now), 'r' waiting in place elsewhere (this copy is a spare: keep it
 -- parked; a waiter in place past its deadline is not waiting any more, and its copy is parked), 'd' already
--- ran (drop it), 'x' not in the line (send it back now, to take its place again).
+-- ran (drop it), 's' a newer waiter took its place (lock_on_busy="latest": drop it), 'x' not in the line
+-- (send it back now, to take its place again).
 -- leave: the waiters give up their places; returns how many had one.
--- Either way vanished waiters at the head lose their place, and a free key's head is woken or asked to
--- come back (so a missed wake-up heals here).
---#include args clock keys line
+-- Either way vanished waiters at the front lose their place, and the front of a key with free slots (its
+-- counter's width says how many it has) is woken or asked to come back (so a missed wake-up heals here).
+--#include args clock keys line slots
 local op, holder = ARGV[1], ARGV[2]
 local park_ms = whole(ARGV[3], 1, MAX_MS)
 local ready = whole(ARGV[4], 0, MAX_READY)
@@ -29,6 +30,10 @@ for i = 6, #ARGV do
   if ARGV[i] == '' or #ARGV[i] > MAX_ID_LENGTH then return bad('waiter') end
 end
 local LINE, WAITERS, DONE = sibling(KEYS[1], 'line'), sibling(KEYS[1], 'waiters'), sibling(KEYS[1], 'done')
+local FENCE = sibling(KEYS[1], 'fence')
+-- Read before the first write: a counter of another type counts as a key of one slot.
+local width = redis.pcall('HGET', FENCE, 'width')
+width = (type(width) == 'string' and tonumber(width)) or 1
 local now = server_time()
 local out = {}
 for i = 6, #ARGV do
@@ -40,9 +45,11 @@ for i = 6, #ARGV do
       out[#out + 1] = w
     end
   else
-    local done = redis.call('ZSCORE', DONE, w)
-    if done and tonumber(done) > now then
+    local done = redis.call('ZMSCORE', DONE, w, 's:' .. w)
+    if done[1] and tonumber(done[1]) > now then
       out[#out + 1] = 'd'
+    elseif done[2] and tonumber(done[2]) > now then
+      out[#out + 1] = 's'
     elseif not e or not redis.call('ZSCORE', LINE, w) then
       out[#out + 1] = 'x'
     elseif e.state == 'r' and e.deadline >= now then
@@ -57,10 +64,11 @@ for i = 6, #ARGV do
   end
 end
 if redis.call('EXISTS', LINE) == 1 then
-  line_head(LINE, WAITERS, now)
-  if redis.call('EXISTS', KEYS[1]) == 0 then
+  local free = width - present(KEYS[1], width)
+  line_front(LINE, WAITERS, now, math.max(free, 1))
+  if free > 0 then
     local promoted = {}
-    call_forward(LINE, WAITERS, now, ready, promote_ms, true, promoted)
+    call_forward(LINE, WAITERS, now, ready + width - 1, promote_ms, free, promoted)
     -- The caller may hold them: its reply says so.
     for j = 6, #ARGV do
       if promoted[ARGV[j]] and out[j - 5] == 'p' then out[j - 5] = 'm' end

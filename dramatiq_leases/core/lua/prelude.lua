@@ -28,7 +28,23 @@ end
 --#section keys
 -- A key of the lease's line (kind 'line', 'waiters' or 'done'). It shares the lease's hash tag (one slot,
 -- so Cluster runs the script as is): derived here rather than passed, to keep the hot path's arguments few.
-local function sibling(lease, kind) return (string.gsub(lease, ':lease:{', ':' .. kind .. ':{', 1)) end
+-- A holder slot's name (see slot_key) gives its lease's siblings too: the slot's suffix is left out.
+local function sibling(lease, kind) return (string.gsub(lease, ':lease:({[^}]*}).*$', ':' .. kind .. ':%1', 1)) end
+
+--#section slots
+-- A key may have several holders at once (its limit): holder slot s is a lease hash of its own, named after
+-- the lease (slot 0 is the lease's own name), so each holder's TTL, token and release are its own.
+local function slot_key(lease, s)
+  if s == 0 then return lease end
+  return lease .. ':' .. s
+end
+-- How many of the lease's slots 0 .. width - 1 are held, and whether its line exists, in one command.
+local function present(lease, width, line)
+  local names = {lease}
+  for s = 1, width - 1 do names[#names + 1] = lease .. ':' .. s end
+  if line then names[#names + 1] = line end
+  return redis.call('EXISTS', unpack(names))
+end
 
 --#section counter
 -- Records fence as the last released in the fence counter (how the exporter tells a release from an
@@ -36,10 +52,13 @@ local function sibling(lease, kind) return (string.gsub(lease, ':lease:{', ':' .
 -- first write: a counter of another type is left alone. One that is gone (a fleet's retention expired it
 -- during a long hold) is made again only with a TTL: the caller's retention, else RECORD_MS (a caller
 -- without the setting, such as the CLI, would otherwise keep it for ever).
-local function record_release(fence_key, counter, fence, retention_ms, ...)
+-- A grant of a key with several holders (its hash has a `slot`) is recorded per slot: `r:<slot>`.
+local function record_release(fence_key, counter, fence, retention_ms, slot, ...)
   if counter ~= 'hash' and counter ~= 'none' then return end
   -- As text: a fence may have 16 digits (with a retention), more than Lua prints a number with.
-  redis.call('HSET', fence_key, 'released', string.format('%d', fence), ...)
+  local field = 'released'
+  if slot then field = 'r:' .. slot end
+  redis.call('HSET', fence_key, field, string.format('%d', fence), ...)
   if retention_ms > 0 then
     redis.call('PEXPIRE', fence_key, retention_ms)
   elseif counter == 'none' then
@@ -66,18 +85,26 @@ local function forget(line, waiters, w)
   redis.call('HDEL', waiters, w)
   redis.call('DEL', line .. ':w:' .. w)
 end
--- Drops vanished waiters from the head (bounded work per call: HEAD_DROPS_MAX); returns the head and its
--- entry (the entry nil if the head is still unknown then).
-local function line_head(line, waiters, now)
-  for _ = 1, HEAD_DROPS_MAX do
-    local h = redis.call('ZRANGE', line, 0, 0)[1]
-    if not h then return nil end
-    local e = entry(waiters, h)
-    if e and e.deadline >= now then return h, e end
-    redis.call('ZREM', line, h)
-    redis.call('HDEL', waiters, h)
+-- The first n live waiters of the line, as {waiter, entry} pairs, dropping vanished ones on the way (bounded
+-- work per call: HEAD_DROPS_MAX; past that a waiter is kept as it is, its entry perhaps nil).
+local function line_front(line, waiters, now, n)
+  local out, start, drops = {}, 0, 0
+  while #out < n do
+    local batch = redis.call('ZRANGE', line, start, start + n - #out - 1)
+    if #batch == 0 then break end
+    for _, w in ipairs(batch) do
+      local e = entry(waiters, w)
+      if (e and e.deadline >= now) or drops >= HEAD_DROPS_MAX then
+        out[#out + 1] = {w, e}
+        start = start + 1
+      else
+        redis.call('ZREM', line, w)
+        redis.call('HDEL', waiters, w)
+        drops = drops + 1
+      end
+    end
   end
-  return redis.call('ZRANGE', line, 0, 0)[1], nil
+  return out
 end
 -- Wakes waiter w waiting in place: a push on the list it blocks on, kept until it has had time to block.
 local function wake(line, w)
@@ -90,12 +117,12 @@ local function wake(line, w)
   redis.call('PEXPIRE', list, WAKE_TTL_MS)
 end
 -- Calls the first `ready` waiters forward: the parked are promoted (asked to come back: their holder
--- process is told on its channel; an unknown holder learns it when it registers), and, if wake_head, a
--- head waiting in place is woken. Each waiter promoted is set true in `promoted`, if given.
-local function call_forward(line, waiters, now, ready, promote_ms, wake_head, promoted)
+-- process is told on its channel; an unknown holder learns it when it registers), and the first `wake`
+-- waiting in place are woken. Each waiter promoted is set true in `promoted`, if given.
+local function call_forward(line, waiters, now, ready, promote_ms, wake_n, promoted)
   for i, w in ipairs(redis.call('ZRANGE', line, 0, math.max(ready, 1) - 1)) do
     local e = entry(waiters, w)
-    if e and wake_head and i == 1 and e.state == 'r' then
+    if e and i <= wake_n and e.state == 'r' then
       wake(line, w)
     elseif e and e.state == 'p' then
       put(waiters, w, 'm', now + promote_ms, e.holder, e.actor)

@@ -1,5 +1,5 @@
 -- KEYS:
---   1 lease: the lease hash (the line, waiters and done keys are derived from its name: one hash tag)
+--   1 lease: the holder's lease hash (its slot's: see prelude's slot_key; the line's keys are derived from it)
 --   2 fence: the fence counter
 -- ARGV:
 --   1 token: the holder's owner token
@@ -7,11 +7,13 @@
 --   3 ready: how many waiters of the key may wait in place
 --   4 promote_ms: how long a waiter whose turn came has to show up
 --   5 retention_ms: how long an idle fence counter is kept (0: for ever; optional)
+--   6 find: 'find' if the holder's slot is not known (a grant whose reply was lost): the token is looked for
+--     in every slot of the key (KEYS[1] then names the lease, slot 0); optional
 -- Returns 1 if released, 0 if the token did not hold the lease (nothing is touched then). The holder
--- always has the newest fence of its key, so it is recorded as the last one released. A waiter that ran
+-- always has the newest fence of its slot, so it is recorded as the slot's last one released. A waiter that ran
 -- is remembered for DONE_MS, so a stray copy of it never runs again; the head of the line is woken, or
--- asked to come back.
---#include args keys counter
+-- asked to come back: as many as the key has slots free (its counter's width).
+--#include args keys counter slots
 local token, waiter = ARGV[1], ARGV[2]
 local ready = whole(ARGV[3], 0, MAX_READY)
 local promote_ms = whole(ARGV[4], 1, MAX_MS)
@@ -21,8 +23,18 @@ if promote_ms == nil then return bad('promote_ms', ARGV[4]) end
 if waiter == nil or #waiter > MAX_ID_LENGTH then return bad('waiter', waiter) end
 if retention_ms == nil then return bad('retention_ms', ARGV[5]) end
 local LINE = sibling(KEYS[1], 'line')
-local cur = redis.pcall('HMGET', KEYS[1], 'token', 'fence')
+local LEASE = KEYS[1]
+if ARGV[6] == 'find' then
+  local width = redis.pcall('HGET', KEYS[2], 'width')
+  width = (type(width) == 'string' and tonumber(width)) or 1
+  for s = 1, width - 1 do
+    if redis.pcall('HGET', LEASE, 'token') == token then break end
+    LEASE = slot_key(KEYS[1], s)
+  end
+end
+local cur = redis.pcall('HMGET', LEASE, 'token', 'fence', 'slot')
 if cur.err or not cur[1] or cur[1] ~= token then return 0 end
+local slot = tonumber(cur[3])
 -- Read before the first write: on a Cluster slot half migrated, a sibling key may be elsewhere, and
 -- the script must fail before it deletes anything (Lua is not a transaction).
 local lined = redis.call('EXISTS', LINE) == 1
@@ -37,15 +49,15 @@ if waiter ~= '' or lined then
   line_ok, waiters_ok, done_ok = typed(LINE, 'zset'), typed(WAITERS, 'hash'), typed(DONE, 'zset')
   lined = lined and line_ok and waiters_ok
 end
-redis.call('DEL', KEYS[1])
+redis.call('DEL', LEASE)
 if waiter == '' and not lined then
   -- The uncontended path: no line to wake, no waiter to remember.
-  if fence > 0 then record_release(KEYS[2], counter, fence, retention_ms) end
+  if fence > 0 then record_release(KEYS[2], counter, fence, retention_ms, slot) end
   return 1
 end
 --#include clock
 local now = server_time()
-if fence > 0 then record_release(KEYS[2], counter, fence, retention_ms, 'released_ms', now) end
+if fence > 0 then record_release(KEYS[2], counter, fence, retention_ms, slot, 'released_ms', now) end
 if waiter ~= '' then
   if done_ok then
     redis.call('ZREMRANGEBYSCORE', DONE, '-inf', now)
@@ -57,6 +69,10 @@ if waiter ~= '' then
 end
 if not lined then return 1 end
 --#include line
-line_head(LINE, WAITERS, now)
-call_forward(LINE, WAITERS, now, ready, promote_ms, true)
+local width = 1
+if counter == 'hash' then width = tonumber(redis.call('HGET', KEYS[2], 'width')) or 1 end
+local base = string.gsub(LEASE, '(:lease:{[^}]*}).*$', '%1', 1)
+local free = math.max(1, width - present(base, width))
+line_front(LINE, WAITERS, now, free)
+call_forward(LINE, WAITERS, now, ready + width - 1, promote_ms, free)
 return 1

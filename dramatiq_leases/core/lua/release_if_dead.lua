@@ -3,13 +3,14 @@
 --   2 fence: the fence counter
 -- ARGV:
 --   1 retention_ms: how long an idle fence counter is kept (0: for ever or not known, the CLI's; optional)
+--   2 fence: release only the grant of this fence (0 or absent: whichever holds the slot; optional)
 -- Releases the lease only if no holder can still be running under it: its holder's deadline and safety
 -- margin have passed (the key outlived them: its TTL was changed by hand), or the hash does not say and
 -- the key has no TTL (a key written by hand). The release is recorded in the fence counter as a release by
 -- its holder is (see record_release); a counter of another type is left alone, and the lease still
 -- released.
 -- Returns {1, ms_past_end, fence}, {0, ms_to_end, fence} (-1: the key expires by itself and its hash does
--- not say when its holder stops), or {-1} if there is no such key.
+-- not say when its holder stops), {-1} if there is no such key, or {-2, fence} if another grant holds it.
 --#include args clock counter
 -- The instant this lease ends by its holder's own facts (server ms): its holder's deadline plus the
 -- margin its actor has to stop. Nil if the hash does not say (a key written by someone else).
@@ -23,17 +24,21 @@ local function lease_end(renewed, ttl, until_ms)
 end
 local retention_ms = whole(ARGV[1] or '0', 0, MAX_MS)
 if retention_ms == nil then return bad('retention_ms', ARGV[1]) end
+local wanted = whole(ARGV[2] or '0', 0, 2 ^ 53)
+if wanted == nil then return bad('fence', ARGV[2]) end
 if redis.call('EXISTS', KEYS[1]) == 0 then return {-1} end
 local now = server_time()
 local pttl = redis.call('PTTL', KEYS[1])
 -- Read before the first write, so that nothing below can fail after the lease is deleted.
 local counter = redis.call('TYPE', KEYS[2]).ok
-local cur = redis.pcall('HMGET', KEYS[1], 'renewed_ms', 'ttl', 'max_hold_until_ms', 'fence')
-local deadline, fence = nil, 0
+local cur = redis.pcall('HMGET', KEYS[1], 'renewed_ms', 'ttl', 'max_hold_until_ms', 'fence', 'slot')
+local deadline, fence, slot = nil, 0, nil
 if not cur.err then
   deadline = lease_end(cur[1], cur[2], cur[3])
   fence = tonumber(cur[4]) or 0
+  slot = tonumber(cur[5])
 end
+if wanted > 0 and fence ~= wanted then return {-2, fence} end
 if deadline == nil then
   if pttl ~= -1 then return {0, -1, fence} end
 elseif now <= deadline then
@@ -41,5 +46,5 @@ elseif now <= deadline then
   return {0, deadline - now, fence}
 end
 redis.call('DEL', KEYS[1])
-if fence > 0 then record_release(KEYS[2], counter, fence, retention_ms) end
+if fence > 0 then record_release(KEYS[2], counter, fence, retention_ms, slot) end
 return {1, deadline and now - deadline or 0, fence}
