@@ -44,6 +44,7 @@ _core_tracing.set_tracer(_otel_span, _otel_context)
 
 if TYPE_CHECKING:
     from .middleware import (
+        LeaseBusyFailed,
         LeaseKeyRenderError,
         LeaseLost,
         LeaseMiddleware,
@@ -55,6 +56,7 @@ if TYPE_CHECKING:
 __version__ = "0.2.0.dev0"  # 0.1.0 is the first version (CHANGELOG.md); this one freezes the API for 1.0
 
 _MIDDLEWARE_NAMES = {
+    "LeaseBusyFailed",
     "LeaseKeyRenderError",
     "LeaseLost",
     "LeaseMiddleware",
@@ -80,6 +82,7 @@ __all__ = [
     "Heartbeat",
     "Lease",
     "LeaseBusyError",
+    "LeaseBusyFailed",
     "LeaseConfigError",
     "LeaseError",
     "LeaseExpiredError",

@@ -14,6 +14,7 @@ instrument (unit)                             kind              Prometheus name
 ``dramatiq.lease.busy_retries``               counter           ``dramatiq_lease_busy_retries_total``
 ``dramatiq.lease.handoff.duration`` (s)       histogram         ``dramatiq_lease_handoff_duration_seconds``
 ``dramatiq.lease.gave_up``                    counter           ``dramatiq_lease_gave_up_total``
+``dramatiq.lease.not_run``                    counter           ``dramatiq_lease_not_run_total``
 ``dramatiq.lease.held``                       up-down counter   ``dramatiq_lease_held`` (a gauge)
 ``dramatiq.lease.hold.duration`` (s)          histogram         ``dramatiq_lease_hold_duration_seconds``
 ``dramatiq.lease.renewals``                   counter           ``dramatiq_lease_renewals_total``
@@ -43,6 +44,7 @@ from .core.metrics import (
     ERROR_OPERATIONS,
     LATENCY_BUCKETS,
     LOST_REASONS,
+    NOT_RUN_REASONS,
     RENEWAL_OUTCOMES,
     LeaseMetrics,
     Meta,
@@ -100,6 +102,11 @@ class OTelMetrics(LeaseMetrics):
         self._gave_up = meter.create_counter(
             "dramatiq.lease.gave_up", description="Messages that exhausted their wait budget for a lease."
         )
+        self._not_run = meter.create_counter(
+            "dramatiq.lease.not_run",
+            description="Messages acknowledged or dead-lettered without running, by reason "
+            "(skipped, failed, superseded, gave_up, duplicate).",
+        )
         self._held = meter.create_up_down_counter("dramatiq.lease.held", description="Leases held now.")
         self._hold = histogram("dramatiq.lease.hold.duration", DURATION_BUCKETS, "How long leases were held.")
         self._renewals = meter.create_counter(
@@ -134,6 +141,9 @@ class OTelMetrics(LeaseMetrics):
     def gave_up(self, meta: Meta) -> None:
         self._gave_up.add(1, self._attrs(meta))
 
+    def not_run(self, meta: Meta, reason: str) -> None:
+        self._not_run.add(1, self._attrs(meta, reason=reason))
+
     def held(self, meta: Meta, delta: int) -> None:
         self._held.add(delta, self._attrs(meta))
 
@@ -165,6 +175,8 @@ class OTelMetrics(LeaseMetrics):
             self._renewals.add(0, self._attrs(meta, outcome=outcome))
         for reason in LOST_REASONS:
             self._lost.add(0, self._attrs(meta, reason=reason))
+        for reason in NOT_RUN_REASONS:
+            self._not_run.add(0, self._attrs(meta, reason=reason))
         self.declare_process()
 
     def declare_process(self) -> None:

@@ -27,6 +27,7 @@ from .core.metrics import (
     ERROR_OPERATIONS,
     LATENCY_BUCKETS,
     LOST_REASONS,
+    NOT_RUN_REASONS,
     NULL_METRICS,
     RENEWAL_OUTCOMES,
     LeaseMetrics,
@@ -39,6 +40,7 @@ __all__ = [
     "DURATION_BUCKETS",
     "LATENCY_BUCKETS",
     "LOST_REASONS",
+    "NOT_RUN_REASONS",
     "NULL_METRICS",
     "LeaseMetrics",
     "Meta",
@@ -102,6 +104,13 @@ def _create(reg: Any) -> dict[str, Any]:
             "dramatiq_lease_gave_up_total",
             "Messages that exhausted their wait budget for a lease.",
             actor,
+            registry=reg,
+        ),
+        "not_run": Counter(
+            "dramatiq_lease_not_run_total",
+            "Messages acknowledged or dead-lettered without running, by reason "
+            "(skipped, failed, superseded, gave_up, duplicate).",
+            [*actor, "reason"],
             registry=reg,
         ),
         "held": Gauge(
@@ -193,6 +202,9 @@ class PrometheusMetrics(LeaseMetrics):
     def gave_up(self, meta: Meta) -> None:
         self._child("gave_up", *labels_of(meta)).inc()
 
+    def not_run(self, meta: Meta, reason: str) -> None:
+        self._child("not_run", *labels_of(meta), reason).inc()
+
     def held(self, meta: Meta, delta: int) -> None:
         self._child("held", *labels_of(meta)).inc(delta)
 
@@ -222,6 +234,8 @@ class PrometheusMetrics(LeaseMetrics):
             m["renewals"].labels(*labels, outcome)
         for reason in LOST_REASONS:
             m["lost"].labels(*labels, reason)
+        for reason in NOT_RUN_REASONS:
+            m["not_run"].labels(*labels, reason)
         self.declare_process()
 
     def declare_process(self) -> None:

@@ -69,6 +69,8 @@ class LeaseInfo:
     adopted_ms: int = 0
     #: The holder slot (0 but on a key held by several at once: ``lock_limit``).
     slot: int = 0
+    #: How many may hold the key at once, as this holder was granted (1 for a key of one holder).
+    limit: int = 1
 
     @property
     def age(self) -> float:
@@ -142,6 +144,7 @@ class LeaseInfo:
             "holder_deadline": deadline / 1000 if deadline is not None else None,
             "adopted_at": self.adopted_ms / 1000 if self.adopted_ms else None,
             "slot": self.slot,
+            "limit": self.limit,
         }
 
 
@@ -159,6 +162,7 @@ _CORE_FIELDS = frozenset(
         "adopted_ms",
         "key",
         "slot",
+        "limit",
     }
 )
 
@@ -193,6 +197,7 @@ def parse_info(redis_key: str, pttl: int, flat: Sequence[Any], now_ms: int) -> L
         margin=num("margin_ms"),
         adopted_ms=num("adopted_ms"),
         slot=num("slot") if "slot" in raw else slot_of(redis_key),
+        limit=max(1, num("limit")),
     )
 
 

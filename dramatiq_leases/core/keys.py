@@ -90,8 +90,6 @@ def hash_tag(key: str) -> str:
     return key
 
 
-
-
 def lease_name(prefix: str, key: str, slot: int = 0) -> str:
     """The Redis key of the hash holding the lease on ``key`` in holder ``slot`` (0 to ``scripts.MAX_LIMIT - 1``).
 

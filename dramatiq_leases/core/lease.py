@@ -142,7 +142,7 @@ class Wait(str, Enum):
     IN_PLACE = "in_place"
     #: Park: leave the worker thread; the waiter is asked to come back when its turn nears.
     PARK = "park"
-    #: Ask again soon: near the head, but not allowed to wait in place.
+    #: Near the front, but not allowed to wait in place: park, as :attr:`PARK` (promoted at the next release).
     SOON = "soon"
     #: This waiter already ran: the message is a stray copy and must not run.
     DUPLICATE = "duplicate"

@@ -69,6 +69,7 @@ class Line:
         waiter: str,
         first_ms: int = 0,
         may_wait: bool = False,
+        joins: bool = True,
         interval: int | None = None,
         max_hold: int | None = None,
         meta: Mapping[str, str] | None = None,
@@ -84,7 +85,9 @@ class Line:
         ``waiter`` is a message id and its retry count; ``first_ms`` its first attempt (server Unix ms;
         0 for now), which orders the line; ``may_wait``: it may wait in place (block on its wake list)
         when among the ``ready`` first, else it parks. The :class:`Busy` answer's ``wait`` says how.
-        ``limit``: how many may hold the key at once (then ``ready + limit - 1`` may wait in place);
+        ``joins``: ``False`` asks as ``waiter`` (a copy of one that ran is still told so) but never joins
+        the line: a busy answer is then :attr:`Wait.NONE`. ``limit``: how many may hold the key at once
+        (then ``ready + limit - 1`` may wait in place);
         ``latest``: the key keeps only its newest waiter that joined so (the older one's answer, or its
         holder's :meth:`hold`, becomes ``superseded``).
         """
@@ -99,7 +102,7 @@ class Line:
             token=token,
             waiter=waiter,
             first_ms=first_ms,
-            mode=2 if may_wait else 1,
+            mode=(2 if may_wait else 1) if joins else 0,
             rules=(ready, park_ms, promote_ms),
             limit=limit,
             latest=latest,
@@ -137,8 +140,9 @@ class Line:
 
         Returns one letter per waiter: ``"p"`` keep it parked; ``"m"`` send it
         back now (its turn is near); ``"r"`` keep it (the waiter waits in place
-        elsewhere: this copy is a spare); ``"d"`` it already ran (drop it); ``"s"`` a newer waiter took its place (drop it);
-        ``"x"`` it has no place (send it back now to take it again).
+        elsewhere: this copy is a spare); ``"d"`` it already ran (drop it); ``"s"`` a newer waiter took its
+        place (send it back: its delivery is acknowledged, logged and counted); ``"x"`` it has no place
+        (send it back now to take it again).
         ``channel`` is the one this process listens on for promotions (the holder of the copies).
         """
         validate_key(key)

@@ -16,6 +16,11 @@ Meta = Mapping[str, str]
 #: Why a held lease can be lost (the ``reason`` label of ``dramatiq_lease_lost_total``).
 LOST_REASONS = tuple(reason.value for reason in LostReason)
 
+#: Why a message did not run (the ``reason`` label of ``dramatiq_lease_not_run_total``): its key was busy and
+#: its ``lock_on_busy`` said skip or fail, a newer message took its place (``latest``), it spent its wait
+#: budget (``lock_max_wait``), or it was a stray copy of a message that already ran.
+NOT_RUN_REASONS = ("skipped", "failed", "superseded", "gave_up", "duplicate")
+
 #: Outcomes of one renewal (the ``outcome`` label of ``dramatiq_lease_renewals_total``).
 RENEWAL_OUTCOMES = ("ok", "lost", "error")
 
@@ -54,6 +59,9 @@ class LeaseMetrics:
 
     def gave_up(self, meta: Meta) -> None:
         """A message exhausted its wait budget."""
+
+    def not_run(self, meta: Meta, reason: str) -> None:
+        """A message was acknowledged or dead-lettered without running, for ``reason`` (:data:`NOT_RUN_REASONS`)."""
 
     def held(self, meta: Meta, delta: int) -> None:
         """The number of leases held changed by ``delta``."""

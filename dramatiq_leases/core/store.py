@@ -526,7 +526,7 @@ class Leases:
         """
         return self._release_token(key, token, fence=fence, slot=slot)
 
-    def _release_token(  # noqa: PLR0913 (keyword-only: one script's arguments)
+    def _release_token(
         self,
         key: str,
         token: str,

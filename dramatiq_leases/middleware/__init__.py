@@ -14,20 +14,33 @@ Prometheus middleware, kept from counting busy rounds), :mod:`.errors`, and
 """
 
 from .backoff import DEFAULT_MAX_BACKOFF, DEFAULT_MIN_BACKOFF
-from .errors import LeaseKeyRenderError, LeaseOptionError, LeaseWaitExceeded
+from .errors import LeaseBusyFailed, LeaseKeyRenderError, LeaseOptionError, LeaseWaitExceeded
 from .guard import LeaseLost
 from .hooks import LeaseMiddleware
-from .options import ACTOR_OPTIONS, DEFAULT_GIVE_UP, DEFAULT_MAX_WAIT, DEFAULT_TTL, LEASE_OPTION
+from .options import (
+    ACTOR_OPTIONS,
+    DEFAULT_GIVE_UP,
+    DEFAULT_LIMIT,
+    DEFAULT_MAX_WAIT,
+    DEFAULT_ON_BUSY,
+    DEFAULT_TTL,
+    LEASE_OPTION,
+    ON_BUSY_POLICIES,
+)
 from .runs import current_lease
 
 __all__ = [
     "ACTOR_OPTIONS",
     "DEFAULT_GIVE_UP",
+    "DEFAULT_LIMIT",
     "DEFAULT_MAX_BACKOFF",
     "DEFAULT_MAX_WAIT",
     "DEFAULT_MIN_BACKOFF",
+    "DEFAULT_ON_BUSY",
     "DEFAULT_TTL",
     "LEASE_OPTION",
+    "ON_BUSY_POLICIES",
+    "LeaseBusyFailed",
     "LeaseKeyRenderError",
     "LeaseLost",
     "LeaseMiddleware",

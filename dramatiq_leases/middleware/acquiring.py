@@ -19,7 +19,8 @@ from dramatiq.middleware import SkipMessage
 
 from ..core.errors import LeaseUnavailableError
 from ..core.lease import Busy, Lease, Wait, new_token
-from .busy import SKIP_MARK, gives_up, on_busy, send_back
+from .busy import SKIP_MARK, gives_up, mark_skipped, on_busy, send_back
+from .errors import LeaseBusyFailed
 from .guard import Run
 from .options import ATTEMPTS_OPTION, FIRST_ATTEMPT_OPTION, LEASE_OPTION, SENT_BACK_OPTION, Options
 from .waiting import LINE_OPTION, MAX_IN_PLACE, waiter_id
@@ -47,6 +48,7 @@ class Acquisition:
         actor: Any,
         key: str,
         opts: Options,
+        limit: int,
         hook_started: float,
     ) -> None:
         self.mw = middleware
@@ -54,6 +56,7 @@ class Acquisition:
         self.message = message
         self.key = key
         self.opts = opts
+        self.limit = limit
         self.meta = {
             "actor": message.actor_name,
             "queue": message.queue_name,
@@ -71,9 +74,9 @@ class Acquisition:
         self.first = int(message.options.get(FIRST_ATTEMPT_OPTION) or 0)
         if self.first:
             self.meta["first_attempt_ms"] = str(self.first)
-        limit = declarations.time_limit(message, actor)
-        self.budget = MAX_IN_PLACE if limit is None else min(MAX_IN_PLACE, limit / 4000)
-        self.send_back_by = hook_started + (math.inf if limit is None else limit / 2000)
+        time_limit = declarations.time_limit(message, actor)
+        self.budget = MAX_IN_PLACE if time_limit is None else min(MAX_IN_PLACE, time_limit / 4000)
+        self.send_back_by = hook_started + (math.inf if time_limit is None else time_limit / 2000)
         self.in_place = 0.0
         self.started = hook_started  # the last acquire call's start
 
@@ -129,6 +132,9 @@ class Acquisition:
             waiter=self.waiter,
             first_ms=self.first,
             may_wait=may_wait,
+            joins=opts.on_busy in ("wait", "latest"),
+            limit=self.limit,
+            latest=opts.on_busy == "latest",
         )
 
     def _unavailable(self, error: Exception) -> NoReturn:
@@ -154,6 +160,8 @@ class Acquisition:
         """The key is busy: wait in place (then ask again) if near the head, else go back to the broker."""
         mw, message, opts = self.mw, self.message, self.opts
         mw.metrics.acquire(self.meta, "busy", time.monotonic() - self.started)
+        if result.wait is Wait.SUPERSEDED or (result.wait is Wait.NONE and opts.on_busy in ("skip", "fail")):
+            self._not_run(result)
         if not self.first:
             self.first = result.now_ms
             self.meta["first_attempt_ms"] = str(self.first)  # stored with the lease it gets: how long it waited
@@ -192,6 +200,21 @@ class Acquisition:
         )
         skip(message, f"lease {self.key!r} is busy")
 
+    def _not_run(self, result: Busy) -> NoReturn:
+        """The key is full and this message's policy says it does not run: acknowledged (skip, superseded) or
+        dead-lettered (fail), with an INFO line naming the key's holders and a count by reason."""
+        mw, message, opts = self.mw, self.message, self.opts
+        mw.waiting.forget_thread()
+        mw.runs.not_granted()
+        reason = "superseded" if result.wait is Wait.SUPERSEDED else "skipped" if opts.on_busy == "skip" else "failed"
+        not_run(mw, message, self.key, reason, f"lock_on_busy={opts.on_busy!r}", meta=self.meta)
+        if reason == "failed":
+            message.fail()
+            message.options[SKIP_MARK] = True
+            raise LeaseBusyFailed(result, actor=message.actor_name, limit=self.limit)
+        mark_skipped(message)
+        skip(message, f"lease {self.key!r} is busy: not run ({reason})")
+
     def granted(self, lease: Lease) -> None:
         """Hand the granted ``lease`` to the run, count it, and clear the delivery's wait clock."""
         mw, message, first = self.mw, self.message, self.first
@@ -208,6 +231,45 @@ class Acquisition:
             message.options.pop(name, None)
         mw.metrics.wait(self.meta, max(0.0, lease.acquired_at - first / 1000) if first else 0.0)
         logger.debug("Acquired lease %r (fence %d) for message %s.", self.key, lease.fence, message.message_id)
+
+
+_NOT_RUN_WHY = {
+    "skipped": "its key was full",
+    "failed": "its key was full; moving it to the dead-letter queue",
+    "superseded": "a newer message of its key took its place in the line",
+    "gave_up": "it waited longer than its wait budget",
+    "duplicate": "it is a copy of one that already ran",
+}
+
+
+def not_run(mw: LeaseMiddleware, message: Any, key: str, reason: str, said: str, *, meta: dict[str, str]) -> None:
+    """The trace of a message that does not run: an INFO line (actor, message, key, its holders, the reason and
+    the option that said so) and ``dramatiq_lease_not_run_total{reason}``."""
+    mw.metrics.not_run(meta, reason)
+    logger.info(
+        "Message %s of actor %r did not run (%s): %s (%s); lease %r is held by %s.",
+        message.message_id,
+        message.actor_name,
+        reason,
+        _NOT_RUN_WHY[reason],
+        said,
+        key,
+        holders_of(mw, key),
+    )
+
+
+def holders_of(mw: LeaseMiddleware, key: str) -> str:
+    """Who holds ``key`` now, for a log line: each holder's message id and actor (read once, best effort)."""
+    try:
+        infos = mw.leases.holders(key)
+    except Exception as e:
+        return f"holders unknown ({type(e).__name__})"
+    if not infos:
+        return "nobody now"
+    return ", ".join(
+        f"message {info.meta.get('message_id', '?')} of actor {info.meta.get('actor', '?')!r} (fence {info.fence})"
+        for info in infos
+    )
 
 
 def skip(message: Any, reason: str) -> NoReturn:

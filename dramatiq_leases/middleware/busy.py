@@ -82,6 +82,7 @@ def on_busy(
             message.message_id,
             busy.key,
         )
+        metrics.not_run(meta, "duplicate")
         mark_skipped(message)
         return
     now_ms = busy.now_ms or int(time.time() * 1000)
@@ -93,6 +94,7 @@ def on_busy(
         except Exception as e:  # its place then lapses by its deadline
             logger.warning("Could not take message %s out of the line of %r: %s", message.message_id, busy.key, e)
         metrics.gave_up(meta)
+        metrics.not_run(meta, "gave_up")
         logger.error(
             "Gave up on message %s of actor %r: lease %r stayed busy for %d attempts over %.1fs "
             "(lock_max_wait=%d ms); %s.",
@@ -115,7 +117,7 @@ def on_busy(
         mark_skipped(message)
         return
     metrics.busy_retry(meta)
-    if busy.wait is Wait.SOON or busy.wait is Wait.NONE:
+    if busy.wait is Wait.NONE:
         logger.debug(
             "Lease %r is busy; message %s (place %d of %d) comes again soon.",
             busy.key,

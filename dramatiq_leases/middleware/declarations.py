@@ -15,7 +15,16 @@ from ..core.keys import MAX_KEY_LENGTH, KeyTemplate
 from ..core.lease import Lease
 from ..core.scripts import MAX_MS
 from .errors import LeaseKeyRenderError, LeaseOptionError
-from .options import ACTOR_OPTIONS, LEASE_MESSAGE_OPTIONS, LEASE_OPTION, TIME_LIMIT_GRACE, Options, optional_ms, resolve
+from .options import (
+    ACTOR_OPTIONS,
+    LEASE_MESSAGE_OPTIONS,
+    LEASE_OPTION,
+    TIME_LIMIT_GRACE,
+    Options,
+    check_limit,
+    optional_ms,
+    resolve,
+)
 
 #: How many distinct message-level ``lock_key`` templates are kept prepared (then the cache starts again):
 #: a producer sending one template per invoice must not grow a worker without bound.
@@ -93,6 +102,30 @@ class Declarations:
         if ACTOR_OPTIONS.isdisjoint(message.options):
             return self._actor_options[message.actor_name]
         return self.options(message.actor_name, message.options, actor.options)
+
+    def limit(self, opts: Options, message: Any) -> int:
+        """The message's ``lock_limit``: the option's int, or what the actor's callable returns for its arguments.
+
+        Raises:
+          LeaseOptionError: the callable raised, or returned anything but an int from 1 to 1 000.
+        """
+        value = opts.limit
+        if not callable(value):
+            return value
+        owner = f"actor {message.actor_name!r}"
+        try:
+            result = value(*message.args, **message.kwargs)
+        except Exception as e:
+            raise LeaseOptionError(
+                f"{owner}: lock_limit {value!r} raised {type(e).__name__}: {e} for args={tuple(message.args)!r} "
+                f"kwargs={message.kwargs!r}",
+                actor=message.actor_name,
+            ) from None
+        try:
+            return check_limit(owner, result, returned_by=value)
+        except LeaseOptionError as e:
+            e.actor = message.actor_name
+            raise
 
     def time_limit(self, message: Any, actor: Any) -> float | None:
         """The message's time limit in ms (message option, actor option, TimeLimit's default), if any."""
@@ -178,8 +211,15 @@ class Declarations:
                     actor=message.actor_name,
                 )
             return
-        if not ACTOR_OPTIONS.isdisjoint(options):
-            self.options(message.actor_name, options, broker.get_actor(message.actor_name).options)
+        if callable(options.get("lock_limit")):
+            raise LeaseOptionError(
+                f"{owner}: a message's lock_limit must be an int (a message crosses the broker as JSON), got "
+                f"{options['lock_limit']!r}; a callable is for the actor's own lock_limit",
+                actor=message.actor_name,
+            )
+        actor = broker.get_actor(message.actor_name)
+        opts = self.message_options(message, actor)
+        self.limit(opts, message)  # a callable's answer for these arguments, checked now
         self._check_time_limit(message.actor_name, options)  # the default lock_max_hold derives from it
         try:
             key = template.render(tuple(message.args), message.kwargs)

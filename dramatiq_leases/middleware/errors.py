@@ -5,7 +5,8 @@ from __future__ import annotations
 from dramatiq.middleware import SkipMessage
 from dramatiq.middleware.middleware import MiddlewareError
 
-from ..core.errors import LeaseConfigError, LeaseError, LeaseKeyError
+from ..core.errors import LeaseBusyError, LeaseConfigError, LeaseError, LeaseKeyError
+from ..core.lease import Busy
 
 
 class LeaseOptionError(LeaseConfigError, MiddlewareError):
@@ -14,6 +15,23 @@ class LeaseOptionError(LeaseConfigError, MiddlewareError):
 
 class LeaseKeyRenderError(LeaseKeyError, MiddlewareError):
     """A message's arguments do not render its actor's ``lock_key``; raised to the producer."""
+
+
+class LeaseBusyFailed(LeaseBusyError, SkipMessage):  # noqa: N818 (as LeaseWaitExceeded)
+    """Stored as the failure of a message whose key was full with ``lock_on_busy="fail"``: it was
+    dead-lettered at once, without running and without a retry.
+
+    Attributes:
+      key: the lease key that was full.
+      actor: the message's actor.
+      busy: the busy answer (the holders' remaining TTL, the newest holder's fence).
+    """
+
+    def __init__(self, busy: Busy, *, actor: str, limit: int) -> None:
+        LeaseError.__init__(
+            self, f"lease {busy.key!r} was full (lock_limit={limit}, lock_on_busy='fail')", key=busy.key, actor=actor
+        )
+        self.busy = busy
 
 
 class LeaseWaitExceeded(LeaseError, SkipMessage):  # noqa: N818 (named as Dramatiq's TimeLimitExceeded)

@@ -34,7 +34,9 @@ from .options import (
     ACTOR_OPTIONS,
     ATTEMPTS_OPTION,
     DEFAULT_GIVE_UP,
+    DEFAULT_LIMIT,
     DEFAULT_MAX_WAIT,
+    DEFAULT_ON_BUSY,
     DEFAULT_TTL,
     FIRST_ATTEMPT_OPTION,
     SENT_BACK_OPTION,
@@ -83,6 +85,19 @@ class LeaseMiddleware(Middleware):
         waits forever. Default 3 600 000 (an hour).
       lock_give_up: default ``lock_give_up``: ``"fail"`` (dead-letter the message)
         or ``"drop"`` (acknowledge it without running). Default ``"fail"``.
+      lock_limit: default ``lock_limit``: how many messages of one key may run
+        at once (an int from 1 to 1 000, or a callable of the actor's
+        arguments returning one). Each holder has its own lease: token, TTL,
+        heartbeat, fence. An attempt counts the key's holders against its own
+        limit. Default 1.
+      lock_on_busy: default ``lock_on_busy``, what a message does when its
+        key is full: ``"wait"`` (its place in the key's line), ``"skip"``
+        (acknowledged without running), ``"fail"`` (dead-lettered without
+        running or a retry: :class:`LeaseBusyFailed`), ``"latest"`` (waits,
+        but the key keeps only its newest such message waiting; the one it
+        replaces is acknowledged without running). Default ``"wait"``. Every
+        message that does not run is logged (INFO, naming the key's holders)
+        and counted in ``dramatiq_lease_not_run_total{reason}``.
       metrics: where to report; default :class:`PrometheusMetrics`.
       metrics_endpoint: when Dramatiq's own ``Prometheus`` middleware is
         absent, serve the lease metrics of all worker processes on
@@ -112,7 +127,7 @@ class LeaseMiddleware(Middleware):
     ``"invoice:{invoice_id}"`` or a callable taking the actor's arguments),
     ``lock_ttl``, ``lock_renew_interval``, ``lock_max_hold``,
     ``lock_min_backoff``, ``lock_max_backoff``, ``lock_max_wait``,
-    ``lock_give_up``. ``send_with_options(lease=lease)`` hands a lease
+    ``lock_give_up``, ``lock_limit``, ``lock_on_busy``. ``send_with_options(lease=lease)`` hands a lease
     acquired by the producer to the worker, which adopts it once. A message
     of an actor without ``lock_key`` that carries any of these is refused at
     send time. Every time is a whole number of milliseconds.
@@ -131,6 +146,8 @@ class LeaseMiddleware(Middleware):
         lock_max_backoff: int = DEFAULT_MAX_BACKOFF,
         lock_max_wait: int | None = DEFAULT_MAX_WAIT,
         lock_give_up: str = DEFAULT_GIVE_UP,
+        lock_limit: int | Callable[..., int] = DEFAULT_LIMIT,
+        lock_on_busy: str = DEFAULT_ON_BUSY,
         metrics: LeaseMetrics | None = None,
         metrics_endpoint: bool = True,
         trace_keys: bool | None = None,
@@ -156,6 +173,8 @@ class LeaseMiddleware(Middleware):
                 "lock_max_backoff": lock_max_backoff,
                 "lock_max_wait": lock_max_wait,
                 "lock_give_up": lock_give_up,
+                "lock_limit": lock_limit,
+                "lock_on_busy": lock_on_busy,
             }
         )
         if trace_keys is not None:
@@ -315,9 +334,12 @@ class LeaseMiddleware(Middleware):
         try:
             opts = self.declarations.message_options(message, actor)
             key = template.render(tuple(message.args), message.kwargs)
+            limit = self.declarations.limit(opts, message)
         except (LeaseConfigError, LeaseKeyError) as e:
             refuse(message, e)
-        attempt = Acquisition(self, broker, message, actor=actor, key=key, opts=opts, hook_started=hook_started)
+        attempt = Acquisition(
+            self, broker, message, actor=actor, key=key, opts=opts, limit=limit, hook_started=hook_started
+        )
         attempt.granted(attempt.acquire())
 
     def after_process_message(

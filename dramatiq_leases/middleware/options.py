@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from ..core.errors import LeaseConfigError
 from ..core.lease import default_interval
-from ..core.numbers import whole_ms
-from ..core.scripts import MAX_MS
+from ..core.numbers import whole_limit, whole_ms
+from ..core.scripts import MAX_LIMIT, MAX_MS
 from .errors import LeaseOptionError
 
 #: Actor options, each also accepted as a message option (``send_with_options``).
@@ -24,6 +24,8 @@ ACTOR_OPTIONS = frozenset(
         "lock_max_backoff",
         "lock_max_wait",
         "lock_give_up",
+        "lock_limit",
+        "lock_on_busy",
     }
 )
 
@@ -43,6 +45,17 @@ SENT_BACK_OPTION = "lease_sent_back"
 
 #: What ``lock_give_up`` may be: dead-letter the message, or acknowledge it without running it.
 GIVE_UP_ACTIONS = ("fail", "drop")
+
+#: What ``lock_on_busy`` may be: what a message does when its key is full. ``"wait"``: take a place in the
+#: key's line; ``"skip"``: acknowledged without running; ``"fail"``: dead-lettered without running;
+#: ``"latest"``: wait, but the key keeps only its newest such message waiting (the older is acknowledged).
+ON_BUSY_POLICIES = ("wait", "skip", "fail", "latest")
+
+#: Default ``lock_on_busy``.
+DEFAULT_ON_BUSY = "wait"
+
+#: Default ``lock_limit``: one holder at a time.
+DEFAULT_LIMIT = 1
 
 #: Default ``lock_ttl`` (ms).
 DEFAULT_TTL = 30_000
@@ -77,6 +90,9 @@ class Options:
     max_backoff: int
     max_wait: int | None
     give_up: str
+    #: How many may hold a key at once: an int, or a callable of the actor's arguments returning one.
+    limit: int | Callable[..., Any] = DEFAULT_LIMIT
+    on_busy: str = DEFAULT_ON_BUSY
 
 
 def ms(owner: str, name: str, value: Any, *, minimum: int = 1, maximum: int = MAX_MS) -> int:
@@ -119,6 +135,12 @@ def resolve(owner: str, defaults: Mapping[str, Any], *sources: Mapping[str, Any]
     give_up = get("lock_give_up")
     if give_up not in GIVE_UP_ACTIONS:
         raise LeaseOptionError(f"{owner}: lock_give_up must be one of {GIVE_UP_ACTIONS}, got {give_up!r}")
+    on_busy = get("lock_on_busy")
+    if not isinstance(on_busy, str) or on_busy not in ON_BUSY_POLICIES:
+        raise LeaseOptionError(f"{owner}: lock_on_busy must be one of {ON_BUSY_POLICIES}, got {on_busy!r}")
+    limit = get("lock_limit")
+    if not callable(limit):
+        limit = check_limit(owner, limit)
     return Options(
         ttl=ttl,
         renew_interval=interval,
@@ -127,4 +149,19 @@ def resolve(owner: str, defaults: Mapping[str, Any], *sources: Mapping[str, Any]
         max_backoff=max_backoff,
         max_wait=optional_ms(owner, "lock_max_wait", get("lock_max_wait")),
         give_up=give_up,
+        limit=limit,
+        on_busy=on_busy,
     )
+
+
+def check_limit(owner: str, value: Any, *, returned_by: Any = None) -> int:
+    """``value`` if it is a ``lock_limit`` (an int from 1 to 1 000), else :class:`LeaseOptionError` naming
+    ``owner`` and the value (and the callable that ``returned_by`` it)."""
+    try:
+        return whole_limit(value, "lock_limit", maximum=MAX_LIMIT)
+    except LeaseConfigError:
+        said = f"lock_limit={value!r}" if returned_by is None else f"lock_limit {returned_by!r} returned {value!r}"
+        raise LeaseOptionError(
+            f"{owner}: {said}; a limit is an int from 1 to {MAX_LIMIT} (True, 1.5 and '2' are refused), "
+            "or an actor's callable of its arguments returning one"
+        ) from None

@@ -317,7 +317,7 @@ class Waiting:
         for key, waiters in by_key.items():
             states = self.leases._line.hold(key, waiters, self.channel)
             for waiter, state in zip(waiters, states):
-                if state in ("m", "x", "d"):
+                if state in ("m", "x", "d", "s"):
                     self.unpark(waiter, drop=state == "d")
 
 

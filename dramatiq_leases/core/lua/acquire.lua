@@ -23,12 +23,13 @@
 -- from the front of the line, so its release must remember it; slot: the holder slot granted), or {0, pttl,
 -- holder_fence, now, action, rank, length, block_ms} (pttl: the soonest a holder's TTL ends; holder_fence:
 -- the newest holder's fence): action 0 not in the line, 1 wait in place (BLPOP the waiter's wake list for
--- block_ms), 2 park, 3 ask again soon (a place to wait in but no thread for it), 4 this waiter already ran
+-- block_ms), 2 park, 3 park, near the front (a place to wait in but no thread for it), 4 this waiter already ran
 -- (a duplicate), 5 a newer waiter took its place (latest; it must not run). A key with free slots and a
 -- line goes to the front of its line only: its first waiters, one per free slot.
 -- Records: a key never held by several at once keeps its last release and expiry in the counter's
 -- `released` and `expired`; once it was (the counter has a `width`: how many slots may be held), each slot s
--- keeps its own: `g:s` granted, `r:s` released, `e:s` expired, and each grant's hash names its `slot`.
+-- keeps its own: `g:s` granted, `r:s` released, `e:s` expired, and each grant's hash names its `slot` and
+-- the `limit` it was granted under.
 -- The uncontended path (free key, no line) comes first and creates no closure it does not call.
 --#include args clock keys slots
 local token, waiter = ARGV[1], ARGV[6]
@@ -118,7 +119,7 @@ local function grant(s, top)
   if wide then
     redis.call('HSET', name, 'token', token, 'fence', string.format('%d', fence), 'ttl', ttl_ms,
       'interval', interval_ms, 'margin_ms', margin_ms, 'acquired_ms', now, 'renewed_ms', now,
-      'max_hold_until_ms', until_ms, 'slot', s, unpack(ARGV, 8))
+      'max_hold_until_ms', until_ms, 'slot', s, 'limit', limit, unpack(ARGV, 8))
   else
     redis.call('HSET', name, 'token', token, 'fence', string.format('%d', fence), 'ttl', ttl_ms,
       'interval', interval_ms, 'margin_ms', margin_ms, 'acquired_ms', now, 'renewed_ms', now,
@@ -251,8 +252,10 @@ if rank < places and mode == 2 then
   action = 1
   put(WAITERS, waiter, 'r', now + block_ms + READY_SLACK_MS, holder, actor)
 elseif rank < places then
+  -- Near the front but no thread to wait in: parked too, and so promoted at the next release (asking
+  -- again soon instead would cost an enqueue per round).
   action = 3
-  put(WAITERS, waiter, 'm', now + promote_ms, holder, actor)
+  put(WAITERS, waiter, 'p', now + park_ms + promote_ms, holder, actor)
 else
   put(WAITERS, waiter, 'p', now + park_ms + promote_ms, holder, actor)
 end
