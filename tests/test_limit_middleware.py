@@ -1,0 +1,236 @@
+"""``lock_limit`` and ``lock_on_busy`` inside a real Dramatiq Worker, on real Redis: checks, capacity, policies."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+from prometheus_client import CollectorRegistry
+
+from dramatiq_leases import LeaseOptionError, PrometheusMetrics
+from dramatiq_leases.embedded import EmbeddedRedis
+
+from .support.runs import Runs
+from .support.stack import MakeStack, Stack
+from .support.waiting import wait_for
+
+
+@pytest.fixture
+def lease_server() -> Iterator[EmbeddedRedis]:
+    server = EmbeddedRedis().start()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def make_stack(redis_server: EmbeddedRedis, lease_server: EmbeddedRedis) -> Iterator[MakeStack]:
+    stacks: list[Stack] = []
+
+    def make(**options: Any) -> Stack:
+        options.setdefault("metrics", PrometheusMetrics(registry=CollectorRegistry()))
+        stack = Stack(redis_server.url(0), lease_server.url(0), **options)
+        stacks.append(stack)
+        return stack
+
+    yield make
+    for stack in stacks:
+        stack.stop()
+
+
+def not_run(stack: Stack, actor: str, reason: str) -> float:
+    """``dramatiq_lease_not_run_total`` of ``actor`` for ``reason``."""
+    registry = stack.leases_mw.metrics._registry  # type: ignore[attr-defined]  # PrometheusMetrics' registry
+    labels = {"actor_name": actor, "queue_name": "default", "reason": reason}
+    return registry.get_sample_value("dramatiq_lease_not_run_total", labels) or 0.0
+
+
+# Declaration and send time ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        ({"lock_limit": 0}, "lock_limit=0; a limit is an int from 1 to 1000"),
+        ({"lock_limit": -1}, "lock_limit=-1"),
+        ({"lock_limit": 1001}, "lock_limit=1001"),
+        ({"lock_limit": True}, "lock_limit=True"),
+        ({"lock_limit": 1.5}, "lock_limit=1.5"),
+        ({"lock_limit": 2.0}, "lock_limit=2.0"),
+        ({"lock_limit": "2"}, "lock_limit='2'"),
+        ({"lock_on_busy": "explode"}, "lock_on_busy must be one of ('wait', 'skip', 'fail', 'latest'), got 'explode'"),
+        ({"lock_on_busy": 1}, "lock_on_busy must be one of"),
+    ],
+)
+def test_bad_limits_and_policies_fail_at_declaration(
+    make_stack: MakeStack, lease_server: EmbeddedRedis, options: dict[str, Any], expected: str
+) -> None:
+    stack = make_stack()
+    with pytest.raises(LeaseOptionError) as info:
+
+        @stack.actor(actor_name="call_vendor", lock_key="tenant:{tenant}", **options)
+        def call_vendor(tenant: str) -> None:
+            pass
+
+    assert "actor 'call_vendor'" in str(info.value) and info.value.actor == "call_vendor"
+    assert expected in str(info.value)
+    assert redis.Redis.from_url(lease_server.url(0)).dbsize() == 0
+
+
+def test_bad_middleware_limit_fails_at_construction(lease_server: EmbeddedRedis) -> None:
+    from dramatiq_leases import LeaseMiddleware
+
+    with pytest.raises(LeaseOptionError, match="LeaseMiddleware: lock_limit=0"):
+        LeaseMiddleware(redis_url=lease_server.url(), lock_limit=0)
+    with pytest.raises(LeaseOptionError, match="LeaseMiddleware: lock_on_busy must be one of"):
+        LeaseMiddleware(redis_url=lease_server.url(), lock_on_busy="queue")
+
+
+def test_bad_limits_are_refused_at_send_time(make_stack: MakeStack, lease_server: EmbeddedRedis) -> None:
+    stack = make_stack()
+
+    def tiers(tenant: str) -> Any:
+        return {"gold": 5, "float": 1.5, "text": "2", "zero": 0}[tenant]
+
+    @stack.actor(lock_key="tenant:{tenant}", lock_limit=tiers)
+    def call_vendor(tenant: str) -> None:
+        pass
+
+    @stack.actor(lock_key="tenant:{tenant}")
+    def plain(tenant: str) -> None:
+        pass
+
+    for tenant, value in (("float", "1.5"), ("text", "'2'"), ("zero", "0")):
+        with pytest.raises(
+            LeaseOptionError, match=rf"actor 'call_vendor': lock_limit <function .*tiers.*> returned {value}"
+        ):
+            call_vendor.send(tenant)
+    with pytest.raises(
+        LeaseOptionError, match=r"actor 'call_vendor': lock_limit <function .*> raised KeyError: 'nobody'"
+    ):
+        call_vendor.send("nobody")
+    with pytest.raises(LeaseOptionError, match="actor 'plain': lock_limit=1.5"):
+        plain.send_with_options(args=("gold",), lock_limit=1.5)
+    with pytest.raises(LeaseOptionError, match="actor 'plain': a message's lock_limit must be an int"):
+        plain.send_with_options(args=("gold",), lock_limit=lambda tenant: 2)
+    with pytest.raises(LeaseOptionError, match="actor 'plain': lock_on_busy must be one of"):
+        plain.send_with_options(args=("gold",), lock_on_busy="later")
+    assert stack.recorder.enqueues == []  # nothing reached the queue
+    assert redis.Redis.from_url(lease_server.url(0)).dbsize() == 0  # nor the lease store
+    call_vendor.send("gold")  # a good answer goes through
+    assert len(stack.recorder.enqueues) == 1
+
+
+# Capacity -----------------------------------------------------------------------
+
+
+def run_concurrently(stack: Stack, runs: Runs) -> dict[str, int]:
+    """The most runs at once per tenant, from the runs' own start/end records."""
+    peaks: dict[str, int] = {}
+    for item in runs.where(kind="run"):
+        overlapping = [
+            o for o in runs.where(kind="run", tenant=item["tenant"]) if o["start"] <= item["start"] < o["end"]
+        ]
+        peaks[item["tenant"]] = max(peaks.get(item["tenant"], 0), len(overlapping))
+    return peaks
+
+
+def test_at_most_the_limit_run_at_once_per_key_and_a_callable_sets_it_per_tenant(make_stack: MakeStack) -> None:
+    stack = make_stack(threads=8)
+    runs = Runs()
+
+    @stack.actor(lock_key="tenant:{tenant}", lock_limit=lambda tenant, n: 3 if tenant == "gold" else 1, max_retries=0)
+    def call_vendor(tenant: str, n: int) -> None:
+        start = time.monotonic()
+        time.sleep(0.2)
+        runs.add(kind="run", tenant=tenant, n=n, start=start, end=time.monotonic())
+
+    stack.start()
+    for n in range(9):
+        call_vendor.send("gold", n)
+    for n in range(3):
+        call_vendor.send("free", n)
+    wait_for(lambda: runs.count(kind="run") == 12, timeout=30, what="12 runs")
+    assert sorted(r["n"] for r in runs.where(tenant="gold")) == list(range(9)), "a job ran twice or never"
+    assert run_concurrently(stack, runs) == {"gold": 3, "free": 1}
+
+
+# Policies ---------------------------------------------------------------------------
+
+
+def hold_key(stack: Stack, runs: Runs, **options: Any) -> tuple[Any, threading.Event]:
+    """An actor of key ``k`` whose n=0 run holds it until the returned event is set."""
+    release = threading.Event()
+
+    @stack.actor(actor_name="job", lock_key="k", max_retries=3, **options)
+    def job(n: int) -> None:
+        runs.add(kind="start", n=n, at=time.monotonic())
+        if n == 0:
+            release.wait(30)
+        runs.add(kind="run", n=n, at=time.monotonic())
+
+    return job, release
+
+
+@pytest.mark.parametrize("policy", ["skip", "fail"])
+def test_skip_and_fail_leave_at_once_with_a_log_line_and_a_count(
+    make_stack: MakeStack, policy: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    stack = make_stack()
+    runs = Runs()
+    job, release = hold_key(stack, runs, lock_on_busy=policy)
+    stack.start()
+    holder = job.send(0)
+    wait_for(lambda: runs.count(kind="start", n=0) == 1, timeout=10, what="the holder to start")
+    caplog.set_level(logging.INFO, logger="dramatiq_leases")
+    sent = time.monotonic()
+    busy = job.send(1)
+    outcome = stack.recorder.wait_settled(busy.message_id, timeout=10)
+    assert time.monotonic() - sent < 2.0, "not at once"
+    assert outcome == ("acked" if policy == "skip" else "nacked")
+    reason = "skipped" if policy == "skip" else "failed"
+    assert not_run(stack, "job", reason) == 1
+    lines = [
+        r.getMessage() for r in caplog.records if busy.message_id in r.getMessage() and "did not run" in r.getMessage()
+    ]
+    assert len(lines) == 1, lines
+    assert f"({reason})" in lines[0] and "'job'" in lines[0] and holder.message_id in lines[0], lines[0]
+    # Not a retry: Retries never saw it (one enqueue: the send).
+    assert [m for m, _, _ in stack.recorder.enqueues].count(busy.message_id) == 1
+    release.set()
+    wait_for(lambda: runs.count(kind="run", n=0) == 1, timeout=10, what="the holder to end")
+    assert runs.count(kind="start", n=1) == 0
+
+
+def test_latest_runs_only_the_newest_waiting_message(make_stack: MakeStack, caplog: pytest.LogCaptureFixture) -> None:
+    stack = make_stack()
+    runs = Runs()
+    job, release = hold_key(stack, runs, lock_on_busy="latest")
+    stack.start()
+    job.send(0)
+    wait_for(lambda: runs.count(kind="start", n=0) == 1, timeout=10, what="the holder to start")
+    caplog.set_level(logging.INFO, logger="dramatiq_leases")
+    sent = []
+    for n in range(1, 6):
+        sent.append(job.send(n))
+        # The next is sent once this one is the key's latest waiter, so first attempts follow n.
+        waiter = f"L {sent[-1].message_id}:0 "
+        wait_for(
+            lambda: (stack.leases.client.hget("dramatiq-leases:waiters:{k}", "") or b"").decode().startswith(waiter),
+            timeout=10,
+            what=f"message {n} to wait",
+        )
+    # Each older one is acknowledged without running once a newer one joined (in place or parked).
+    for message in sent[:-1]:
+        assert stack.recorder.wait_settled(message.message_id, timeout=10) == "acked"
+    assert not_run(stack, "job", "superseded") == 4
+    superseded = [r.getMessage() for r in caplog.records if "(superseded)" in r.getMessage()]
+    assert len(superseded) == 4 and all("a newer message of its key took its place" in line for line in superseded)
+    release.set()
+    wait_for(lambda: runs.count(kind="run") == 2, timeout=10, what="the newest to run")
+    assert [r["n"] for r in runs.where(kind="run")] == [0, 5]
+    assert runs.count(kind="start") == 2  # every older message was settled above, without running
