@@ -42,6 +42,12 @@ def make_stack(redis_server: EmbeddedRedis, lease_server: EmbeddedRedis) -> Iter
         stack.stop()
 
 
+def latest_waiter(stack: Stack) -> str:
+    """The pointer to key ``k``'s latest waiter (``"L <waiter> <first_ms>"``), or ``""``."""
+    raw: bytes | None = stack.leases.client.hget("dramatiq-leases:waiters:{k}", "")  # type: ignore[assignment]
+    return raw.decode() if raw else ""
+
+
 def not_run(stack: Stack, actor: str, reason: str) -> float:
     """``dramatiq_lease_not_run_total`` of ``actor`` for ``reason``."""
     registry = stack.leases_mw.metrics._registry  # type: ignore[attr-defined]  # PrometheusMetrics' registry
@@ -219,11 +225,7 @@ def test_latest_runs_only_the_newest_waiting_message(make_stack: MakeStack, capl
         sent.append(job.send(n))
         # The next is sent once this one is the key's latest waiter, so first attempts follow n.
         waiter = f"L {sent[-1].message_id}:0 "
-        wait_for(
-            lambda: (stack.leases.client.hget("dramatiq-leases:waiters:{k}", "") or b"").decode().startswith(waiter),
-            timeout=10,
-            what=f"message {n} to wait",
-        )
+        wait_for(lambda: latest_waiter(stack).startswith(waiter), timeout=10, what=f"{n} to wait")  # noqa: B023
     # Each older one is acknowledged without running once a newer one joined (in place or parked).
     for message in sent[:-1]:
         assert stack.recorder.wait_settled(message.message_id, timeout=10) == "acked"

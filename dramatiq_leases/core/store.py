@@ -31,7 +31,7 @@ from .lease import Busy, Lease, LostReason, Renewal, Wait, default_interval, new
 from .line import DEFAULT_PARK_MS, DEFAULT_READY, PROMOTE_MS, Line
 from .numbers import margin_ms, whole_count, whole_limit, whole_ms
 from .reading import LineInfo, Reader, ReadGaps
-from .recovery import DeadRelease, release_if_dead
+from .recovery import DeadRelease, release_if_dead, target
 from .replication import DEFAULT_REPLICA_TIMEOUT_MS, MAX_REPLICAS, check_replication, evalsha_acked, not_replicated
 from .scripts import MAX_LIMIT, MAX_TIMESTAMP_MS
 
@@ -389,6 +389,7 @@ class Leases:
         ttl, stored_interval, max_hold_ms = _check_numbers(ttl, interval, max_hold)
         if not isinstance(token, str) or not token:
             raise LeaseConfigError(f"the handed-over token must be a non-empty string, got {token!r}")
+        slot = whole_count(slot, "slot", maximum=MAX_LIMIT - 1)
         mine = new_token or _new_token()
         meta = dict(meta or {})
         interval_ms = stored_interval or default_interval(ttl)
@@ -615,17 +616,25 @@ class Leases:
 
     # Reading and recovery: the _reader part and the recovery script -------------
 
-    def inspect(self, key: str, *, gaps: ReadGaps | None = None) -> LeaseInfo | None:
-        """What Redis holds for the lease on ``key``, or ``None`` if there is none.
+    def inspect(self, key: str, *, slot: int = 0, gaps: ReadGaps | None = None) -> LeaseInfo | None:
+        """What Redis holds for the lease on ``key`` in holder ``slot`` (0: the only one of a key of one holder),
+        or ``None`` if there is none; :meth:`holders` reads every holder of a key held by several at once.
 
         ``gaps`` (every read takes one): without it, a Cluster master that does not answer fails the read
         (:class:`LeaseUnavailableError`); with it, that master is recorded there and the read goes on.
         """
-        return self._reader.inspect(key, gaps=gaps)
+        return self._reader.inspect(key, slot=whole_count(slot, "slot", maximum=MAX_LIMIT - 1), gaps=gaps)
+
+    def holders(self, key: str, *, gaps: ReadGaps | None = None) -> list[LeaseInfo]:
+        """Every holder of ``key``, ordered by slot (empty if nobody holds it): one for a key of one holder, up to
+        its limit for one held by several at once (``limit``). Two round trips: the fence counter, which says
+        how many slots may be held (its ``width``), then those slots."""
+        return self._reader.holders(key, gaps=gaps)
 
     def scan(self, match: str = "*", *, count: int = 500, gaps: ReadGaps | None = None) -> Iterator[LeaseInfo]:
-        """Every lease whose key matches the glob ``match``, read in batches with ``SCAN`` (never ``KEYS``);
-        with the default ``match``, also any other key under the prefix's lease keys (a hand-written orphan)."""
+        """Every lease whose key matches the glob ``match``, read in batches with ``SCAN`` (never ``KEYS``): each
+        holder of a key held by several at once is one (its :attr:`LeaseInfo.slot` says which); with the
+        default ``match``, also any other key under the prefix's lease keys (a hand-written orphan)."""
         return self._reader.scan(match, count=count, gaps=gaps)
 
     def inspect_line(self, key: str, *, gaps: ReadGaps | None = None) -> LineInfo:
@@ -637,16 +646,17 @@ class Leases:
         return self._reader.scan_lines(count=count, gaps=gaps)
 
     def fence_state(self, key: str, *, gaps: ReadGaps | None = None) -> dict[str, int]:
-        """The fence counter of ``key``: last ``fence`` granted, last ``released``, last ``expired`` (empty if
-        there is none)."""
+        """The fence counter of ``key``: last ``fence`` granted, last ``released``, last ``expired``; for a key
+        held by several at once, also ``width`` and each slot's ``g:<slot>`` (last granted), ``r:<slot>``
+        (released) and ``e:<slot>`` (found expired): see :attr:`LeaseInfo.per_slot`. Empty if there is none."""
         return self._reader.fence_state(key, gaps=gaps)
 
     def fence_states(self, keys: Sequence[str], *, gaps: ReadGaps | None = None) -> list[dict[str, int]]:
         """:meth:`fence_state` of many keys in one round trip per master, in order."""
         return self._reader.fence_states(keys, gaps=gaps)
 
-    def release_if_dead(self, key: str) -> DeadRelease:
-        """Release the lease on ``key`` only if no holder can still be running under it.
+    def release_if_dead(self, key: str, *, fence: int | None = None) -> DeadRelease:
+        """Release a holder of ``key`` only if it cannot still be running under its lease.
 
         Decided inside one script from facts the holder wrote itself: its
         deadline and the margin its actor has to stop have passed
@@ -656,18 +666,36 @@ class Leases:
         its lease: it may still be running, and the key expires by itself at
         that same instant.
 
+        ``fence``: the holder to judge, by its grant's fence (a key held by
+        several at once: ``lock_limit``); ``None``: the key's only holder. The
+        holders are read first (:meth:`holders`), and the script ends only
+        the grant of that fence: if it ended meanwhile and another grant took
+        its slot, the answer is a refusal naming that grant's fence, nothing
+        touched. No holder of that fence: ``released`` is ``None``.
+
         The release is recorded in the key's fence counter (so the exporter
         does not count it as an expiry), keeping the counter's TTL; a counter
         that a fleet's ``fence_retention`` expired during the leak is made
         again with this store's ``fence_retention``, or for an hour when
         this store has none (the CLI's, which cannot know the fleet's): never
         without a TTL. A counter of another type is left alone.
+
+        Raises:
+          LeaseStateError: no ``fence``, and the key has several holders (named with their fences): which to
+            release is never guessed.
+          LeaseConfigError: ``fence`` is not a whole number from 0 (a hash without one) to 2**53.
+          LeaseUnavailableError: Redis could not be asked.
         """
+        if fence is not None:
+            fence = whole_count(fence, "fence", maximum=2**53, owner="release_if_dead")
+        holder = target(validate_key(key), self.holders(key), fence)
+        if holder is None:
+            return DeadRelease(None, None, 0)
 
         def call(keys: list[str], args: list[Any]) -> Any:
             return self._call(self._release_if_dead, keys, args)
 
-        return release_if_dead(call, self.prefix, self.fence_retention, key)
+        return release_if_dead(call, self.prefix, self.fence_retention, key, holder)
 
 
 def _ignore_lost(lease: Lease, reason: LostReason) -> None:

@@ -19,6 +19,7 @@ from dramatiq.middleware import SkipMessage
 
 from ..core.errors import LeaseUnavailableError
 from ..core.lease import Busy, Lease, Wait, new_token
+from ..core.scripts import MAX_LIMIT
 from .busy import SKIP_MARK, gives_up, mark_skipped, on_busy, send_back
 from .errors import LeaseBusyFailed
 from .guard import Run
@@ -101,7 +102,10 @@ class Acquisition:
         """Adopt the lease handed over with the message, if it still holds; else join the key's line."""
         key, opts, options = self.key, self.opts, self.message.options
         handed = options.get(LEASE_OPTION)
-        if isinstance(handed, dict) and handed.get("key") == key and handed.get("token"):
+        slot = handed.get("slot", 0) if isinstance(handed, dict) else 0
+        if not (isinstance(slot, int) and not isinstance(slot, bool) and 0 <= slot < MAX_LIMIT):
+            slot = -1  # not a slot: input from whoever wrote the message, never a key name
+        if isinstance(handed, dict) and handed.get("key") == key and handed.get("token") and slot >= 0:
             adopted = self.mw.leases.adopt(
                 key,
                 handed["token"],
@@ -110,6 +114,7 @@ class Acquisition:
                 max_hold=self.max_hold,
                 meta=self.meta,
                 new_token=self.run.token,
+                slot=slot,
             )
             if isinstance(adopted, Lease):
                 return adopted

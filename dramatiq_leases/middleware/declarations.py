@@ -234,6 +234,8 @@ class Declarations:
                     actor=message.actor_name,
                 )
             options[LEASE_OPTION] = {"key": handed.key, "token": handed.token}
+            if handed.slot:  # a key several may hold at once: the holder slot it was granted
+                options[LEASE_OPTION]["slot"] = handed.slot
 
     @staticmethod
     def _check_time_limit(actor: str, options: Mapping[str, Any]) -> None:
