@@ -220,7 +220,7 @@ def test_show_shows_the_line_of_waiters(
         assert not leases._line.join("invoice:2", 10_000, meta=META, waiter=f"m{n}:0", first_ms=first)
     code, out, _ = cli(capsys, redis_server, "show", "invoice:2")
     line = dict(re.split(r" {2,}", row, maxsplit=1) for row in out.splitlines())["line"]
-    assert re.fullmatch(r"2 waiting \(2 promoted\); head m1:0; oldest waiting [56]\.\ds", line), line
+    assert re.fullmatch(r"2 waiting \(2 parked\); head m1:0; oldest waiting [56]\.\ds", line), line
     code, out, _ = cli(capsys, redis_server, "show", "invoice:2", "--json")
     assert json.loads(out)["line"]["length"] == 2 and json.loads(out)["line"]["actors"] == {"send_invoice": 2}
     # Released: the key is free for a moment, its head on its way; show says so rather than "no lease".

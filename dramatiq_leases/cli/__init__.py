@@ -4,7 +4,7 @@ Commands::
 
   dramatiq-leases list [--match GLOB] [--json]        (alias: ls)
   dramatiq-leases show KEY [--json] [--show-token]
-  dramatiq-leases release KEY (--owner TOKEN | --if-dead)
+  dramatiq-leases release KEY (--owner TOKEN | --if-dead [--fence N])
   dramatiq-leases exporter [--host HOST] [--port PORT] [--interval SECONDS] [--top N]
                            [--busy-view {local,open} | --busy-token-file FILE] [--busy-keys {plain,hashed}]
   dramatiq-leases demo [--invoices N] [--per-invoice N] [--job-seconds S]
@@ -22,7 +22,8 @@ Exit codes (an API: scripts rely on them):
 * 1: refused: ``release`` changed nothing because another owner holds the
   lease, or (``--if-dead``) its holder may still believe it holds it; or the
   demo's checks failed.
-* 2: usage error (bad or missing arguments).
+* 2: usage error (bad or missing arguments; ``release --if-dead`` of a key with
+  several holders without ``--fence``, which names them).
 * 3: not found: there is no lease on KEY.
 * 4: Redis unreachable or failing; one line on stderr names the URL.
 * 5: the exporter cannot listen on HOST:PORT (unknown host, address in use, port
@@ -97,7 +98,8 @@ exit codes:
   0    success
   1    refused: release changed nothing (another owner holds the lease, or its
        holder may still be running under it); or the demo's checks failed
-  2    usage error
+  2    usage error (release --if-dead of a key with several holders: --fence N
+       says which)
   3    not found: no lease on KEY
   4    Redis unreachable or failing (one line on stderr names the URL)
   5    exporter: cannot listen on HOST:PORT (one line on stderr says why)
@@ -190,7 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
         aliases=["ls"],
         parents=[common],
         help="list leases under the prefix",
-        description="List leases (and stray keys) under the prefix, using SCAN.",
+        description="List leases (and stray keys) under the prefix, using SCAN: one row per holder, HELD "
+        "saying how many hold its key of how many may (lock_limit).",
         epilog=EXIT_CODES_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -200,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "show",
         parents=[common],
-        help="everything known about one lease",
+        help="everything known about one lease key: each of its holders, its fence counter, its line",
         epilog=EXIT_CODES_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -229,6 +232,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--if-dead",
         action="store_true",
         help="release only if the holder's deadline has passed, or the key has no TTL and no holder deadline ahead",
+    )
+    p.add_argument(
+        "--fence",
+        type=_non_negative_int,
+        metavar="N",
+        help="with --if-dead: the holder to judge, by the fence of its grant (`show KEY` lists a key's holders); "
+        "required when several hold the key (lock_limit)",
     )
 
     p = sub.add_parser(

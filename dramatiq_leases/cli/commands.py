@@ -6,20 +6,23 @@ import argparse
 import fnmatch
 import json
 import sys
+from collections.abc import Sequence
 from typing import Any, TextIO
 
 import redis
 
 from ..core import LeaseInfo, Leases
-from ..core.errors import LeaseUnavailableError
+from ..core.errors import LeaseConfigError, LeaseUnavailableError
 from ..core.keys import DEFAULT_PREFIX, validate_key
 from ..core.reading import ReadGaps
 from ..urls import redact_url
 from .render import (
     deadline_in,
     describe_line,
+    held_by,
     holder,
     is_lease,
+    key_limit,
     lease_dict,
     line_dict,
     overdue_after,
@@ -29,6 +32,7 @@ from .render import (
     why_released,
     write_list,
     write_show,
+    write_show_holders,
 )
 
 EXIT_OK = 0
@@ -83,10 +87,12 @@ def cmd_list(leases: Leases, args: argparse.Namespace, out: TextIO, err: TextIO 
     """
     gaps = ReadGaps()
     found = [info for info in leases.scan(count=SCAN_COUNT, gaps=gaps) if fnmatch.fnmatchcase(info.key, args.match)]
-    found.sort(key=lambda i: i.key)
+    found.sort(key=lambda i: (i.key, i.slot))
     problems = {info.redis_key: _problem(info, gaps) for info in found}
     if args.json:
-        json.dump([lease_dict(i, problems[i.redis_key]) for i in found], out, indent=2)
+        held = held_by(found, problems)
+        rows = [{**lease_dict(i, problems[i.redis_key]), "holders": held.get(i.key, (1, 1))[0]} for i in found]
+        json.dump(rows, out, indent=2)
         out.write("\n")
     elif not found:
         where = f"matching {args.match!r} " if args.match != "*" else ""
@@ -112,75 +118,118 @@ def _unreadable_notes(key: str, gaps: ReadGaps, out: TextIO) -> None:
             )
 
 
+def _holder_dict(info: LeaseInfo, problem: str | None, token: str | None) -> dict[str, Any]:
+    """One holder for ``show --json``: its lease object, its token (``None`` when hidden) and its deadlines."""
+    data = lease_dict(info, problem)
+    data.update(token=token, overdue_after=overdue_after(info), deadline_in=deadline_in(info))
+    return data
+
+
 def cmd_show(leases: Leases, args: argparse.Namespace, out: TextIO) -> int:
-    """``show KEY``: every field of one lease plus its fence counter."""
+    """``show KEY``: every field of each of the key's holders, plus its fence counter and its line."""
     key = validate_key(args.key)
     # A key of the wrong type among the lease's (its line, its fence counter...) is told, not taken for an
     # unreachable Redis: the read goes on past it.
     gaps = ReadGaps()
-    info = leases.inspect(key, gaps=gaps)
+    holders = leases.holders(key, gaps=gaps)
     fences = leases.fence_state(key, gaps=gaps)
     line = leases.inspect_line(key, gaps=gaps)
     unreadable = {name: bad.problem for name, bad in sorted(gaps.keys.items())}
-    if info is None and not line.length and not unreadable:
+    if not holders and not line.length and not unreadable:
         last = f" (the last grant had fence {fences['fence']})" if fences.get("fence") else ""
         raise NotFoundError(f"no lease on {key!r} under prefix {leases.prefix!r}{last}")
     extra: dict[str, Any] = {"unreadable": unreadable} if unreadable else {}
-    if info is None:
+    limit = key_limit(holders, fences)
+    if not holders:
         # Free for a moment (its line's head is on its way to take it), or its keys cannot be read.
         if args.json:
-            json.dump(
-                {"key": key, "lease": None, "line": line_dict(line), "fence_state": fences, **extra}, out, indent=2
-            )
+            doc: dict[str, Any] = {"key": key, "lease": None, "holders": [], "held": 0, "limit": limit}
+            json.dump({**doc, "line": line_dict(line), "fence_state": fences, **extra}, out, indent=2)
             out.write("\n")
         else:
             out.write(f"no lease on {key!r} right now; line: {describe_line(line)}\n")
             _unreadable_notes(key, gaps, out)
         return EXIT_OK
-    problem = _problem(info, gaps)
-    token = info.token if args.show_token else None
+    shown = [(info, info.token if args.show_token else None, _problem(info, gaps)) for info in holders]
     if args.json:
-        data = lease_dict(info, problem)
-        data.update(
-            token=token,
-            overdue_after=overdue_after(info),
-            deadline_in=deadline_in(info),
-            fence_state=fences,
-            line=line_dict(line),
-            **extra,
-        )
+        # The first holder's fields at the top, as for a key of one holder; every holder under "holders".
+        each = [_holder_dict(info, problem, token) for info, token, problem in shown]
+        data = dict(each[0])
+        data.update(holders=each, held=len(holders), limit=limit, fence_state=fences, line=line_dict(line), **extra)
         json.dump(data, out, indent=2)
         out.write("\n")
         return EXIT_OK
-    if problem is not None:
-        out.write(f"{info.redis_key} is {problem} (TTL left: {ttl_left(info)}).\n")
+    if len(shown) > 1:
+        write_show_holders(key, shown, fences, line, out, limit=limit)
     else:
-        write_show(info, token, fences, line, out)
+        ((info, token, problem),) = shown
+        if problem is not None:
+            out.write(f"{info.redis_key} is {problem} (TTL left: {ttl_left(info)}).\n")
+        else:
+            write_show(info, token, fences, line, out, limit=limit)
     _unreadable_notes(key, gaps, out)
     return EXIT_OK
 
 
-def cmd_release(leases: Leases, args: argparse.Namespace, out: TextIO) -> int:
-    """``release KEY``: end a lease only if the token proves ownership, or no holder can still believe it holds it."""
-    key = validate_key(args.key)
-    info = leases.inspect(key)
-    if info is None:
-        raise NotFoundError(f"no lease on {key!r} under prefix {leases.prefix!r}; nothing to release")
-    if args.owner is not None:
-        if leases.release_token(key, args.owner):
-            out.write(f"released {key!r} (fence {info.fence}, held by {holder(info)}): the token matched.\n")
-            return EXIT_OK
-        if leases.inspect(key) is None:
-            raise NotFoundError(f"the lease on {key!r} ended meanwhile; nothing to release")
+def _holders_named(holders: Sequence[LeaseInfo]) -> str:
+    """``fence 7 in slot 0 (alive, web-7:4242); fence 9 in slot 1 (holder_dead, web-8:17)``."""
+    return "; ".join(f"fence {i.fence} in slot {i.slot} ({i.state.value}, {holder(i)})" for i in holders)
+
+
+def _release_owner(leases: Leases, key: str, holders: list[LeaseInfo], token: str, out: TextIO) -> int:
+    """``release KEY --owner TOKEN``: the holder whose token it is, whichever slot it holds."""
+    mine = next((info for info in holders if info.token == token), None)
+    if leases.release_token(key, token, slot=mine.slot if mine is not None else None):
+        info = mine or holders[0]
+        out.write(f"released {key!r} (fence {info.fence}, held by {holder(info)}): the token matched.\n")
+        return EXIT_OK
+    if not leases.holders(key):
+        raise NotFoundError(f"the lease on {key!r} ended meanwhile; nothing to release")
+    if len(holders) == 1:
+        (info,) = holders
         raise RefusedError(
             f"refused: {key!r} is held by another owner (fence {info.fence}, {holder(info)}); nothing changed"
         )
-    # The verdict is the script's, from the facts in Redis at that instant; `info` only describes the holder.
-    result = leases.release_if_dead(key)
+    raise RefusedError(
+        f"refused: none of the {len(holders)} holders of {key!r} has that token ({_holders_named(holders)}); "
+        "nothing changed"
+    )
+
+
+def cmd_release(leases: Leases, args: argparse.Namespace, out: TextIO) -> int:
+    """``release KEY``: end a lease only if the token proves ownership, or no holder can still believe it holds it.
+
+    On a key held by several at once, ``--if-dead`` judges the holder named by ``--fence``; without it, such a
+    key is a usage error naming its holders (never a guess at which to end).
+    """
+    key = validate_key(args.key)
+    fence = getattr(args, "fence", None)
+    if fence is not None and args.owner is not None:
+        raise LeaseConfigError("--fence goes with --if-dead: --owner TOKEN already names the holder")
+    holders = leases.holders(key)
+    if not holders:
+        raise NotFoundError(f"no lease on {key!r} under prefix {leases.prefix!r}; nothing to release")
+    if args.owner is not None:
+        return _release_owner(leases, key, holders, args.owner, out)
+    if fence is None and len(holders) > 1:
+        raise LeaseConfigError(
+            f"{key!r} has {len(holders)} holders ({_holders_named(holders)}): say which to judge with --fence N"
+        )
+    info = holders[0] if fence is None else next((i for i in holders if i.fence == fence), None)
+    if info is None:
+        raise NotFoundError(
+            f"no holder of {key!r} has fence {fence} (its holders: {_holders_named(holders)}); nothing to release"
+        )
+    # The verdict is the script's, from the facts in Redis at that instant, on this holder's grant only;
+    # `info` only describes the holder.
+    result = leases.release_if_dead(key, fence=info.fence)
     if result.released is None:
-        raise NotFoundError(f"the lease on {key!r} ended meanwhile; nothing to release")
-    if result.fence != info.fence:  # another grant meanwhile: describe that one
-        info = leases.inspect(key) or info
+        raise NotFoundError(f"the lease on {key!r} (fence {info.fence}) ended meanwhile; nothing to release")
+    if result.fence != info.fence:
+        raise RefusedError(
+            f"refused: the grant of fence {info.fence} on {key!r} ended meanwhile, and fence {result.fence} holds "
+            "its slot now (`show` it, and judge that one); nothing changed"
+        )
     if result.released:
         out.write(f"released {key!r} (fence {result.fence}, held by {holder(info)}): {why_released(info, result)}.\n")
         return EXIT_OK

@@ -9,6 +9,7 @@ character outside ASCII).
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
 from typing import IO, Any, TextIO
 
@@ -163,11 +164,33 @@ def _table(rows: list[list[str]], out: TextIO) -> None:
         out.write("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() + "\n")
 
 
-def write_list(found: list[LeaseInfo], problems: dict[str, str | None], out: TextIO) -> None:
-    """The table of ``list``, then a note on each stray key and on each state that calls for one."""
-    rows = [["KEY", "ACTOR", "MESSAGE", "HOLDER", "AGE", "TTL LEFT", "HEARTBEAT", "FENCE", "STATE"]]
+def key_limit(holders: Sequence[LeaseInfo], fences: Mapping[str, int]) -> int:
+    """How many may hold a key at once: the highest limit its holders were granted under; with none, the fence
+    counter's ``width`` (how many slots it may have held), else 1."""
+    if holders:
+        return max(info.limit for info in holders)
+    return max(1, fences.get("width", 1))
+
+
+def held_by(found: Sequence[LeaseInfo], problems: Mapping[str, str | None]) -> dict[str, tuple[int, int]]:
+    """``{key: (holders, limit)}`` of the leases among ``found`` (each holder of a key held by several at once is
+    one of them); keys of the wrong type are their own."""
+    out: dict[str, tuple[int, int]] = {}
     for info in found:
         if problems[info.redis_key] is None:
+            count, limit = out.get(info.key, (0, 1))
+            out[info.key] = (count + 1, max(limit, info.limit))
+    return out
+
+
+def write_list(found: list[LeaseInfo], problems: dict[str, str | None], out: TextIO) -> None:
+    """The table of ``list``, one row per holder (HELD: how many hold its key, of its limit), then a note on each
+    stray key and on each state that calls for one."""
+    held = held_by(found, problems)
+    rows = [["KEY", "ACTOR", "MESSAGE", "HOLDER", "AGE", "TTL LEFT", "HEARTBEAT", "HELD", "FENCE", "STATE"]]
+    for info in found:
+        if problems[info.redis_key] is None:
+            count, limit = held[info.key]
             rows.append(
                 [
                     info.key,
@@ -177,12 +200,13 @@ def write_list(found: list[LeaseInfo], problems: dict[str, str | None], out: Tex
                     format_duration(info.age),
                     ttl_left(info),
                     format_duration(info.heartbeat_age) + " ago",
+                    f"{count}/{limit}",
                     str(info.fence),
                     info.state.value,
                 ]
             )
         else:
-            rows.append([info.redis_key, "-", "-", "-", "-", ttl_left(info), "-", "-", info.state.value])
+            rows.append([info.redis_key, "-", "-", "-", "-", ttl_left(info), "-", "-", "-", info.state.value])
     _table(rows, out)
     for info in found:
         problem = problems[info.redis_key]
@@ -264,10 +288,99 @@ def line_dict(line: LineInfo) -> dict[str, Any]:
     }
 
 
-def write_show(info: LeaseInfo, token: str | None, fences: dict[str, int], line: LineInfo, out: TextIO) -> None:
-    """The fields of ``show``, one per line, names aligned; ``token`` is ``None`` when hidden."""
+#: The legacy records of a fence counter, as ``show`` names them (a key never held by several at once).
+_COUNTER_FIELDS = ("expired", "fence", "released")
+#: A slot's records (``g:<slot>``...), as ``show`` names them.
+_SLOT_RECORDS = (("g", "granted"), ("r", "released"), ("e", "expired"))
+#: Slots ``show`` lists by number in its ``holders`` line; past that, only how many.
+_SLOTS_NAMED = 12
+
+
+def describe_counter(fences: Mapping[str, int]) -> str:
+    """The key-wide part of a fence counter: ``last fence 9, last released 4``, then ``width 3`` for a key held by
+    several at once; ``none`` if there is no counter."""
+    parts = [f"last {name} {fences[name]}" for name in _COUNTER_FIELDS if name in fences]
+    if "width" in fences:
+        parts.append(f"width {fences['width']}")
+    return ", ".join(parts) or "none"
+
+
+def slot_records(fences: Mapping[str, int], slot: int) -> str:
+    """What the fence counter records of one slot: ``last granted 9, last released 7``; ``none`` if nothing."""
+    parts = [f"last {name} {fences[f'{code}:{slot}']}" for code, name in _SLOT_RECORDS if f"{code}:{slot}" in fences]
+    return ", ".join(parts) or "none"
+
+
+def holders_summary(holders: Sequence[LeaseInfo], limit: int) -> str:
+    """``2 of 3 (slots 0, 2)``: how many hold the key, of how many may, and in which slots."""
+    slots = [str(info.slot) for info in holders]
+    which = f" (slot{'s' if len(slots) > 1 else ''} {', '.join(slots)})" if 0 < len(slots) <= _SLOTS_NAMED else ""
+    return f"{len(holders)} of {limit}{which}"
+
+
+def _aligned(lines: Sequence[tuple[str, str]], out: TextIO, indent: str = "") -> None:
+    # Field names too: the metadata's come from whoever wrote the hash.
+    escaped = [(printable(name), printable(value)) for name, value in lines]
+    width = max(len(name) for name, _ in escaped)
+    for name, value in escaped:
+        out.write(f"{indent}{name.ljust(width)}  {value}\n")
+
+
+def write_show(
+    info: LeaseInfo,
+    token: str | None,
+    fences: dict[str, int],
+    line: LineInfo,
+    out: TextIO,
+    *,
+    limit: int = 1,
+) -> None:
+    """The fields of ``show`` for a key of one holder, one per line, names aligned; ``token`` is ``None`` when
+    hidden. A holder of a key that several may hold at once (``limit``) also has a ``holders`` line and its
+    slot's records."""
+    several = limit > 1 or info.slot > 0 or info.per_slot
     lines = [
         ("key", info.key),
+        *([("holders", holders_summary([info], limit))] if several else []),
+        *_holder_lines(info, token),
+        ("fence counter", describe_counter(fences)),
+        *([("slot records", slot_records(fences, info.slot))] if several else []),
+        ("line", describe_line(line)),
+    ]
+    _aligned(lines, out)
+
+
+def write_show_holders(
+    key: str,
+    holders: Sequence[tuple[LeaseInfo, str | None, str | None]],
+    fences: dict[str, int],
+    line: LineInfo,
+    out: TextIO,
+    *,
+    limit: int,
+) -> None:
+    """``show`` of a key with several holders: the key's own lines, then a block per holder, by slot. Each of
+    ``holders`` is (its info, its token or ``None`` when hidden, why it is not a lease hash or ``None``)."""
+    _aligned(
+        [
+            ("key", key),
+            ("holders", holders_summary([info for info, _, _ in holders], limit)),
+            ("fence counter", describe_counter(fences)),
+            ("line", describe_line(line)),
+        ],
+        out,
+    )
+    for info, token, problem in holders:
+        out.write(f"\nslot {info.slot} (fence {info.fence}, {info.state.value})\n")
+        if problem is not None:
+            out.write(f"  {printable(info.redis_key)} is {problem} (TTL left: {ttl_left(info)}).\n")
+            continue
+        _aligned([*_holder_lines(info, token), ("slot records", slot_records(fences, info.slot))], out, "  ")
+
+
+def _holder_lines(info: LeaseInfo, token: str | None) -> list[tuple[str, str]]:
+    """One holder's lines of ``show``, from its Redis key to its adoption."""
+    return [
         ("redis key", info.redis_key),
         ("state", f"{info.state.value}: {state_note(info)}"),
         ("fence", str(info.fence)),
@@ -293,14 +406,7 @@ def write_show(info: LeaseInfo, token: str | None, fences: dict[str, int], line:
         ("expires", expires(info)),
         ("max hold until", timestamp(info.max_hold_until_ms) if info.max_hold_until_ms else "none"),
         *([("adopted", timestamp(info.adopted_ms))] if info.adopted_ms else []),
-        ("fence counter", ", ".join(f"last {name} {value}" for name, value in sorted(fences.items())) or "none"),
-        ("line", describe_line(line)),
     ]
-    # Field names too: the metadata's come from whoever wrote the hash.
-    lines = [(printable(name), printable(value)) for name, value in lines]
-    width = max(len(name) for name, _ in lines)
-    for name, value in lines:
-        out.write(f"{name.ljust(width)}  {value}\n")
 
 
 def why_released(info: LeaseInfo, result: DeadRelease) -> str:

@@ -71,6 +71,10 @@ class LeaseInfo:
     slot: int = 0
     #: How many may hold the key at once, as this holder was granted (1 for a key of one holder).
     limit: int = 1
+    #: Whether the fence counter records this grant's end per slot (``g:<slot>``, ``r:<slot>``, ``e:<slot>``),
+    #: as it does for every grant made once its key had been held by several at once (the hash names its
+    #: slot); else in the counter's ``fence``, ``released`` and ``expired``.
+    per_slot: bool = False
 
     @property
     def age(self) -> float:
@@ -198,6 +202,7 @@ def parse_info(redis_key: str, pttl: int, flat: Sequence[Any], now_ms: int) -> L
         adopted_ms=num("adopted_ms"),
         slot=num("slot") if "slot" in raw else slot_of(redis_key),
         limit=max(1, num("limit")),
+        per_slot="slot" in raw,
     )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import re
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -27,7 +28,13 @@ from .errors import LeaseUnavailableError
 from .info import NOT_UTF8, LeaseInfo, UnreadableKey, parse_info, text
 from .keys import fence_name, lease_name, lease_pattern, line_name, line_pattern, validate_key
 
-_FENCE_FIELDS = frozenset({"fence", "released", "expired"})
+#: The fence counter's fields a reader returns: the key's last fence granted, the legacy records of a key never
+#: held by several at once, the width (how many slots may be held), and each slot's records (``g:<slot>`` last
+#: granted, ``r:<slot>`` released, ``e:<slot>`` found expired).
+_FENCE_FIELDS = frozenset({"fence", "released", "expired", "width"})
+_SLOT_RECORD = re.compile(r"[gre]:\d{1,3}")
+#: What follows a lease hash's tag: nothing (slot 0), or ``:<slot>``.
+_SLOT_SUFFIX = re.compile(r":[1-9]\d{0,2}")
 
 #: Errors of a node that did not answer (or of a slot no node serves).
 _NODE_ERRORS = (redis.RedisError, RedisClusterException)
@@ -321,10 +328,27 @@ class Reader:
 
     # Leases -----------------------------------------------------------------
 
-    def inspect(self, key: str, *, gaps: ReadGaps | None = None) -> LeaseInfo | None:
-        """What Redis holds for the lease on ``key``, or ``None`` if there is none."""
-        infos = self.inspect_names([lease_name(self.prefix, validate_key(key))], gaps=gaps)
+    def inspect(self, key: str, *, slot: int = 0, gaps: ReadGaps | None = None) -> LeaseInfo | None:
+        """What Redis holds for the lease on ``key`` in holder ``slot``, or ``None`` if there is none."""
+        infos = self.inspect_names([lease_name(self.prefix, validate_key(key), slot)], gaps=gaps)
         return infos[0] if infos else None
+
+    def holders(self, key: str, *, gaps: ReadGaps | None = None) -> list[LeaseInfo]:
+        """Every holder of ``key``, by slot: slots 0 to the fence counter's ``width`` less one (slot 0 only for a
+        key never held by several at once), read in one round trip after the counter's.
+
+        A counter gone while slots were held (a ``fence_retention`` shorter than the hold) or behind the holders
+        found (their ``limit`` is above its width) is made up for by the holders' own limit: the slots up to it
+        are read too, in one more round trip.
+        """
+        key = validate_key(key)
+        width = self.fence_states([key], gaps=gaps)[0].get("width", 1)
+        width = max(1, min(width, scripts.MAX_LIMIT))
+        found = self.inspect_names([lease_name(self.prefix, key, s) for s in range(width)], gaps=gaps)
+        wider = min(max((info.limit for info in found), default=1), scripts.MAX_LIMIT)
+        if wider > width:
+            found += self.inspect_names([lease_name(self.prefix, key, s) for s in range(width, wider)], gaps=gaps)
+        return sorted(found, key=lambda info: info.slot)
 
     def inspect_names(self, names: Sequence[str], *, gaps: ReadGaps | None = None) -> list[LeaseInfo]:
         """Read the lease hashes at these Redis keys (those that still exist), one round trip per slot.
@@ -384,13 +408,25 @@ class Reader:
             yield from self._scan(f"{self.prefix}:lease:*", count, gaps)
             return
         seen = set()
-        for info in self._scan(lease_pattern(self.prefix, match), count, gaps):
+        # The tag's pattern, then any slot's suffix (a key held by several at once: {prefix}:lease:{tag}:s).
+        for info in self._scan(lease_pattern(self.prefix, match) + "*", count, gaps, keep=self._is_lease):
             seen.add(info.redis_key)
             yield info
         # Keys with braces are stored under a digest (see hash_tag): match them here.
-        for info in self._scan(lease_pattern(self.prefix, "h:*"), count, gaps):
+        for info in self._scan(lease_pattern(self.prefix, "h:*") + "*", count, gaps, keep=self._is_lease):
             if info.redis_key not in seen and fnmatch.fnmatchcase(info.key, match):
                 yield info
+
+    def _is_lease(self, name: str) -> bool:
+        """Whether ``name`` is a lease hash's: ``{prefix}:lease:{tag}``, or slot ``s``'s ``{prefix}:lease:{tag}:s``."""
+        start = f"{self.prefix}:lease:{{"
+        tag, brace, tail = name[len(start) :].partition("}")
+        return (
+            name.startswith(start)
+            and bool(brace)
+            and "{" not in tag
+            and (not tail or bool(_SLOT_SUFFIX.fullmatch(tail)))
+        )
 
     def _scan_batches(
         self, pattern: str, count: int, gaps: ReadGaps | None, keep: Callable[[str], bool] = lambda name: True
@@ -430,8 +466,10 @@ class Reader:
             self._refresh()
         self._none_answered([node for node, _ in masters], gaps, f"scan {pattern!r}")
 
-    def _scan(self, pattern: str, count: int, gaps: ReadGaps | None) -> Iterator[LeaseInfo]:
-        for batch in self._scan_batches(pattern, count, gaps):
+    def _scan(
+        self, pattern: str, count: int, gaps: ReadGaps | None, keep: Callable[[str], bool] = lambda name: True
+    ) -> Iterator[LeaseInfo]:
+        for batch in self._scan_batches(pattern, count, gaps, keep):
             yield from self._read_leases(batch, gaps)[0]
 
     # Lines ------------------------------------------------------------------
@@ -498,8 +536,10 @@ class Reader:
     # Fence counters ---------------------------------------------------------
 
     def fence_state(self, key: str, *, gaps: ReadGaps | None = None) -> dict[str, int]:
-        """The fence counter of ``key``: last ``fence`` granted, last ``released``, last ``expired``
-        (empty if there is none, or if it cannot be read: see ``gaps``)."""
+        """The fence counter of ``key``: last ``fence`` granted, last ``released``, last ``expired`` (a key never held
+        by several at once); once it was, ``width`` (how many slots may be held) and each slot's records,
+        ``g:<slot>`` last granted, ``r:<slot>`` last released, ``e:<slot>`` last found expired (see
+        :attr:`LeaseInfo.per_slot`). Empty if there is none, or if it cannot be read: see ``gaps``."""
         return self.fence_states([validate_key(key)], gaps=gaps)[0]
 
     def fence_states(self, keys: Sequence[str], *, gaps: ReadGaps | None = None) -> list[dict[str, int]]:
@@ -519,7 +559,7 @@ class Reader:
                 raw = {}
             state = {}
             for k, v in raw.items():
-                if (field_name := text(k)) in _FENCE_FIELDS:
+                if (field_name := text(k)) in _FENCE_FIELDS or _SLOT_RECORD.fullmatch(field_name):
                     with contextlib.suppress(ValueError):  # a field written by hand is not a number
                         state[field_name] = int(v)
             out.append(state)
@@ -549,7 +589,10 @@ def _line_info(name: str, head: Any, length: Any, entries: Any, now_ms: int) -> 
     states: dict[str, int] = {}
     actors: dict[str, int] = {}
     for raw in entries:
-        parts = text(raw).split(" ", 3)
+        entry = text(raw)
+        if entry.startswith("L "):  # the pointer to the key's latest waiter (lock_on_busy="latest"), not a waiter
+            continue
+        parts = entry.split(" ", 3)
         state = _STATES.get(parts[0], parts[0])
         states[state] = states.get(state, 0) + 1
         actor = parts[3] if len(parts) > 3 else ""

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from .client import unavailable
+from .errors import LeaseStateError
+from .info import LeaseInfo
 from .keys import fence_name, lease_name, validate_key
 
 
@@ -16,8 +18,10 @@ class DeadRelease(NamedTuple):
       released: ``True`` if released, ``False`` if refused, ``None`` if there is no such lease.
       deadline_in: seconds until the lease may be released, its holder's
         deadline plus safety margin (negative: past it), or ``None`` when the
-        key does not say (it then expires by its TTL).
-      fence: the fence of the lease found (0 if unknown).
+        key does not say (it then expires by its TTL), or when another grant
+        holds the slot now.
+      fence: the fence of the lease found (0 if unknown). Given a ``fence``, a refusal with another one says
+        that the grant asked for ended meanwhile and that grant holds its slot now: nothing was touched.
     """
 
     released: bool | None
@@ -25,16 +29,38 @@ class DeadRelease(NamedTuple):
     fence: int
 
 
+def target(key: str, holders: Sequence[LeaseInfo], fence: int | None) -> LeaseInfo | None:
+    """The holder of ``key`` that :meth:`Leases.release_if_dead` judges: the one of ``fence``, else the only one.
+
+    Raises:
+      LeaseStateError: no ``fence`` and several holders: which one to release must be said, never guessed.
+    """
+    if fence is not None:
+        return next((info for info in holders if info.fence == fence), None)
+    if len(holders) > 1:
+        which = ", ".join(f"fence {info.fence} in slot {info.slot} ({info.state.value})" for info in holders)
+        raise LeaseStateError(
+            f"{key!r} has {len(holders)} holders ({which}): name the one to release by its fence "
+            "(release_if_dead(key, fence=N); the CLI's --fence N)",
+            key=key,
+        )
+    return holders[0] if holders else None
+
+
 def release_if_dead(
-    call: Callable[[list[str], list[Any]], Any], prefix: str, fence_retention: int, key: str
+    call: Callable[[list[str], list[Any]], Any], prefix: str, fence_retention: int, key: str, holder: LeaseInfo
 ) -> DeadRelease:
-    """:meth:`Leases.release_if_dead`: ``call`` runs the ``RELEASE_IF_DEAD`` script with its keys and arguments."""
-    keys = [lease_name(prefix, validate_key(key)), fence_name(prefix, key)]
+    """:meth:`Leases.release_if_dead` of ``holder``, a holder of ``key`` as read: ``call`` runs the
+    ``RELEASE_IF_DEAD`` script with its keys and arguments, on ``holder``'s slot and for its fence only (a hash
+    without a fence, written by hand: whatever holds that slot)."""
+    keys = [lease_name(prefix, validate_key(key), holder.slot), fence_name(prefix, key)]
     with unavailable(f"release lease {key!r}", key):
-        reply = call(keys, [fence_retention])
+        reply = call(keys, [fence_retention, holder.fence])
     code = int(reply[0])
-    if code < 0:
+    if code == -1:
         return DeadRelease(None, None, 0)
+    if code == -2:  # another grant holds the slot now: the one asked for ended meanwhile
+        return DeadRelease(False, None, int(reply[1]))
     ms, fence = int(reply[1]), int(reply[2])
     if code == 1:
         return DeadRelease(True, -ms / 1000, fence)
