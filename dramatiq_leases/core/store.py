@@ -569,6 +569,7 @@ class Leases:
         interval: int | None = None,
         max_hold: int | None = None,
         meta: Mapping[str, str] | None = None,
+        limit: int = 1,
     ) -> Iterator[Lease]:
         """Hold ``key`` for the ``with`` block: acquired on entry, released (owner-checked) on exit.
 
@@ -576,7 +577,8 @@ class Leases:
         block runs and ``on_lost`` is called (on a heartbeat thread) if it is lost; without one it lasts
         ``ttl`` ms from the grant. Either way :meth:`Lease.remaining` says how long the block may still rely
         on it (0 once lost). The token is chosen before Redis is asked, so an interruption anywhere
-        (``KeyboardInterrupt``, a time limit) still releases what was granted.
+        (``KeyboardInterrupt``, a time limit) still releases what was granted. ``limit``: as
+        :meth:`try_acquire` (the block then holds one of that many slots).
 
         Raises:
           LeaseBusyError: another owner holds ``key`` (its ``busy`` says when to retry).
@@ -595,7 +597,7 @@ class Leases:
         got: Lease | Busy | None = None
         released: bool | None = None
         try:
-            got = self.try_acquire(key, ttl, interval=interval, max_hold=max_hold, meta=meta, token=token)
+            got = self.try_acquire(key, ttl, interval=interval, max_hold=max_hold, meta=meta, token=token, limit=limit)
             if isinstance(got, Busy):
                 raise LeaseBusyError(got)
             if heartbeat is not None:
@@ -606,7 +608,9 @@ class Leases:
                 heartbeat.untrack(got)
             if not isinstance(got, Busy):  # granted, or perhaps granted by a call an interruption cut short
                 with contextlib.suppress(LeaseUnavailableError):
-                    released = self.release_token(key, token, fence=got.fence if got else None)
+                    # A grant whose reply never came is looked for by its token in every slot.
+                    slot = got.slot if isinstance(got, Lease) else None
+                    released = self.release_token(key, token, fence=got.fence if got else None, slot=slot)
         if isinstance(got, Lease) and released is False:  # released: still ours, so nobody held it between
             raise LeaseExpiredError(
                 f"lease {key!r} (fence {got.fence}) ended before its with block did: its work may have "
