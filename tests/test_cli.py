@@ -466,6 +466,132 @@ def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str], redis_server: E
     assert "invalid --redis-url" in capsys.readouterr().err
 
 
+# keys several may hold at once (lock_limit) ------------------------------------
+
+
+def wide(leases: Leases, key: str, n: int, *, limit: int = 3) -> list[Lease]:
+    """``n`` holders of ``key``, which ``limit`` may hold at once, each a message of its own."""
+    return [acquire(leases, key, limit=limit, meta={**META, "message_id": f"msg-{i}"}) for i in range(n)]
+
+
+def test_show_shows_every_holder_of_a_key_several_hold(
+    capsys: pytest.CaptureFixture[str], redis_server: EmbeddedRedis, leases: Leases, redis_client: redis.Redis
+) -> None:
+    held = wide(leases, "report:1", 2, limit=4)
+    leaked = dead_lease_in(leases, redis_client, "report:1", limit=4)
+    code, out, err = cli(capsys, redis_server, "show", "report:1")
+    assert (code, err) == (0, "")
+    head, *blocks = out.split("\n\n")
+    fields = dict(re.split(r" {2,}", line, maxsplit=1) for line in head.splitlines())
+    assert fields["key"] == "report:1"
+    assert fields["holders"] == "3 of 4 (slots 0, 1, 2)"
+    assert fields["fence counter"] == f"last fence {leaked.fence}, width 4"
+    assert [block.splitlines()[0] for block in blocks] == [
+        f"slot 0 (fence {held[0].fence}, alive)",
+        f"slot 1 (fence {held[1].fence}, alive)",
+        f"slot 2 (fence {leaked.fence}, holder_dead)",
+    ]
+    third = dict(re.split(r" {2,}", line.strip(), maxsplit=1) for line in blocks[2].splitlines()[1:])
+    assert third["message_id"] == "msg-dead" and third["redis key"] == "dramatiq-leases:lease:{report:1}:2"
+    assert third["slot records"] == f"last granted {leaked.fence}"
+    assert third["state"].startswith("holder_dead: leaked")
+    assert all(lease.token not in out for lease in held)
+
+    code, out, _ = cli(capsys, redis_server, "show", "report:1", "--json", "--show-token")
+    data = json.loads(out)
+    assert code == 0 and (data["held"], data["limit"]) == (3, 4)
+    assert [(h["slot"], h["fence"], h["state"], h["token"]) for h in data["holders"]] == [
+        (0, held[0].fence, "alive", held[0].token),
+        (1, held[1].fence, "alive", held[1].token),
+        (2, leaked.fence, "holder_dead", leaked.token),
+    ]
+    # The first holder at the top, as for a key of one holder.
+    assert (data["fence"], data["token"], data["message_id"]) == (held[0].fence, held[0].token, "msg-0")
+    assert data["fence_state"]["width"] == 4 and data["fence_state"]["g:2"] == leaked.fence
+
+    # One holder left of a key several may hold: the usual fields, with how many may hold it.
+    for lease in held:
+        assert leases.release(lease)
+    code, out, _ = cli(capsys, redis_server, "show", "report:1")
+    fields = dict(re.split(r" {2,}", line, maxsplit=1) for line in out.splitlines())
+    assert code == 0 and fields["holders"] == "1 of 4 (slot 2)" and fields["fence"] == str(leaked.fence)
+    assert fields["slot records"] == f"last granted {leaked.fence}"
+
+
+def dead_lease_in(leases: Leases, client: redis.Redis, key: str, *, limit: int) -> Lease:
+    """:func:`dead_lease`, as one holder of a key ``limit`` may hold."""
+    lease = acquire(leases, key, ttl=1_000, interval=300, limit=limit, meta={**META, "message_id": "msg-dead"})
+    client.pexpire(f"{leases.lease_name(key)}:{lease.slot}" if lease.slot else leases.lease_name(key), 60_000)
+    wait_for(
+        lambda: (i := leases.inspect(key, slot=lease.slot)) is not None and i.state is State.HOLDER_DEAD,
+        timeout=5,
+        what="the holder's deadline to pass",
+    )
+    return lease
+
+
+def test_list_shows_a_row_per_holder_and_how_full_each_key_is(
+    capsys: pytest.CaptureFixture[str], redis_server: EmbeddedRedis, leases: Leases
+) -> None:
+    held = wide(leases, "report:1", 2)
+    acquire(leases, "invoice:1", meta=META)
+    code, out, _ = cli(capsys, redis_server, "list")
+    rows = out.splitlines()
+    assert code == 0 and rows[0].split()[-3:] == ["HELD", "FENCE", "STATE"]
+    assert [row.split()[0] for row in rows[1:]] == ["invoice:1", "report:1", "report:1"]
+    assert [row.split()[-3:] for row in rows[1:]] == [
+        ["1/1", "1", "alive"],
+        ["2/3", str(held[0].fence), "alive"],
+        ["2/3", str(held[1].fence), "alive"],
+    ]
+    code, out, _ = cli(capsys, redis_server, "list", "--json", "--match", "report:*")
+    assert code == 0
+    assert [(r["key"], r["slot"], r["limit"], r["holders"], r["message_id"]) for r in json.loads(out)] == [
+        ("report:1", 0, 3, 2, "msg-0"),
+        ("report:1", 1, 3, 2, "msg-1"),
+    ]
+
+
+def test_release_if_dead_of_a_key_several_hold_judges_the_holder_its_fence_names(
+    capsys: pytest.CaptureFixture[str], redis_server: EmbeddedRedis, leases: Leases, redis_client: redis.Redis
+) -> None:
+    (alive,) = wide(leases, "report:2", 1)
+    leaked = dead_lease_in(leases, redis_client, "report:2", limit=3)
+
+    # Which one is never guessed: a usage error naming them, nothing released.
+    code, out, err = cli(capsys, redis_server, "release", "report:2", "--if-dead")
+    assert (code, out) == (2, "")
+    assert f"'report:2' has 2 holders (fence {alive.fence} in slot 0 (alive, web-7:4242); fence {leaked.fence}" in err
+    assert "--fence N" in err and len(err.splitlines()) == 1
+    assert len(leases.holders("report:2")) == 2
+
+    code, out, err = cli(capsys, redis_server, "release", "report:2", "--if-dead", "--fence", str(alive.fence))
+    assert (code, out) == (1, "") and "refused: the holder of 'report:2'" in err and "is alive" in err
+    code, _, err = cli(capsys, redis_server, "release", "report:2", "--if-dead", "--fence", "999")
+    assert code == 3 and "no holder of 'report:2' has fence 999" in err
+
+    code, out, err = cli(capsys, redis_server, "release", "report:2", "--if-dead", "--fence", str(leaked.fence))
+    assert (code, err) == (0, "")
+    assert out.startswith(f"released 'report:2' (fence {leaked.fence}, held by web-7:4242): its holder's deadline")
+    assert [info.fence for info in leases.holders("report:2")] == [alive.fence], "the live holder keeps its slot"
+
+    # --fence names a holder to judge; --owner's token names one already.
+    code, _, err = cli(capsys, redis_server, "release", "report:2", "--owner", alive.token, "--fence", "1")
+    assert code == 2 and "--fence goes with --if-dead" in err
+    assert leases.holders("report:2") != []
+
+
+def test_release_owner_finds_the_holder_of_the_token_in_any_slot(
+    capsys: pytest.CaptureFixture[str], redis_server: EmbeddedRedis, leases: Leases
+) -> None:
+    held = wide(leases, "report:3", 3)
+    code, _, err = cli(capsys, redis_server, "release", "report:3", "--owner", "not-the-token")
+    assert code == 1 and "refused: none of the 3 holders of 'report:3' has that token" in err
+    code, out, _ = cli(capsys, redis_server, "release", "report:3", "--owner", held[2].token)
+    assert code == 0 and out == f"released 'report:3' (fence {held[2].fence}, held by web-7:4242): the token matched.\n"
+    assert [info.slot for info in leases.holders("report:3")] == [0, 1]
+
+
 # Redis unreachable -----------------------------------------------------------
 
 

@@ -172,3 +172,16 @@ def test_a_key_that_is_not_utf8_is_listed_escaped_not_a_crash(
     assert "invoice:1" in assert_clean(out)
     said = assert_clean(err)
     assert "\\xff\\xfeinvoice" in said and "its name is not UTF-8" in said, said
+
+
+def test_show_of_a_key_several_hold_escapes_each_holder(redis_server: EmbeddedRedis, leases: Leases) -> None:
+    for _ in range(2):
+        acquire(leases, HOSTILE, limit=2)
+    code, out, err = run(redis_server, "show", HOSTILE)
+    assert (code, err) == (0, b"")
+    text = assert_clean(out)
+    assert text.count("web\\x1b[1A\\x1b[2K7\\x0a") == 2, "each holder's host, escaped"
+    assert "holders        2 of 2 (slots 0, 1)" in text
+    code, out, err = run(redis_server, "list")
+    assert (code, err) == (0, b"")
+    assert assert_clean(out).count("2/2") == 2
