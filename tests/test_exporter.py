@@ -188,6 +188,9 @@ def test_the_busy_page_lists_leases_worst_first_with_their_lines_and_the_hottest
             "ttl_left_seconds": old["ttl_left_seconds"],
             "line_length": 2,
             "inspect_command": f"dramatiq-leases --redis-url {redis_server.url(1)} --prefix {PREFIX} show '{OLD}'",
+            "slot": 0,
+            "holders": 1,
+            "limit": 1,
         }
         assert old["age_seconds"] >= overdue["age_seconds"] >= leaked["age_seconds"] > 0
         assert 0 < old["ttl_left_seconds"] <= 60
@@ -206,6 +209,8 @@ def test_the_busy_page_lists_leases_worst_first_with_their_lines_and_the_hottest
             "held": False,
             "state": "free",
             "inspect_command": f"dramatiq-leases --redis-url {redis_server.url(1)} --prefix {PREFIX} show '{digest}'",
+            "holders": 0,
+            "limit": 1,
         }
         assert braced["parked"] + braced["promoted"] == 3
         assert braced["oldest_wait_seconds"] == pytest.approx(9, abs=5)

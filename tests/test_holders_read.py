@@ -10,6 +10,8 @@ import pytest
 import redis
 
 from dramatiq_leases.core import Busy, Lease, LeaseConfigError, LeaseInfo, Leases, LeaseStateError, State, recovery
+from dramatiq_leases.exporter import Exporter
+from dramatiq_leases.exporter.observer import grant_ending
 
 from .support.waiting import wait_for
 
@@ -164,3 +166,117 @@ def test_release_if_dead_of_a_fence_whose_slot_another_grant_took_touches_nothin
 def test_release_if_dead_refuses_a_fence_that_is_no_fence(leases: Leases, fence: object) -> None:
     with pytest.raises(LeaseConfigError, match="fence"):
         leases.release_if_dead("k", fence=fence)  # type: ignore[arg-type]
+
+
+# the exporter -----------------------------------------------------------------------------------------------
+
+WORK = {"actor": "send_invoice", "queue": "default"}
+WORK_LABELS = (("actor_name", "send_invoice"), ("queue_name", "default"))
+
+
+def scrape(exporter: Exporter) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """The samples of the exporter's registry, by name and labels (its ``/metrics``, read in process)."""
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in exporter.registry.collect()
+        for sample in family.samples
+    }
+
+
+def test_the_exporter_says_how_full_keys_are_per_actor_never_per_key(leases: Leases) -> None:
+    full = [grant(leases, "tenant:1", meta=WORK) for _ in range(3)]
+    lone = grant(leases, "tenant:2", meta=WORK)  # one of three
+    grant(leases, "invoice:1", limit=1)  # a key of one holder is full while held
+    exporter = Exporter(leases, host="127.0.0.1", port=0)
+    try:
+        exporter.observer.scan()
+        samples = scrape(exporter)
+        assert samples[("dramatiq_lease_present", WORK_LABELS)] == 4, "each holder is a lease present"
+        assert samples[("dramatiq_lease_keys_full", WORK_LABELS)] == 1
+        assert samples[("dramatiq_lease_key_saturation", WORK_LABELS)] == 1.0
+        other = (("actor_name", "export_report"), ("queue_name", "default"))
+        assert (samples[("dramatiq_lease_keys_full", other)], samples[("dramatiq_lease_key_saturation", other)]) == (
+            1,
+            1.0,
+        )
+        assert not any("tenant" in str(labels) for _, labels in samples), "never a key in a label"
+
+        assert leases.release(full[1])
+        exporter.observer.scan()
+        samples = scrape(exporter)
+        assert samples[("dramatiq_lease_keys_full", WORK_LABELS)] == 0
+        assert samples[("dramatiq_lease_key_saturation", WORK_LABELS)] == pytest.approx(2 / 3)
+        for lease in (full[0], full[2], lone):
+            assert leases.release(lease)
+        exporter.observer.scan()
+        samples = scrape(exporter)
+        assert samples[("dramatiq_lease_key_saturation", WORK_LABELS)] == 0, "kept, at zero, once nothing is held"
+    finally:
+        exporter.close()
+
+
+def test_the_busy_page_has_a_row_per_holder_and_each_hot_key_says_how_full_it_is(
+    leases: Leases, redis_client: redis.Redis
+) -> None:
+    alive = grant(leases, "tenant:3")
+    leaked = dead(leases, redis_client, "tenant:3")
+    third = grant(leases, "tenant:3")
+    assert isinstance(leases._line.join("tenant:3", 30_000, waiter="m9:0", meta=META, limit=3), Busy)
+    exporter = Exporter(leases, host="127.0.0.1", port=0)
+    try:
+        exporter.observer.scan()
+        doc = exporter.observer.busy_json()
+        rows = [(r["key"], r["slot"], r["fence"], r["holders"], r["limit"], r["state"]) for r in doc["leases"]]
+        assert rows[0] == ("tenant:3", leaked.slot, leaked.fence, 3, 3, "holder_dead"), "the leak first"
+        assert sorted(rows[1:]) == [
+            ("tenant:3", alive.slot, alive.fence, 3, 3, "alive"),
+            ("tenant:3", third.slot, third.fence, 3, 3, "alive"),
+        ]
+        assert doc["leases"][0]["inspect_command"] == "dramatiq-leases show 'tenant:3'"
+        (hot,) = doc["hot_keys"]
+        assert (hot["key"], hot["held"], hot["holders"], hot["limit"], hot["state"]) == (
+            "tenant:3",
+            True,
+            3,
+            3,
+            "holder_dead",
+        ), "the worst holder's state speaks for the key"
+        assert hot["line_length"] == 1
+    finally:
+        exporter.close()
+
+
+@pytest.mark.parametrize(
+    ("state", "slot", "ending"),
+    [
+        ({"fence": 9, "width": 2, "g:1": 7, "r:1": 7}, 1, "released"),
+        ({"fence": 9, "width": 2, "g:1": 7}, 1, "expired"),  # the last of its slot, never released
+        ({"fence": 9, "width": 2, "g:1": 8, "e:1": 7}, 1, "expired"),  # the next grant of its slot found it
+        ({"fence": 9, "width": 2, "g:1": 8, "r:1": 8, "e:1": 5}, 1, "released"),
+        ({"fence": 9, "width": 2, "g:0": 9, "r:0": 9}, 1, "unknown"),  # another slot's records say nothing of it
+        ({"fence": 7, "released": 7, "width": 2, "g:0": 9}, None, "released"),  # granted before the key went wide
+    ],
+)
+def test_how_a_grant_of_a_slot_ended_is_told_from_that_slots_records(
+    state: dict[str, int], slot: int | None, ending: str
+) -> None:
+    assert grant_ending(7, state, slot).value == ending
+
+
+def test_the_exporter_tells_a_released_holder_from_one_that_expired(leases: Leases) -> None:
+    """Two holders of one key end, one by release and one by TTL: only the second is an expiry (the counter's
+    last fence is the released one's, which a reading of the key-wide records would call expired)."""
+    expires = grant(leases, "tenant:4", ttl=1_000, limit=2, meta=WORK)
+    released = grant(leases, "tenant:4", limit=2, meta=WORK)
+    assert released.fence > expires.fence
+    exporter = Exporter(leases, host="127.0.0.1", port=0)
+    try:
+        exporter.observer.scan()
+        assert leases.release(released)
+        wait_for(lambda: leases.holders("tenant:4") == [], timeout=5, what="the short lease to expire")
+        exporter.observer.scan()
+        samples = scrape(exporter)
+        assert samples[("dramatiq_lease_expired_total", WORK_LABELS)] == 1
+        assert samples[("dramatiq_lease_ended_unknown_total", WORK_LABELS)] == 0
+    finally:
+        exporter.close()

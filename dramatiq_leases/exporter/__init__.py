@@ -42,6 +42,13 @@ Prometheus instead of keeping a resolved leak paging, and
   present lease was granted.
 * ``dramatiq_lease_waiting`` (label ``actor_name`` only): messages waiting in
   the line of a busy key.
+* ``dramatiq_lease_keys_full``: keys whose holders have reached their limit
+  (``lock_limit``: as many holders as the highest limit they were granted
+  under; a key of one holder while it is held), counted for each actor and
+  queue among their holders. Never a per-key label: keys are unbounded.
+* ``dramatiq_lease_key_saturation``: the highest holders / limit ratio among
+  the actor's keys held now (0.5: its fullest key has half its holders; 1: a
+  key is full).
 * ``dramatiq_lease_exporter_last_scan_timestamp_seconds`` (no labels): when
   the last scan completed; until the first one does, when the exporter
   started. It is there from the first scrape, so ``time() - it > 120`` fires
@@ -92,7 +99,7 @@ field names are an API::
     "limit": 50,                          # rows per table at most, in this answer
     "leases_total": 3,                    # leases the scan saw (rows may be fewer)
     "hot_keys_total": 1,                  # keys with waiters the scan saw
-    "leases": [                           # most worrying first: leaked, then heartbeat_overdue, then oldest
+    "leases": [                           # one per holder, most worrying first: leaked, overdue, then oldest
       {"key": "invoice:42", "actor": "send_invoice", "queue": "default",
        "message_id": "5f0c...", "host": "worker-1", "pid": 4242,   # pid: null if unknown
        "fence": 17, "state": "no_ttl", "leaked": true,
@@ -100,14 +107,17 @@ field names are an API::
        "heartbeat_age_seconds": 1.2,      # since the last renewal; null likewise
        "ttl_left_seconds": null,          # null: the key has no TTL
        "line_length": 2,                  # waiters in the key's line
-       "inspect_command": "dramatiq-leases show 'invoice:42'"}
+       "inspect_command": "dramatiq-leases show 'invoice:42'",
+       "slot": 0,                         # the holder's slot (a key several hold at once: lock_limit)
+       "holders": 1, "limit": 1}          # how many hold its key now, of how many may
     ],
     "hot_keys": [                         # longest line first, then longest wait
       {"key": "invoice:42", "line_length": 2, "oldest_wait_seconds": 12.5,
        "waiting_in_place": 1, "parked": 1, "promoted": 0,
        "actor": "send_invoice",           # the actor with the most waiters in the line
-       "held": true, "state": "no_ttl",   # the lease's state; "free" between holders
-       "inspect_command": "dramatiq-leases show 'invoice:42'"}
+       "held": true, "state": "no_ttl",   # its worst holder's state; "free" between holders
+       "inspect_command": "dramatiq-leases show 'invoice:42'",
+       "holders": 1, "limit": 1}          # how many hold it now, of how many may
     ],
     "unreachable_nodes": [                # Cluster masters that did not answer that scan: their leases are missing
       {"node": "10.0.0.7:6379", "error": "TimeoutError: Timeout reading from socket"}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fnmatch
 import heapq
+import re
 import shlex
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -21,6 +22,9 @@ from ..core.reading import LineInfo
 
 #: Default bound on the rows of each table (``--top``).
 DEFAULT_TOP = 50
+
+#: The tail of a holder slot's lease hash: ``:s``, s from 1.
+_SLOT = re.compile(r":[1-9]\d{0,2}")
 
 
 class LeaseRow(TypedDict):
@@ -40,6 +44,9 @@ class LeaseRow(TypedDict):
     ttl_left_seconds: float | None
     line_length: int
     inspect_command: str | None
+    slot: int
+    holders: int
+    limit: int
 
 
 class HotKeyRow(TypedDict):
@@ -55,6 +62,8 @@ class HotKeyRow(TypedDict):
     held: bool
     state: str
     inspect_command: str | None
+    holders: int
+    limit: int
 
 
 @dataclass(frozen=True)
@@ -91,24 +100,33 @@ def inspect_command(key: str, cli_options: Sequence[str] = ()) -> str:
 
 
 def hash_tag_of(name: str, prefix: str, kind: str) -> str | None:
-    """The hash tag of a Redis key ``{prefix}:{kind}:{tag}``, or ``None`` if it is not one."""
+    """The hash tag of a Redis key ``{prefix}:{kind}:{tag}``, or ``None`` if it is not one; for ``kind`` ``lease``,
+    also of holder slot ``s``'s ``{prefix}:lease:{tag}:s`` (a key several hold at once)."""
     head = f"{prefix}:{kind}:{{"
-    return name[len(head) : -1] if name.startswith(head) and name.endswith("}") else None
+    if not name.startswith(head):
+        return None
+    tag, brace, tail = name[len(head) :].partition("}")
+    if not brace or (tail and not (kind == "lease" and _SLOT.fullmatch(tail))):
+        return None
+    return tag
 
 
-def _show_key(prefix: str, redis_key: str, candidates: Iterable[str]) -> str | None:
-    """A key that ``show`` maps back to ``redis_key``: the lease's own, else its hash tag (a digest or debris)."""
+def _show_key(prefix: str, redis_key: str, candidates: Iterable[str], slot: int = 0) -> str | None:
+    """A key that ``show`` maps back to ``redis_key`` (the lease hash of ``slot``): the lease's own, else its hash
+    tag (a digest or debris)."""
     for key in candidates:
-        if key and len(key) <= 1024 and lease_name(prefix, key) == redis_key:
+        if key and len(key) <= 1024 and lease_name(prefix, key, slot) == redis_key:
             return key
     return None
 
 
-def _worry(info: LeaseInfo) -> tuple[int, int, str]:
+def _worry(info: LeaseInfo) -> tuple[int, int, str, int]:
     """Sort key, most worrying first: leaked, then overdue, then the oldest grant."""
-    state = info.state
-    rank = 0 if state.leaked else 1 if state is State.HEARTBEAT_OVERDUE else 2
-    return rank, info.acquired_ms, info.key
+    return (_rank(info.state), info.acquired_ms, info.key, info.slot)
+
+
+def _rank(state: State) -> int:
+    return 0 if state.leaked else 1 if state is State.HEARTBEAT_OVERDUE else 2
 
 
 def _pid(text: str) -> int | None:
@@ -130,18 +148,19 @@ def build(
         tag = hash_tag_of(line.name, prefix, "line")
         if tag is not None and line.length:
             line_of[tag] = line
-    lease_of: dict[str, LeaseInfo] = {}
+    holders_of: dict[str, list[LeaseInfo]] = {}  # every holder of a key, by its hash tag
     for info in infos:
         tag = hash_tag_of(info.redis_key, prefix, "lease")
         if tag is not None:
-            lease_of[tag] = info
+            holders_of.setdefault(tag, []).append(info)
 
     rows: list[LeaseRow] = []
     for info in heapq.nsmallest(top, infos, key=_worry):
         tag = hash_tag_of(info.redis_key, prefix, "lease") or ""
         waiting = line_of.get(tag)
         state = info.state
-        key = _show_key(prefix, info.redis_key, (info.key, tag))
+        key = _show_key(prefix, info.redis_key, (info.key, tag), info.slot)
+        holders = holders_of.get(tag, [info])
         rows.append(
             LeaseRow(
                 key=info.key,
@@ -159,20 +178,27 @@ def build(
                 ttl_left_seconds=info.ttl_left / 1000 if info.ttl_left >= 0 else None,
                 line_length=waiting.length if waiting else 0,
                 inspect_command=inspect_command(key, cli_options) if key is not None else None,
+                slot=info.slot,
+                holders=len(holders),
+                limit=key_limit(holders),
             )
         )
 
     # A held key is shown by its own name; a free one (between holders) by its hash tag, which `show` accepts.
-    hot: list[tuple[str, LineInfo, LeaseInfo | None]] = []
+    hot: list[tuple[str, LineInfo, list[LeaseInfo]]] = []
     for tag, line in line_of.items():
-        held = lease_of.get(tag)
-        name = held.key if held is not None else tag
+        held = holders_of.get(tag, [])
+        name = held[0].key if held else tag
         if match == "*" or fnmatch.fnmatchcase(name, match):
             hot.append((name, line, held))
     hot_rows: list[HotKeyRow] = []
     for name, line, held in heapq.nsmallest(top, hot, key=lambda h: (-h[1].length, h[1].oldest_first_ms, h[0])):
-        redis_key = held.redis_key if held is not None else lease_name(prefix, name)
-        key = _show_key(prefix, redis_key, (name, hash_tag_of(redis_key, prefix, "lease") or ""))
+        first = held[0] if held else None
+        redis_key = first.redis_key if first is not None else lease_name(prefix, name)
+        slot = first.slot if first is not None else 0
+        key = _show_key(prefix, redis_key, (name, hash_tag_of(redis_key, prefix, "lease") or ""), slot)
+        # The worst holder's state speaks for the key (a leak among its holders first).
+        worst = min(held, key=lambda info: (_rank(info.state), info.slot), default=None)
         hot_rows.append(
             HotKeyRow(
                 key=name,
@@ -182,12 +208,19 @@ def build(
                 parked=line.states.get("parked", 0),
                 promoted=line.states.get("promoted", 0),
                 actor=_most_waiting(line.actors),
-                held=held is not None,
-                state=held.state.value if held is not None else "free",
+                held=bool(held),
+                state=worst.state.value if worst is not None else "free",
                 inspect_command=inspect_command(key, cli_options) if key is not None else None,
+                holders=len(held),
+                limit=key_limit(held),
             )
         )
     return BusyPage(rows, hot_rows, len(infos), len(hot))
+
+
+def key_limit(holders: Sequence[LeaseInfo]) -> int:
+    """How many may hold a key at once, as its holders were granted: the highest of their limits (1 if none)."""
+    return max((info.limit for info in holders), default=1)
 
 
 def _most_waiting(actors: Mapping[str, int]) -> str:

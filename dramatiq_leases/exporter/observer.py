@@ -6,7 +6,7 @@ import logging
 import threading
 import time
 from collections import Counter as Tally
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -42,6 +42,10 @@ class Snapshot:
     leaked_waiting: Tally[tuple[str, str, str]] = field(default_factory=Tally)
     oldest: dict[Labels, float] = field(default_factory=dict)
     waiting: Tally[str] = field(default_factory=Tally)
+    #: Keys whose holders have reached their limit (a key of one holder: while held), by their holders' labels.
+    keys_full: Tally[Labels] = field(default_factory=Tally)
+    #: The highest holders / limit among the keys held, by their holders' labels.
+    saturation: dict[Labels, float] = field(default_factory=dict)
     leases: list[LeaseInfo] = field(default_factory=list)
     page: BusyPage = field(default_factory=BusyPage)
     #: Cluster masters that did not answer this scan (``host:port`` -> error): what they hold is not counted.
@@ -61,15 +65,19 @@ class Ending(str, Enum):
     UNKNOWN = "unknown"
 
 
-def grant_ending(fence: int, state: dict[str, int]) -> Ending:
+def grant_ending(fence: int, state: dict[str, int], slot: int | None = None) -> Ending:
     """How grant ``fence`` of a key ended, judged from the key's fence counter ``state``.
 
     ``released`` is the highest fence released by its owner, ``expired`` the last fence a later acquirer
     found unreleased, ``fence`` the last granted. A counter that is gone, or made again since (with a
     retention, an idle counter expires; the next grant or release starts a new one), cannot tell:
-    :attr:`Ending.UNKNOWN`.
+    :attr:`Ending.UNKNOWN`. ``slot``: the grant's holder slot when its end is recorded per slot
+    (:attr:`LeaseInfo.per_slot`): that slot's ``r:<slot>``, ``e:<slot>`` and ``g:<slot>`` are read instead.
     """
-    released, expired, last = state.get("released"), state.get("expired"), state.get("fence")
+    if slot is None:
+        released, expired, last = state.get("released"), state.get("expired"), state.get("fence")
+    else:
+        released, expired, last = state.get(f"r:{slot}"), state.get(f"e:{slot}"), state.get(f"g:{slot}")
     if released == fence:
         return Ending.RELEASED
     if expired == fence:
@@ -86,9 +94,21 @@ def grant_ending(fence: int, state: dict[str, int]) -> Ending:
     return Ending.UNKNOWN
 
 
-def ended_by_ttl(fence: int, state: dict[str, int]) -> bool:
+def ended_by_ttl(fence: int, state: dict[str, int], slot: int | None = None) -> bool:
     """Whether grant ``fence`` of a key is known to have ended by TTL (:func:`grant_ending`)."""
-    return grant_ending(fence, state) is Ending.EXPIRED
+    return grant_ending(fence, state, slot) is Ending.EXPIRED
+
+
+def _count_saturation(snap: Snapshot, keys: Iterable[list[LeaseInfo]]) -> None:
+    """How full the keys held are, per actor and queue (never per key: keys are unbounded): each key counts
+    for every actor and queue among its holders."""
+    for holders in keys:
+        limit = busy_page.key_limit(holders)
+        ratio = len(holders) / limit
+        for labels in {(info.meta.get("actor", ""), info.meta.get("queue", "")) for info in holders}:
+            if len(holders) >= limit:
+                snap.keys_full[labels] += 1
+            snap.saturation[labels] = max(snap.saturation.get(labels, 0.0), ratio)
 
 
 #: Unreadable keys named in the log per scan at most; the rest are counted.
@@ -207,13 +227,17 @@ class LeaseObserver(Collector):
             for line in lines
             if (tag := busy_page.hash_tag_of(line.name, self.leases.prefix, "line")) is not None
         }
+        holders_of: dict[str, list[LeaseInfo]] = {}
         for info in infos:
+            tag = busy_page.hash_tag_of(info.redis_key, self.leases.prefix, "lease")
+            if tag is not None:
+                holders_of.setdefault(tag, []).append(info)
             state = info.state
             if state.leaked:
-                tag = busy_page.hash_tag_of(info.redis_key, self.leases.prefix, "lease") or ""
                 snap.leaked_waiting[(info.meta.get("actor", ""), info.meta.get("queue", ""), state.value)] += (
-                    waiting_on.get(tag, 0)
+                    waiting_on.get(tag or "", 0)
                 )
+        _count_saturation(snap, holders_of.values())
 
     def _ended_grants(
         self, infos: list[LeaseInfo], gaps: ReadGaps
@@ -242,7 +266,7 @@ class LeaseObserver(Collector):
             elif fence_name(self.leases.prefix, old.key) in gaps.keys:  # not a counter: it says nothing
                 endings.append((old, Ending.UNKNOWN))
             else:
-                endings.append((old, grant_ending(old.fence, state)))
+                endings.append((old, grant_ending(old.fence, state, old.slot if old.per_slot else None)))
         return endings, unseen
 
     def _tell_gaps(self, gaps: ReadGaps) -> None:
@@ -333,9 +357,22 @@ class LeaseObserver(Collector):
             "not counted as expired.",
             labels=names,
         )
+        keys_full = GaugeMetricFamily(
+            "dramatiq_lease_keys_full",
+            "Keys whose holders have reached their limit (lock_limit; a key of one holder while held), by the "
+            "actor and queue of their holders.",
+            labels=names,
+        )
+        saturation = GaugeMetricFamily(
+            "dramatiq_lease_key_saturation",
+            "The highest holders / limit ratio among the keys held now (1: at least one key is full).",
+            labels=names,
+        )
         # Keep every label set ever seen, at zero, so increase() sees the first event and gauges fall to 0.
         for labels in sorted(labels_seen | set(expired) | set(unknown)):
             present.add_metric(list(labels), snap.present.get(labels, 0))
+            keys_full.add_metric(list(labels), snap.keys_full.get(labels, 0))
+            saturation.add_metric(list(labels), snap.saturation.get(labels, 0.0))
             overdue.add_metric(list(labels), snap.overdue.get(labels, 0))
             for reason in LEAK_REASONS:
                 by = (labels[0], labels[1], reason.value)
@@ -368,7 +405,8 @@ class LeaseObserver(Collector):
         yield ended
         yield ended_unknown
         if self.stale_after is None or not snap.at or time.time() - snap.at <= self.stale_after:
-            yield from (present, overdue, leaked, leaked_waiting, oldest, waiting, unreachable, unreadable)
+            yield from (present, overdue, leaked, leaked_waiting, oldest, waiting, keys_full, saturation)
+            yield from (unreachable, unreadable)
         # Served from the start, not from the first success: an exporter that never completes a scan must
         # still age this gauge, or `time() - it > 120` has nothing to fire on.
         yield GaugeMetricFamily(
