@@ -58,6 +58,7 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "dramatiq_lease_renewals_total": ("counter", WORKER, (*ACTOR, "outcome")),
     "dramatiq_lease_renew_duration_seconds": ("histogram", WORKER, ()),
     "dramatiq_lease_lost_total": ("counter", WORKER, (*ACTOR, "reason")),
+    "dramatiq_lease_not_run_total": ("counter", WORKER, (*ACTOR, "reason")),
     "dramatiq_lease_redis_errors_total": ("counter", WORKER, ("operation",)),
     "dramatiq_lease_present": ("gauge", FLEET, ACTOR),
     "dramatiq_lease_heartbeat_overdue": ("gauge", FLEET, ACTOR),
@@ -66,6 +67,8 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "dramatiq_lease_expired_total": ("counter", FLEET, ACTOR),
     "dramatiq_lease_oldest_acquired_timestamp_seconds": ("gauge", FLEET, ACTOR),
     "dramatiq_lease_waiting": ("gauge", FLEET, ("actor_name",)),
+    "dramatiq_lease_keys_full": ("gauge", FLEET, ACTOR),
+    "dramatiq_lease_key_saturation": ("gauge", FLEET, ACTOR),
     "dramatiq_lease_exporter_last_scan_timestamp_seconds": ("gauge", FLEET, ()),
     "dramatiq_lease_exporter_scan_duration_seconds": ("gauge", FLEET, ()),
     "dramatiq_lease_ended_unknown_total": ("counter", FLEET, ACTOR),
@@ -635,6 +638,8 @@ def test_dashboard_panel_conventions(panel: dict[str, Any]) -> None:
         assert unit == "s"
     elif any(re.search(r"\brate\(", expr) for expr in exprs):
         assert unit == "ops"
+    elif any(re.search(r"_saturation\b", expr) for expr in exprs):
+        assert unit == "percentunit"  # a ratio of holders to limit, 0 to 1
     else:
         assert unit in {"short", "none"}
 
@@ -723,6 +728,9 @@ def test_dashboard_has_the_key_panels() -> None:
         r"dramatiq_lease_present",
         r"dramatiq_lease_heartbeat_overdue",
         r"time\(\) - min.*oldest_acquired_timestamp_seconds",
+        r"dramatiq_lease_keys_full",
+        r"dramatiq_lease_key_saturation",
+        r"not_run_total.*\bby \(reason\)|by \(reason\).*not_run_total",
     ):
         assert with_query("timeseries", pattern), f"no time series panel for {pattern}"
 

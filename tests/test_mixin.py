@@ -43,6 +43,8 @@ EXPORTER_SERIES = {
     "dramatiq_lease_leaked",
     "dramatiq_lease_heartbeat_overdue",
     "dramatiq_lease_waiting",
+    "dramatiq_lease_keys_full",
+    "dramatiq_lease_key_saturation",
     "dramatiq_lease_leaked_waiting",
     "dramatiq_lease_expired_total",
     "dramatiq_lease_exporter_last_scan_timestamp_seconds",

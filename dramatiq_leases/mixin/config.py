@@ -47,6 +47,8 @@ class MixinConfig:
       dashboard_url: the Grafana dashboard's address; alerts link to it with
         their actor (and cluster) selected.
       leak_for: how long a leak must last before it alerts.
+      keys_full_for: how long an actor's keys must stay at their holder
+        limit, with its messages waiting, before ``DramatiqLeaseKeysFull``.
       exporter_stale_seconds: how old the exporter's last completed scan may
         get (or its start, before any) before ``DramatiqLeaseExporterStale``.
       redis_errors: Redis errors of one job and operation in 10 minutes that
@@ -72,6 +74,7 @@ class MixinConfig:
     runbook_url: str = "https://github.com/dramatiq-leases/dramatiq-leases/blob/main/docs/runbook.md#{alert}"
     dashboard_url: str = "http://localhost:3000/d/dramatiq-leases/dramatiq-leases"
     leak_for: str = "30s"
+    keys_full_for: str = "30m"
     exporter_stale_seconds: int = 120
     redis_errors: int = 5
     acquire_latency_warning_seconds: float = 0.25
@@ -90,8 +93,10 @@ class MixinConfig:
             raise ValueError(f"mixin config: cluster_label must be a label name or '', not {self.cluster_label!r}")
         if "{alert}" not in self.runbook_url:
             raise ValueError(f"mixin config: runbook_url must contain {{alert}}, not {self.runbook_url!r}")
-        if not re.match(r"^\d+[smh]$", self.leak_for):
-            raise ValueError(f"mixin config: leak_for must be a duration like '30s', not {self.leak_for!r}")
+        for name in ("leak_for", "keys_full_for"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not re.match(r"^\d+[smh]$", value):
+                raise ValueError(f"mixin config: {name} must be a duration like '30s', not {value!r}")
         for name in ("safety_objective", "liveness_objective"):
             value = getattr(self, name)
             if not isinstance(value, float) or not 0.9 <= value < 1:

@@ -361,6 +361,24 @@ def alert_rules(cfg: MixinConfig) -> list[Rule]:
             ),
         ),
         _alert(
+            "DramatiqLeaseKeysFull",
+            # Full keys alone are a held mutex; with messages of the actor waiting, throughout, they are a limit
+            # that caps the actor's throughput.
+            f"max by ({by}) (dramatiq_lease_keys_full{_sel(e)}) > 0\n"
+            f"and on ({_on(cfg, 'actor_name')})\n"
+            f"max by ({_on(cfg, 'actor_name')}) (dramatiq_lease_waiting{_sel(e)}) > 0",
+            cfg.keys_full_for,
+            "warning",
+            _annotations(
+                cfg,
+                "DramatiqLeaseKeysFull",
+                "Lease keys have been at their holder limit while messages wait for them.",
+                "{{ $value }} key(s) " + where + f" have been at their limit of holders for {cfg.keys_full_for} "
+                "(lock_limit; a key of one holder while held) while messages of the actor wait in their lines: "
+                "the limit, or the holders' time, caps its throughput.",
+            ),
+        ),
+        _alert(
             "DramatiqLeaseExpired",
             f"max by ({by}) (increase(dramatiq_lease_expired_total{_sel(e)}[15m])) > 0",
             "1m",
