@@ -1,5 +1,5 @@
 """N holders per key, attacked: the line serving N, ``latest`` waiters, replies lost after the command ran,
-and the defects found (each an ``xfail(strict=True)`` naming it, so a fix turns it into a failure to remove).
+and a test for each defect a hostile review found (all fixed).
 
 Real Redis, real scripts; lost replies come from a TCP proxy that forwards each command and closes the
 connection instead of returning its reply (tests/support/lossy.py).
@@ -20,7 +20,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from dramatiq_leases.core import Busy, Lease, Leases, LeaseUnavailableError, Wait
+from dramatiq_leases.core import Busy, Lease, Leases, LeaseUnavailableError, Renewal, Wait
 from dramatiq_leases.core.info import text
 from dramatiq_leases.core.keys import fence_name, lease_name
 from dramatiq_leases.core.lease import new_token
@@ -214,12 +214,6 @@ def test_waiters_that_are_not_latest_are_never_superseded(leases: Leases) -> Non
     assert granted(join(leases, "a", 100))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect: a grant to a caller outside the line (try_acquire, waiter '') on a key with a line runs "
-    "forget(LINE, WAITERS, '') in acquire.lua, whose HDEL deletes the waiters hash's field '' - the latest "
-    "pointer; the next latest waiter then supersedes nobody and the older one runs after it",
-)
 def test_a_grant_outside_the_line_keeps_the_latest_pointer(leases: Leases) -> None:
     a = granted(leases.try_acquire("k", TTL, limit=2))
     b = granted(leases.try_acquire("k", TTL, limit=2))
@@ -231,12 +225,6 @@ def test_a_grant_outside_the_line_keeps_the_latest_pointer(leases: Leases) -> No
     assert refused(join(leases, "old", 100, latest=True, limit=2)).wait is Wait.SUPERSEDED  # and the older must not
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect: the latest pointer 'L <waiter> <first_ms>' stores the first_ms of the waiter's latest "
-    "call (now when 0), not its place in the line (its ZADD NX score), so a waiter re-joining without a "
-    "first_ms looks newer than it is and a truly newer waiter is superseded by it",
-)
 def test_a_latest_waiter_rejoining_without_first_ms_keeps_its_age(leases: Leases, redis_client: redis.Redis) -> None:
     granted(leases.try_acquire("k", TTL))
     refused(join(leases, "a", 0, latest=True))  # placed at the server's now
@@ -266,31 +254,27 @@ def test_inspect_line_does_not_count_the_latest_pointer(leases: Leases) -> None:
 # The fence counter holds the width -----------------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect: the width lives only in the fence counter, which fence_retention expires while holders "
-    "renew (renew_many never touches it): a lower limit then counts only its own slots and is granted past "
-    "the holders of higher slots",
-)
-def test_a_lower_limit_counts_high_slots_after_the_counter_expired(redis_client: redis.Redis) -> None:
+def test_a_lower_limit_counts_high_slots_past_the_retention(redis_client: redis.Redis) -> None:
+    """The counter's width outlives the holders of a wide key, whatever the retention: a lower limit still
+    counts the high slots (a grant of a wide key keeps the counter as long as its lease, renewals too)."""
     leases = Leases(redis_client, prefix="t", fence_retention=200)
     held = [granted(leases.try_acquire("k", TTL, limit=4)) for _ in range(4)]
     assert leases.release(held[0]) and leases.release(held[1])  # slots 2 and 3 hold on
-    wait_for(lambda: not redis_client.exists(fence_name("t", "k")), timeout=2, what="the counter to expire")
+    started = time.monotonic()
+    wait_for(lambda: time.monotonic() - started > 0.4, timeout=2, what="twice the retention to pass")
+    assert leases.renew_many(held[2:]) == [Renewal.OK, Renewal.OK]
+    counter = fence_name("t", "k")
+    assert redis_client.pttl(counter) >= min(redis_client.pttl(f"t:lease:{{k}}:{s}") for s in (2, 3)) - 50
     assert len(held_now := held_slots_of(redis_client)) == 2, held_now
     refused(leases.try_acquire("k", TTL, limit=2))  # two hold: a limit of 2 is met
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect: release.lua's 'find' (release_token with slot=None, as Leases.lease() and _not_replicated "
-    "use) scans the counter's width, 1 once fence_retention expired the counter: a holder of slot >= 1 is "
-    "not found and its lease is kept (renewed on by its heartbeat)",
-)
-def test_release_token_finds_a_high_slot_after_the_counter_expired(redis_client: redis.Redis) -> None:
+def test_release_token_finds_a_high_slot_past_the_retention(redis_client: redis.Redis) -> None:
     leases = Leases(redis_client, prefix="t", fence_retention=200)
     held = [granted(leases.try_acquire("k", TTL, limit=3)) for _ in range(3)]
-    wait_for(lambda: not redis_client.exists(fence_name("t", "k")), timeout=2, what="the counter to expire")
+    started = time.monotonic()
+    wait_for(lambda: time.monotonic() - started > 0.4, timeout=2, what="twice the retention to pass")
+    assert redis_client.exists(fence_name("t", "k")), "the counter of a wide key expired under its holders"
     assert leases.release_token("k", held[2].token)
     assert held[2].slot not in held_slots_of(redis_client)
 
@@ -299,11 +283,6 @@ def held_slots_of(client: redis.Redis) -> dict[int, str]:
     return held(client)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect: the first grant with limit > 1 (acquire.lua's wide path) reads only g:0/r:0, which a key "
-    "held by one never wrote: its last grant, ended by TTL, is recorded neither as 'expired' nor as 'e:0'",
-)
 def test_the_last_single_holders_expiry_is_recorded_when_a_key_becomes_wide(
     leases: Leases, redis_client: redis.Redis
 ) -> None:
@@ -531,12 +510,6 @@ def lose_once(sha: str) -> tuple[Callable[[Sequence[list[bytes]]], bool], thread
     return lose, armed
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect: a lost reply of a grant from the line, asked again with the same token, is answered by "
-    "acquire.lua's own-grant branch with from_line 0 (and no handoff): the retry says it did not come from "
-    "the line, and the middleware may not remember the waiter as having run",
-)
 def test_a_line_grant_asked_again_after_a_lost_reply_still_says_it_came_from_the_line(server: EmbeddedRedis) -> None:
     with LossyProxy(server.port) as proxy:
         leases = lossy_leases(proxy)
@@ -554,12 +527,6 @@ def test_a_line_grant_asked_again_after_a_lost_reply_still_says_it_came_from_the
         assert again.from_line
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect (not only N holders): redis-py >= 6 resends a command whose connection closed; a release "
-    "whose reply was lost is sent again, answers 0 (the token no longer holds), and Leases.lease() then "
-    "raises LeaseExpiredError (work may have overlapped) for a lease that was held to its release",
-)
 def test_a_with_block_whose_release_reply_was_lost_does_not_claim_an_overlap(server: EmbeddedRedis) -> None:
     with LossyProxy(server.port) as proxy:
         leases = lossy_leases(proxy, retries=3)
@@ -569,12 +536,6 @@ def test_a_with_block_whose_release_reply_was_lost_does_not_claim_an_overlap(ser
         assert proxy.lost == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect: acquire.lua trusts the counter's width unbounded (slots = max(limit, width)): a width "
-    "written by hand past MAX_LIMIT makes present() unpack too many names and every acquire of the key "
-    "fails (width 1e9 even keeps Redis BUSY in the loop); clamping it to MAX_LIMIT loses nothing",
-)
 def test_a_width_written_by_hand_past_the_maximum_does_not_wedge_the_key(
     leases: Leases, redis_client: redis.Redis
 ) -> None:

@@ -121,10 +121,12 @@ class Line:
     ) -> bool:
         """:meth:`Leases.release_token` by a holder that was ``waiter`` in the line (if given): it is
         remembered as having run (for an hour), so a stray copy of its message never runs again. ``slot``: the
-        grant's (``None``: looked for by token)."""
-        return self._store._release_token(
+        grant's (``None``: looked for by token). ``True`` also when an earlier try released it (its reply lost:
+        known by ``fence``, with ``slot``)."""
+        code = self._store._release_token(
             key, token, fence=fence, slot=slot, waiter=waiter, ready=ready, promote_ms=promote_ms
         )
+        return code != 0
 
     def hold(
         self,

@@ -519,13 +519,13 @@ class Leases:
         """Release the lease on ``key`` only if ``token`` holds it; ``False`` if it did not (nothing touched).
 
         For a holder that kept the token, not the :class:`Lease` (a web request that handed its lease on,
-        an operator). ``fence`` only labels the span; ``slot`` is the grant's :attr:`Lease.slot` (``None``:
-        the token is looked for in every slot of the key). The front of the key's line, if any, is woken.
+        an operator). ``slot`` is the grant's :attr:`Lease.slot` (``None``: the token is looked for in every
+        slot of the key). The front of the key's line, if any, is woken.
 
         Raises:
           LeaseUnavailableError: Redis could not be asked; the lease expires by its TTL.
         """
-        return self._release_token(key, token, fence=fence, slot=slot)
+        return self._release_token(key, token, fence=fence, slot=slot) == 1
 
     def _release_token(
         self,
@@ -537,9 +537,10 @@ class Leases:
         waiter: str = "",
         ready: int = DEFAULT_READY,
         promote_ms: int = PROMOTE_MS,
-    ) -> bool:
+    ) -> int:
         """The release script, for :meth:`release_token` and :meth:`Line.release` (``waiter`` is recorded as
-        having run)."""
+        having run): 1 released, 0 not held, 2 not held but recorded as released by ``fence`` (an earlier
+        release of this grant, whose reply was lost)."""
         attributes: dict[str, str | int] = dict(self._span_attrs[_RELEASE])
         if tracing.keys_recorded():
             attributes[tracing.KEY] = key
@@ -550,11 +551,20 @@ class Leases:
                 reply = self._call(
                     self._release,
                     self._keys(key, slot or 0),
-                    [token, waiter, ready, promote_ms, self.fence_retention, "" if slot is not None else "find"],
+                    [
+                        token,
+                        waiter,
+                        ready,
+                        promote_ms,
+                        self.fence_retention,
+                        "" if slot is not None else "find",
+                        # A release asked again after its reply was lost finds this grant recorded as released.
+                        "" if slot is None or fence is None else str(fence),
+                    ],
                 )
-                released = int(reply) == 1
-            span.set_attribute(tracing.OUTCOME, "released" if released else "not_held")
-        return released
+                code = int(reply)
+            span.set_attribute(tracing.OUTCOME, "released" if code == 1 else "not_held")
+        return code
 
     # A with form ---------------------------------------------------------------
 
@@ -610,7 +620,8 @@ class Leases:
                 with contextlib.suppress(LeaseUnavailableError):
                     # A grant whose reply never came is looked for by its token in every slot.
                     slot = got.slot if isinstance(got, Lease) else None
-                    released = self.release_token(key, token, fence=got.fence if got else None, slot=slot)
+                    # 2: released by an earlier try whose reply was lost (redis-py sends a command again).
+                    released = self._release_token(key, token, fence=got.fence if got else None, slot=slot) != 0
         if isinstance(got, Lease) and released is False:  # released: still ours, so nobody held it between
             raise LeaseExpiredError(
                 f"lease {key!r} (fence {got.fence}) ended before its with block did: its work may have "

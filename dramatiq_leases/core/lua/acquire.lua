@@ -52,7 +52,9 @@ if max_hold_ms == nil then return bad('max_hold_ms', ARGV[3]) end
 if interval_ms == nil then return bad('interval_ms', ARGV[4]) end
 local margin_ms = whole(ARGV[5], 0, ttl_ms - 1)
 if margin_ms == nil then return bad('margin_ms', ARGV[5]) end
-if waiter == nil or #waiter > MAX_ID_LENGTH or (waiter == '' and mode ~= 0) then return bad('waiter', waiter) end
+if waiter == nil or #waiter > MAX_ID_LENGTH or (waiter == '' and mode ~= nil and mode ~= 0) then
+  return bad('waiter', waiter)
+end
 if first_ms == nil or mode == nil or ready == nil or park_ms == nil or promote_ms == nil or retention_ms == nil
   or limit == nil or latest == nil or (latest == 1 and mode == 0) then
   return bad('line_numbers', ARGV[7])
@@ -68,7 +70,9 @@ end
 -- The counter first: one of another type fails the script here, before any write.
 local counter = redis.call('HMGET', KEYS[2], 'fence', 'width', 'released', 'released_ms')
 local prev_fence = tonumber(counter[1]) or 0
-local width = tonumber(counter[2])  -- nil: never held by several at once
+-- nil: never held by several at once; bounded, should the field be written by hand.
+local width = tonumber(counter[2])
+if width then width = math.max(1, math.min(math.floor(width), MAX_LIMIT)) end
 local slots = math.max(limit, width or 1)
 -- One call for the common case: no holder and no line.
 local found = present(KEYS[1], slots, LINE)
@@ -80,27 +84,39 @@ local count = found - (lined and 1 or 0)
 -- microseconds: every grant's fence is then its grant time (scripts run one at
 -- a time and each takes over a microsecond), and a counter created again after
 -- an expiry starts above every fence it had handed out.
-local function next_fence()
+local function next_fence(keep_ms)
   local fence = prev_fence + 1
   if retention_ms > 0 then fence = math.max(fence, now_us) end
   redis.call('HSET', KEYS[2], 'fence', string.format('%d', fence))
-  if retention_ms > 0 then redis.call('PEXPIRE', KEYS[2], retention_ms) end
+  if retention_ms > 0 then
+    -- A wide key's counter (its width) outlives its holders: never shortened below what they need.
+    local ms = retention_ms
+    if keep_ms > ms then ms = math.max(keep_ms, redis.call('PTTL', KEYS[2])) end
+    redis.call('PEXPIRE', KEYS[2], ms)
+  end
   return fence
 end
 
 -- Grants slot s to this caller: the fence counter first, then the lease and its TTL. `top`: the highest
 -- slot held by others (-1: none), so the counter's width shrinks back once a lowered limit drained.
 local function grant(s, top)
-  local fence = next_fence()
-  local expired, released_ms = 0, tonumber(counter[4]) or 0
   local wide = not (width == nil and slots == 1)
-  if not wide then
+  local px, until_ms = ttl_ms, 0
+  if max_hold_ms > 0 then
+    until_ms = now + max_hold_ms + margin_ms
+    if max_hold_ms + margin_ms < px then px = max_hold_ms + margin_ms end
+  end
+  local fence = next_fence(wide and px or 0)
+  local expired, released_ms = 0, tonumber(counter[4]) or 0
+  -- A key held by one until now (no width): its last grant is judged as ever, at the first grant of its slot.
+  if not wide or (width == nil and s == 0) then
     -- The previous grant was never released: it ended by TTL.
     if prev_fence > 0 and (tonumber(counter[3]) or 0) < prev_fence then
       expired = prev_fence
       redis.call('HSET', KEYS[2], 'expired', string.format('%d', expired))
     end
-  else
+  end
+  if wide then
     local rec = redis.call('HMGET', KEYS[2], 'g:' .. s, 'r:' .. s)
     local last = tonumber(rec[1]) or 0
     if last > 0 and (tonumber(rec[2]) or 0) < last then
@@ -109,11 +125,6 @@ local function grant(s, top)
     end
     local new_width = math.max(limit, top + 1)
     redis.call('HSET', KEYS[2], 'g:' .. s, string.format('%d', fence), 'width', new_width)
-  end
-  local px, until_ms = ttl_ms, 0
-  if max_hold_ms > 0 then
-    until_ms = now + max_hold_ms + margin_ms
-    if max_hold_ms + margin_ms < px then px = max_hold_ms + margin_ms end
   end
   local name = slot_key(KEYS[1], s)
   if wide then
@@ -151,7 +162,8 @@ if count > 0 then
     if cur.err or cur[1] or cur[2] or redis.call('EXISTS', name) == 1 then
       if not cur.err and cur[2] == token then
         -- Our own grant, asked again (a client retry after a lost reply): the same answer.
-        return {1, tonumber(cur[1]) or 0, tonumber(cur[3]) or now, 0, 0, 0, s}
+        -- A waiter's: it may have come from the line, and its release must then remember it (harmless if not).
+        return {1, tonumber(cur[1]) or 0, tonumber(cur[3]) or now, 0, 0, waiter ~= '' and 1 or 0, s}
       end
       if not cur.err then holder_fence = math.max(holder_fence, tonumber(cur[1]) or 0) end
       local left = redis.call('PTTL', name)
@@ -184,6 +196,8 @@ local function supersede(w)
   end
 end
 if latest == 1 and lined then
+  -- Its age is its place in the line, if it has one (an attempt without first_ms is not newer).
+  mine_first = tonumber(redis.call('ZSCORE', LINE, waiter)) or mine_first
   local w0, f0 = string.match(redis.call('HGET', WAITERS, '') or '', '^L (%S+) (%d+)$')
   if w0 and w0 ~= waiter and redis.call('ZSCORE', LINE, w0) then
     f0 = tonumber(f0)
@@ -205,8 +219,8 @@ if free > 0 and (#front < free or in_front) then
   local fence, expired, released_ms = grant(free_slot, top)
   local handoff = 0
   if #front > 0 then
-    forget(LINE, WAITERS, waiter)
-    if latest == 1 and redis.call('HGET', WAITERS, '') == 'L ' .. waiter .. ' ' .. mine_first then
+    if waiter ~= '' then forget(LINE, WAITERS, waiter) end
+    if latest == 1 and redis.call('HGET', WAITERS, '') == 'L ' .. waiter .. ' ' .. string.format('%d', mine_first) then
       redis.call('HDEL', WAITERS, '')
     end
     if expired == 0 then handoff = released_ms end
@@ -259,7 +273,10 @@ elseif rank < places then
 else
   put(WAITERS, waiter, 'p', now + park_ms + promote_ms, holder, actor)
 end
-if latest == 1 then redis.call('HSET', WAITERS, '', 'L ' .. waiter .. ' ' .. mine_first) end
+if latest == 1 then
+  local placed = tonumber(redis.call('ZSCORE', LINE, waiter))
+  redis.call('HSET', WAITERS, '', 'L ' .. waiter .. ' ' .. string.format('%d', placed))
+end
 if free > 0 then call_front() end
 redis.call('PEXPIRE', LINE, LINE_TTL_MS)
 redis.call('PEXPIRE', WAITERS, LINE_TTL_MS)

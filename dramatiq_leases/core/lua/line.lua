@@ -33,7 +33,7 @@ local LINE, WAITERS, DONE = sibling(KEYS[1], 'line'), sibling(KEYS[1], 'waiters'
 local FENCE = sibling(KEYS[1], 'fence')
 -- Read before the first write: a counter of another type counts as a key of one slot.
 local width = redis.pcall('HGET', FENCE, 'width')
-width = (type(width) == 'string' and tonumber(width)) or 1
+width = math.min((type(width) == 'string' and tonumber(width)) or 1, MAX_LIMIT)
 local now = server_time()
 local out = {}
 for i = 6, #ARGV do

@@ -60,7 +60,8 @@ local function record_release(fence_key, counter, fence, retention_ms, slot, ...
   if slot then field = 'r:' .. slot end
   redis.call('HSET', fence_key, field, string.format('%d', fence), ...)
   if retention_ms > 0 then
-    redis.call('PEXPIRE', fence_key, retention_ms)
+    -- A wide key's counter outlives its holders (see acquire.lua): a release never shortens it.
+    if not slot or redis.call('PTTL', fence_key) < retention_ms then redis.call('PEXPIRE', fence_key, retention_ms) end
   elseif counter == 'none' then
     redis.call('PEXPIRE', fence_key, RECORD_MS)
   end

@@ -9,7 +9,10 @@
 --   5 retention_ms: how long an idle fence counter is kept (0: for ever; optional)
 --   6 find: 'find' if the holder's slot is not known (a grant whose reply was lost): the token is looked for
 --     in every slot of the key (KEYS[1] then names the lease, slot 0); optional
--- Returns 1 if released, 0 if the token did not hold the lease (nothing is touched then). The holder
+--   7 fence: the grant's fence, if known: a release asked again (its first reply lost) finds the grant
+--     recorded as released by that fence, and answers 2; optional
+-- Returns 1 if released, 0 if the token did not hold the lease (nothing is touched then), 2 if it did not
+-- but the grant of the fence given is recorded as released (by this token, or release --if-dead). The holder
 -- always has the newest fence of its slot, so it is recorded as the slot's last one released. A waiter that ran
 -- is remembered for DONE_MS, so a stray copy of it never runs again; the head of the line is woken, or
 -- asked to come back: as many as the key has slots free (its counter's width).
@@ -22,18 +25,27 @@ if ready == nil then return bad('ready', ARGV[3]) end
 if promote_ms == nil then return bad('promote_ms', ARGV[4]) end
 if waiter == nil or #waiter > MAX_ID_LENGTH then return bad('waiter', waiter) end
 if retention_ms == nil then return bad('retention_ms', ARGV[5]) end
+local asked = ARGV[7] or ''
+if asked ~= '' and not string.match(asked, '^%d+$') then return bad('fence', asked) end
 local LINE = sibling(KEYS[1], 'line')
 local LEASE = KEYS[1]
 if ARGV[6] == 'find' then
   local width = redis.pcall('HGET', KEYS[2], 'width')
-  width = (type(width) == 'string' and tonumber(width)) or 1
+  width = math.min((type(width) == 'string' and tonumber(width)) or 1, MAX_LIMIT)
   for s = 1, width - 1 do
     if redis.pcall('HGET', LEASE, 'token') == token then break end
     LEASE = slot_key(KEYS[1], s)
   end
 end
 local cur = redis.pcall('HMGET', LEASE, 'token', 'fence', 'slot')
-if cur.err or not cur[1] or cur[1] ~= token then return 0 end
+if cur.err or not cur[1] or cur[1] ~= token then
+  if asked ~= '' then
+    local s = string.match(LEASE, '}:(%d+)$') or '0'
+    local rec = redis.pcall('HMGET', KEYS[2], 'released', 'r:' .. s)
+    if not rec.err and (rec[1] == asked or rec[2] == asked) then return 2 end
+  end
+  return 0
+end
 local slot = tonumber(cur[3])
 -- Read before the first write: on a Cluster slot half migrated, a sibling key may be elsewhere, and
 -- the script must fail before it deletes anything (Lua is not a transaction).
@@ -70,7 +82,7 @@ end
 if not lined then return 1 end
 --#include line
 local width = 1
-if counter == 'hash' then width = tonumber(redis.call('HGET', KEYS[2], 'width')) or 1 end
+if counter == 'hash' then width = math.min(tonumber(redis.call('HGET', KEYS[2], 'width')) or 1, MAX_LIMIT) end
 local base = string.gsub(LEASE, '(:lease:{[^}]*}).*$', '%1', 1)
 local free = math.max(1, width - present(base, width))
 line_front(LINE, WAITERS, now, free)

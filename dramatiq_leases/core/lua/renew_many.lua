@@ -5,8 +5,9 @@
 --   2.. token: the owner token of each key, in KEYS order
 -- Returns one character per key, as one string (cheaper to send and parse than a list of numbers): '1'
 -- renewed, '0' gone, 's' held by another token (stolen), 'm' maximum hold reached (not extended; it
--- expires on its own). The TTL is never extended past the lease's maximum hold.
---#include args clock
+-- expires on its own). The TTL is never extended past the lease's maximum hold. A holder of a key several
+-- may hold (its hash has a `slot`) keeps the key's counter, whose width counts its slot, at least as long.
+--#include args clock keys
 if #ARGV ~= #KEYS + 1 then return bad('argument count', #ARGV) end
 local ttl_ms = whole(ARGV[1], 1, MAX_MS)
 if ttl_ms == nil then return bad('ttl_ms', ARGV[1]) end
@@ -18,7 +19,7 @@ end
 local now = server_time()
 local out = {}
 for i, key in ipairs(KEYS) do
-  local cur = redis.pcall('HMGET', key, 'token', 'max_hold_until_ms')
+  local cur = redis.pcall('HMGET', key, 'token', 'max_hold_until_ms', 'slot')
   if cur.err then
     out[i] = 's'
   elseif not cur[1] then
@@ -34,6 +35,11 @@ for i, key in ipairs(KEYS) do
     else
       redis.call('PEXPIRE', key, px)
       redis.call('HSET', key, 'renewed_ms', now)
+      if cur[3] then
+        local fence = sibling(key, 'fence')
+        local left = redis.call('PTTL', fence)  -- -1: kept for ever; -2: gone (nothing to keep)
+        if left >= 0 and left < px then redis.call('PEXPIRE', fence, px) end
+      end
       out[i] = '1'
     end
   end
