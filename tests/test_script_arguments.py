@@ -142,8 +142,16 @@ def ttls_set(client: redis.Redis, call: Callable[[], Any], *names: str) -> tuple
             {"line": f"{scripts.MAX_TIMESTAMP_MS + 1} 0 2 1 1 0 1 0"},
             "line_numbers",
         ),
-        ({"line": f"0 0 {scripts.MAX_READY} 1 1 0 1 0"}, {"line": f"0 0 {scripts.MAX_READY + 1} 1 1 0 1 0"}, "line_numbers"),
-        ({"line": f"0 0 2 1 1 0 {scripts.MAX_LIMIT} 0"}, {"line": f"0 0 2 1 1 0 {scripts.MAX_LIMIT + 1} 0"}, "line_numbers"),
+        (
+            {"line": f"0 0 {scripts.MAX_READY} 1 1 0 1 0"},
+            {"line": f"0 0 {scripts.MAX_READY + 1} 1 1 0 1 0"},
+            "line_numbers",
+        ),
+        (
+            {"line": f"0 0 2 1 1 0 {scripts.MAX_LIMIT} 0"},
+            {"line": f"0 0 2 1 1 0 {scripts.MAX_LIMIT + 1} 0"},
+            "line_numbers",
+        ),
         (
             {"waiter": "w" * scripts.MAX_ID_LENGTH, "line": "0 1 2 1 1 0 1 0"},
             {"waiter": "w" * (scripts.MAX_ID_LENGTH + 1), "line": "0 1 2 1 1 0 1 0"},
