@@ -17,15 +17,23 @@ see :func:`dramatiq_leases.core.keys.hash_tag`):
 * ``P:lease:{T}``: a hash holding the lease: ``token``, ``fence``, ``ttl``,
   ``interval``, ``margin_ms``, ``acquired_ms``, ``renewed_ms``,
   ``max_hold_until_ms`` (0: none), ``adopted_ms`` (set once a handed-over lease
-  was adopted) and the holder's metadata. It always carries a TTL.
+  was adopted) and the holder's metadata. It always carries a TTL. A key
+  several may hold at once (``limit``) has a hash per holder slot: slot 0 is
+  ``P:lease:{T}``, slot ``s`` is ``P:lease:{T}:s``; each also names its
+  ``slot`` and the ``limit`` it was granted under.
 * ``P:fence:{T}``: a hash that outlives every grant: ``fence`` (the last
-  fencing token handed out), ``released`` (the last fence released),
-  ``released_ms`` (when) and ``expired`` (the last fence seen ending by TTL).
+  fencing token handed out, across all slots), ``released`` (the last fence
+  released), ``released_ms`` (when) and ``expired`` (the last fence seen
+  ending by TTL). Once a key was held by several, ``width`` (how many slots
+  may be held) and per slot ``g:s``, ``r:s``, ``e:s`` (granted, released,
+  expired) instead; it then outlives every holder, whatever the retention.
 * ``P:line:{T}``: the line of waiters, a sorted set by first attempt;
   ``P:waiters:{T}``: each waiter's state, ``"<p|m|r> <deadline_ms> <holder> <actor>"``
   (parked, promoted, waiting in place); ``P:line:{T}:w:<waiter>``: the list a
   waiter waiting in place blocks on; ``P:done:{T}``: waiters that ran, by
-  expiry. See :mod:`.line`. All carry TTLs.
+  expiry (and ``s:<waiter>``: waiters a newer one replaced, ``latest``); the
+  waiters hash's field ``""`` names the key's latest waiter. See :mod:`.line`.
+  All carry TTLs.
 
 The holder's deadline. A holder stops trusting its lease ``margin_ms`` before
 the key can expire: at ``min(renewed_ms + ttl, max_hold_until_ms) - margin_ms``
