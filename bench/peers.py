@@ -106,6 +106,25 @@ def _ours(client: redis.Redis) -> Cycle:
     return cycle
 
 
+def leases_cycle(
+    leases_class: Callable[[redis.Redis], Any], key: str, **acquire: Any
+) -> Callable[[redis.Redis], Cycle]:
+    """Figure 1's cycle of ours with any :class:`Leases` class (today's or an earlier commit's, see
+    :mod:`bench.baseline`) on ``key``, ``acquire`` passed to ``try_acquire`` (``limit=4``)."""
+
+    def make(client: redis.Redis) -> Cycle:
+        leases = leases_class(client)
+
+        def cycle() -> None:
+            lease = leases.try_acquire(key, TTL_MS, **acquire)
+            check(lease, f"{key} acquire")
+            check(leases.release(lease), f"{key} release")
+
+        return cycle
+
+    return make
+
+
 def _redis_py(client: redis.Redis) -> Cycle:
     def cycle() -> None:
         lock = client.lock("bench:redis-py", timeout=TTL_MS / 1000, blocking=False)

@@ -20,7 +20,7 @@ HEADER = """# Benchmarks
 pip install -e . -r bench/requirements.txt  # the peer libraries, matplotlib, py-spy
 python -m bench             # full run, ~{minutes} min here: prints the tables, rewrites this file and the PNG
 python -m bench --quick     # smoke run, < 60 s: prints the tables, writes nothing (--docs to write)
-python -m bench --only 1,4  # some figures only (1-6, profile); --json FILE keeps the raw results
+python -m bench --only 1,4  # some figures only (1-7, profile); --json FILE keeps the raw results
 python -m bench --only 1 --merge  # re-run a figure that load disturbed, into the last full run's doc
 ```
 
@@ -159,7 +159,7 @@ def chart(results: Sequence[FigureResult], path: Path) -> bool:
     except ImportError:
         return False
     by_key = {r.key: r for r in results}
-    panels = [k for k in ("fig1", "fig2", "fig3", "fig4", "fig5", "fig6") if k in by_key]
+    panels = [k for k in ("fig1", "fig2", "fig3", "fig4", "fig5", "fig6", "fig7") if k in by_key]
     if not panels:
         return False
     cols = 2 if len(panels) > 1 else 1
@@ -337,4 +337,20 @@ def _fig6(ax: Any, data: dict[str, Any]) -> None:
     ax.legend(fontsize=7)
 
 
-_PANELS = {"fig1": _fig1, "fig2": _fig2, "fig3": _fig3, "fig4": _fig4, "fig5": _fig5, "fig6": _fig6}
+def _fig7(ax: Any, data: dict[str, Any]) -> None:
+    runs = data["line"]
+    labels = [f"{'ours' if r['mode'] == 'leases' else 'CRL + Retries'} #{i + 1}" for i, r in enumerate(runs)]
+    values = [r["ratio"] for r in runs]
+    colors = ["#d62728" if r["mode"] == "leases" else "#7f7f7f" for r in runs]
+    ax.barh(labels[::-1], values[::-1], color=colors[::-1])
+    for y, r in enumerate(runs[::-1]):  # how often the broker carried each message, beside its bar
+        ax.text(r["ratio"], y, f" {r['ratio']:.2f}x, {r['enqueues_mean']:.1f} enq/msg", va="center", fontsize=7)
+    ax.axvline(1, color="black", linestyle="--", linewidth=1, label="K x job / N")
+    ax.axvline(data["goal_ratio"], color="green", linestyle=":", linewidth=1, label=f"goal {data['goal_ratio']}x")
+    ax.set_xlabel("makespan / (K x job / N)")
+    title = f"7. {runs[0]['k']} jobs x {data['job_ms']} ms on one key of {data['limit']} slots (2 x 8 workers)"
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7, loc="lower right")
+
+
+_PANELS = {"fig1": _fig1, "fig2": _fig2, "fig3": _fig3, "fig4": _fig4, "fig5": _fig5, "fig6": _fig6, "fig7": _fig7}
