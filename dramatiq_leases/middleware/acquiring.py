@@ -79,6 +79,7 @@ class Acquisition:
         self.budget = MAX_IN_PLACE if time_limit is None else min(MAX_IN_PLACE, time_limit / 4000)
         self.send_back_by = hook_started + (math.inf if time_limit is None else time_limit / 2000)
         self.in_place = 0.0
+        self.front = False  # told it is among the next to run, with no place here: may take a front place
         self.started = hook_started  # the last acquire call's start
 
     def acquire(self) -> Lease:
@@ -86,7 +87,7 @@ class Acquisition:
         waiting = self.mw.waiting
         try:
             while True:
-                may_wait = self.in_place < self.budget and waiting.reserve(self.key, self.waiter)
+                may_wait = self.in_place < self.budget and waiting.reserve(self.key, self.waiter, front=self.front)
                 self.started = time.monotonic()
                 try:
                     result = self._ask(may_wait)
@@ -171,6 +172,17 @@ class Acquisition:
             self.first = result.now_ms
             self.meta["first_attempt_ms"] = str(self.first)  # stored with the lease it gets: how long it waited
             message.options[FIRST_ATTEMPT_OPTION] = self.first  # its place, if it is interrupted and sent back
+        if (
+            result.wait is Wait.SOON
+            and result.place < self.limit
+            and not self.front
+            and self.in_place < self.budget
+            and not mw.waiting.stopping
+        ):
+            # Among the next to run but no place here: parked, it would leave a slot idle until its copy came
+            # back (two enqueues). Asked again at once, it may take a place of the front.
+            self.front = True
+            return
         if result.wait is Wait.IN_PLACE and not gives_up(opts, self.first, result.now_ms) and not mw.waiting.stopping:
             block_ms = min(result.block_ms, max(1, int((self.budget - self.in_place) * 1000)))
             if opts.max_wait is not None:  # wake up in time to give up

@@ -79,6 +79,7 @@ class Waiting:
         self.on_drop = on_drop
         self.channel = ""
         self.cap = 1
+        self.front_cap = 1
         # Waiter -> its parked copies held here: usually one; two when an enqueue was tried again.
         self._parked: dict[str, list[_Parked]] = {}
         self._in_place: dict[int, tuple[str, str]] = {}
@@ -105,6 +106,8 @@ class Waiting:
         """Start listening for promotions; at most half the worker threads may wait in place."""
         self._broker = broker
         self.cap = max(1, worker_threads // 2)
+        # The front of a line (the next to run) may take more, short of the last thread.
+        self.front_cap = max(self.cap, worker_threads - 1)
         if not self.channel:
             self.prepare()
         self._stop.clear()
@@ -141,8 +144,11 @@ class Waiting:
 
     # Worker threads ------------------------------------------------------------
 
-    def reserve(self, key: str, waiter: str) -> bool:
+    def reserve(self, key: str, waiter: str, *, front: bool = False) -> bool:
         """Take one of this process's places to wait in place for this thread; ``False`` if none is free.
+
+        ``front``: the waiter is among the next to run (its line said so): it may take a place past half the
+        threads, short of the last one, rather than park and leave a slot idle until its copy comes back.
 
         Lock-free, for worker threads: the insert and the removal are single
         operations, so an interruption leaves at worst this thread's own
@@ -153,7 +159,7 @@ class Waiting:
             return False
         thread_id = threading.get_ident()
         self._in_place[thread_id] = (key, waiter)
-        if len(self._in_place) > self.cap:
+        if len(self._in_place) > (self.front_cap if front else self.cap):
             self._in_place.pop(thread_id, None)
             return False
         return True
