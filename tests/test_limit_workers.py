@@ -14,9 +14,9 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import pytest
 import redis
@@ -26,7 +26,6 @@ from dramatiq_leases.embedded import EmbeddedRedis, free_port
 
 from .support.brokers import BROKERS, RABBITMQ_URL, delete_rabbitmq_queues, redis_dead_letters, unique_queue
 from .support.processes import http_get
-from .support.waiting import wait_for
 
 pytestmark = pytest.mark.system
 
@@ -35,6 +34,8 @@ ROOT = Path(__file__).parents[1]
 TTL = 2.0
 #: How many holder actors the app has, each on a queue of its own.
 HOLDERS = 3
+
+T = TypeVar("T")
 
 
 def call(
@@ -115,9 +116,28 @@ class LimitWorkers:
             runs = [r for r in self.runs(kind) if where(r)]
             return runs if len(runs) >= count else None
 
-        runs = wait_for(found, timeout=timeout, what=f"{count} records of kind {kind!r}\n{self.logs()}")
-        assert runs is not None  # for mypy: wait_for returns only a truthy value
-        return runs
+        return self.wait(found, timeout=timeout, what=f"{count} records of kind {kind!r}")
+
+    def wait(self, predicate: Callable[[], T | None], *, timeout: float, what: str, about: Sequence[str] = ()) -> T:
+        """Poll ``predicate`` until it answers something truthy; at the deadline, fail with the logs as they are
+        then and what was recorded of the messages ``about``."""
+        deadline = time.monotonic() + timeout
+        while not (value := predicate()):
+            if time.monotonic() > deadline:
+                pytest.fail(f"timed out after {timeout}s waiting for {what}\n{self.trail(about)}{self.logs()}")
+            time.sleep(0.02)
+        return value
+
+    def trail(self, message_ids: Sequence[str]) -> str:
+        """What was recorded of each of ``message_ids``: enqueues, first delivery, acks, nacks, log lines."""
+        enqueues, delivered, lines = self.enqueues(), self.delivered(), self.log_lines()
+        acks, nacks = self.acks(), self.nacks()
+        return "".join(
+            f"{m}: {enqueues.get(m, 0)} enqueues, delivered at {delivered.get(m)}, acks at "
+            f"{[a['at'] for a in acks if a['message_id'] == m]}, nacks at {[a['at'] for a in nacks if a['message_id'] == m]}\n"
+            + "".join(f"  {line}\n" for line in lines if m in line)
+            for m in message_ids
+        )
 
     def release(self, key: str) -> None:
         """Tell the holders of ``key`` to end."""
@@ -181,8 +201,20 @@ class LimitWorkers:
         """The exposition of the last started worker's lease metrics endpoint (``None`` until it answers)."""
         return http_get(f"http://127.0.0.1:{self.metrics_port}/metrics")
 
+    def log_lines(self) -> list[str]:
+        """Every line of every worker log."""
+        return [
+            line
+            for p in sorted(self.tmp_path.glob("worker-*.log"))
+            for line in p.read_text(errors="replace").splitlines()
+        ]
+
     def logs(self) -> str:
-        return "\n".join(p.read_text(errors="replace")[-3000:] for p in sorted(self.tmp_path.glob("worker-*.log")))
+        """The end of each worker log (but the stop budget's warnings at boot), for a failure message."""
+        return "\n".join(
+            "\n".join(line for line in p.read_text(errors="replace").splitlines() if "stop_budget" not in line)[-3000:]
+            for p in sorted(self.tmp_path.glob("worker-*.log"))
+        )
 
     def stop(self) -> None:
         for proc in self.procs:
@@ -224,8 +256,7 @@ def each_ran(w: LimitWorkers, ns: list[int], key: str, timeout: float = 60) -> l
         runs = [r for r in w.runs() if r["key"] == key and r["n"] in ns]
         return runs if {r["n"] for r in runs} == set(ns) else None
 
-    runs = wait_for(finished, timeout=timeout, what=f"{len(ns)} jobs of {key!r} to run\n{w.logs()}")
-    assert runs is not None  # for mypy: wait_for returns only a truthy value
+    runs = w.wait(finished, timeout=timeout, what=f"{len(ns)} jobs of {key!r} to run")
     return sorted(runs, key=lambda r: r["start"])
 
 
@@ -234,7 +265,7 @@ def test_a_killed_holder_frees_exactly_its_slot(workers: LimitWorkers) -> None:
     holding = workers.hold("cap", HOLDERS, limit=3)
     workers.start(threads=4)
     workers.send([call("job", "cap", i, 0.1, lock_limit=3) for i in range(6)])
-    wait_for(lambda: workers.leases.inspect_line("cap").length == 6, timeout=30, what="6 waiters in the line")
+    workers.wait(lambda: workers.leases.inspect_line("cap").length == 6, timeout=30, what="6 waiters in the line")
     victim, survivors = holding[1], [holding[0], holding[2]]
     os.kill(victim["pid"], signal.SIGKILL)
     killed = time.time()
@@ -310,11 +341,7 @@ def test_a_busy_key_does_not_delay_another(workers: LimitWorkers) -> None:
     workers.hold("A", 1)
     workers.start(threads=4)
     workers.send([call("job", "A", i, 0.0) for i in range(1_000)])
-    wait_for(
-        lambda: workers.leases.inspect_line("A").length == 1_000,
-        timeout=40,
-        what=f"1000 waiters in the line of A\n{workers.logs()}",
-    )
+    workers.wait(lambda: workers.leases.inspect_line("A").length == 1_000, timeout=40, what="1000 waiters on A")
     workers.send([call("job", "B", 0, 0.0)])
     sent = workers.sent()[-1]["at"]
     (run,) = each_ran(workers, [0], "B", timeout=30)

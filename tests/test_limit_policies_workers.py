@@ -1,0 +1,504 @@
+"""``lock_on_busy`` behind a running holder, across real worker processes on each broker; and the interrupt storm of
+tests/test_interrupts.py on keys held by three at once, under each policy.
+
+The worker tests read what tests/apps/limit_app.py recorded (first deliveries, acks and nacks with their
+instants), the worker's log file (the INFO line of each message that does not run) and its lease metrics
+endpoint (``dramatiq_lease_not_run_total{reason}``).
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import math
+import random
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, cast
+
+import dramatiq
+import pytest
+import redis
+from dramatiq import Message
+from dramatiq.middleware import Middleware, Shutdown
+from dramatiq.middleware.time_limit import TimeLimitExceeded
+from dramatiq.threading import raise_thread_exception
+from prometheus_client import CollectorRegistry
+
+from dramatiq_leases import PrometheusMetrics, current_lease
+from dramatiq_leases.core import keys
+from dramatiq_leases.core.keys import DEFAULT_PREFIX
+from dramatiq_leases.embedded import EmbeddedRedis
+from dramatiq_leases.middleware.options import SENT_BACK_OPTION
+
+from .support.brokers import BROKERS, pending, redis_dead_letters
+from .support.processes import value
+from .support.stack import Stack
+from .support.waiting import wait_for
+from .test_interrupts import LockFreeHandler, survivable_worker_threads  # noqa: F401 (a fixture, used by name)
+from .test_limit_workers import LimitWorkers, call, most_at_once
+
+#: Dramatiq's INFO line for a message that does not run (dramatiq_leases/middleware/acquiring.py's not_run).
+NOT_RUN = "Message %s of actor %r did not run (%s): %s (%s); lease %r is held by %s."
+#: And for a copy of one that already ran (busy.py).
+DUPLICATE = "Message %s is a copy of one that already ran under lease %r; not running it again."
+
+
+@pytest.fixture(params=BROKERS)
+def workers(request: pytest.FixtureRequest, redis_server: EmbeddedRedis, tmp_path: Path) -> Iterator[LimitWorkers]:
+    w = LimitWorkers(request.param, redis_server, tmp_path)
+    yield w
+    w.stop()
+
+
+# --- behind a running holder, across worker processes --------------------------------------------------------
+
+
+def behind_a_holder(
+    workers: LimitWorkers, key: str, seconds: float, calls: list[dict[str, Any]]
+) -> tuple[str, list[str]]:
+    """Start a job holding ``key`` for ``seconds``, then send ``calls`` behind it: the holder's message id and theirs."""
+    workers.start(threads=4)
+    workers.send([call("job", key, -1, seconds)])
+    (holder,) = workers.wait_runs(1, "start")
+    workers.send(calls)
+    return holder["message_id"], [s["message_id"] for s in workers.sent()[1:]]
+
+
+def holder_running(workers: LimitWorkers) -> bool:
+    """Whether the holder (``n == -1``) has not finished yet."""
+    return [r for r in workers.runs() if r["n"] == -1] == []
+
+
+def last_at(events: list[dict[str, Any]]) -> dict[str, float]:
+    """Each message's last event instant."""
+    return {e["message_id"]: e["at"] for e in events}
+
+
+def counted(workers: LimitWorkers, reason: str, expected: int) -> None:
+    """Wait until the worker's endpoint counts ``expected`` messages of actor job or policy not run for ``reason``."""
+
+    def count() -> float:
+        text = workers.metrics()
+        return value(text, "dramatiq_lease_not_run_total", reason=reason) if text else -1
+
+    wait_for(
+        lambda: count() == expected, timeout=10, what=f"dramatiq_lease_not_run_total{{reason={reason!r}}} == {expected}"
+    )
+
+
+def logged(workers: LimitWorkers, message_ids: list[str], actor: str, holder: str, reason: str) -> None:
+    """Wait until the worker log has, for each of ``message_ids``, the INFO line naming it, ``actor``, the holder's
+    message id and ``reason``."""
+
+    def missing() -> list[str]:
+        lines = [line for line in workers.log_lines() if "[INFO]" in line and "did not run" in line]
+        return [
+            m
+            for m in message_ids
+            if not any(
+                m in line and f"actor {actor!r}" in line and holder in line and f"({reason})" in line for line in lines
+            )
+        ]
+
+    workers.wait(lambda: missing() == [], timeout=10, what=f"the INFO lines ({reason})", about=message_ids)
+
+
+def test_skip_is_acknowledged_at_once_without_running(workers: LimitWorkers) -> None:
+    holder, ids = behind_a_holder(
+        workers, "skip", 6.0, [call("job", "skip", i, 0.0, lock_on_busy="skip") for i in range(3)]
+    )
+    workers.wait(lambda: workers.settled(ids), timeout=10, what="the skipped messages to be acknowledged", about=ids)
+    assert holder_running(workers), "the holder ended before the skips were settled: not behind a running holder"
+    delivered, acked = workers.delivered(), last_at(workers.acks())
+    assert {m: round(acked[m] - delivered[m], 3) for m in ids if acked[m] - delivered[m] > 2.0} == {}
+    assert workers.nacks() == []
+    assert [r for r in workers.runs("start") if r["n"] >= 0] == [], "a skipped message ran"
+    logged(workers, ids, "job", holder, "skipped")
+    counted(workers, "skipped", 3)
+
+
+def test_fail_dead_letters_at_once_without_running_or_a_retry(workers: LimitWorkers) -> None:
+    # ``policy`` has Dramatiq's default retries: a busy failure must not spend one.
+    holder, ids = behind_a_holder(
+        workers, "fail", 6.0, [call("policy", "fail", i, 0.0, lock_on_busy="fail") for i in range(3)]
+    )
+    workers.wait(lambda: workers.settled(ids), timeout=10, what="the failed messages to be dead-lettered", about=ids)
+    assert holder_running(workers), "the holder ended before the fails were settled: not behind a running holder"
+    delivered, nacked = workers.delivered(), last_at(workers.nacks())
+    assert set(nacked) == set(ids)
+    assert {m: round(nacked[m] - delivered[m], 3) for m in ids if nacked[m] - delivered[m] > 2.0} == {}
+    workers.wait(lambda: set(workers.dead_letters()) == set(ids), timeout=10, what="the 3 dead letters", about=ids)
+    assert [r for r in workers.runs("start") if r["n"] >= 0] == [], "a failed message ran"
+    assert {m: workers.enqueues()[m] for m in ids} == dict.fromkeys(ids, 1), "a failed message was retried"
+    logged(workers, ids, "policy", holder, "failed")
+    counted(workers, "failed", 3)
+
+
+def test_latest_runs_only_the_newest_right_after_the_holder(workers: LimitWorkers) -> None:
+    sends = 30  # every 100 ms for 3 s
+    holder, ids = behind_a_holder(
+        workers, "latest", 5.0, [call("job", "latest", i, 0.0, lock_on_busy="latest", pause=0.1) for i in range(sends)]
+    )
+    if not holder_running(workers):
+        pytest.fail("the holder ended before the last send: not behind a running holder")
+    (held,) = workers.wait_runs(1, where=lambda r: r["n"] == -1, timeout=10)
+    workers.wait(lambda: workers.settled(ids), timeout=15, what="every latest message to be settled", about=ids)
+    runs = [r for r in workers.runs("start") if r["n"] >= 0]
+    assert [r["n"] for r in runs] == [sends - 1], "not exactly one more run, of the newest arguments"
+    assert runs[0]["start"] - held["end"] <= 0.25, (
+        f"the newest started {runs[0]['start'] - held['end']:.3f}s after the holder"
+    )
+    # Each other one is acknowledged within 10 s of the send that superseded it.
+    sent, acked = workers.sent()[1:], last_at(workers.acks())
+    late = {
+        i: round(acked[ids[i]] - sent[i + 1]["at"], 3)
+        for i in range(sends - 1)
+        if acked[ids[i]] - sent[i + 1]["at"] > 10
+    }
+    assert late == {}
+    assert workers.nacks() == []
+    logged(workers, ids[:-1], "job", holder, "superseded")
+    counted(workers, "superseded", sends - 1)
+
+
+# --- the interrupt storm, on keys held by three at once -------------------------------------------------------
+
+
+class Storm(Middleware):
+    """Like TimeLimit and the worker's Shutdown: a thread raises ``TimeLimitExceeded`` and ``Shutdown`` into each
+    delivery's worker thread, each at most once per delivery (with probability ``chance``), at random instants
+    over its life.
+
+    ``chance`` is kept low enough that most deliveries complete: an interrupted delivery is sent back, an
+    interrupted send-back is sent again, and each copy is a delivery of its own, so too strong a storm breeds
+    copies faster than they settle (no real source fires at every delivery).
+    """
+
+    def __init__(self, window: float, chance: float, seed: int) -> None:
+        self.window = window
+        self.chance = chance
+        self.random = random.Random(seed)
+        self.lock = threading.Lock()
+        self.slots: dict[int, list[float]] = {}  # thread id -> [time_limit_at, shutdown_at]
+        self.fired = {"time_limit": 0, "shutdown": 0}
+        self.finished: list[tuple[str, int, float]] = []  # (message id, thread id, when) of each delivery's end
+        self.running = True
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _instant(self) -> float:
+        return (
+            time.monotonic() + self.random.uniform(0, self.window)
+            if self.random.random() < self.chance
+            else float("inf")
+        )
+
+    def before_process_message(self, broker: dramatiq.Broker, message: Any) -> None:
+        with self.lock:
+            self.slots[threading.get_ident()] = [self._instant(), self._instant()]
+
+    def after_process_message(
+        self, broker: dramatiq.Broker, message: Any, *, result: Any = None, exception: BaseException | None = None
+    ) -> None:
+        with self.lock:
+            self.slots.pop(threading.get_ident(), None)
+        # Its hooks run last (it is first in the list): the delivery's lease, if any, is released by now.
+        self.finished.append((message.message_id, threading.get_ident(), time.time()))
+
+    after_skip_message = after_process_message
+
+    def _run(self) -> None:
+        while self.running:
+            now = time.monotonic()
+            frames = sys._current_frames()
+            with self.lock:
+                for thread_id, slot in self.slots.items():
+                    if in_pool(frames.get(thread_id)):
+                        continue  # postponed: see in_pool
+                    for i, (name, error) in enumerate((("time_limit", TimeLimitExceeded), ("shutdown", Shutdown))):
+                        if slot[i] <= now:
+                            slot[i] = float("inf")
+                            self.fired[name] += 1
+                            raise_thread_exception(thread_id, error)  # type: ignore[no-untyped-call]
+            time.sleep(0.0002)
+
+
+def in_pool(frame: Any) -> bool:
+    """Whether a thread stands in a method of redis-py's connection pools.
+
+    An exception landing there breaks the pool's own bookkeeping (a connection neither free nor in use: "pop
+    from empty list", then "Too many connections"), for the broker's client as much as ours; that is redis-py's
+    hazard, not this package's. The storm waits for the thread to leave (it holds the GIL while it looks, so
+    the thread is where it was seen when the exception is set).
+    """
+    while frame is not None:
+        if frame.f_code.co_qualname.split(".")[0].endswith("ConnectionPool"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def not_run_traces(handler: LockFreeHandler) -> dict[str, set[str]]:
+    """The message ids of each reason a message did not run, from the log records."""
+    traces: dict[str, set[str]] = collections.defaultdict(set)
+    for record in handler.records:
+        if record.msg == NOT_RUN and isinstance(record.args, tuple):
+            traces[str(record.args[2])].add(str(record.args[0]))
+        elif record.msg == DUPLICATE and isinstance(record.args, tuple):
+            traces["duplicate"].add(str(record.args[0]))
+    return traces
+
+
+@dataclass
+class StormRun:
+    """What one storm did: the messages sent, the ``i`` of each actor entry, each key's run spans, the log."""
+
+    stack: Stack
+    handler: LockFreeHandler
+    storm: Storm
+    messages: list[Any] = field(default_factory=list)
+    entered: list[int] = field(default_factory=list)
+    #: (i, when, when its lease was granted, thread) of each actor entry
+    entries: list[tuple[int, float, float, int]] = field(default_factory=list)
+    ends: dict[tuple[int, float], float] = field(default_factory=dict)  # (i, when it entered) -> when it left
+    spans: dict[int, list[tuple[float, float]]] = field(default_factory=lambda: collections.defaultdict(list))
+
+    def at_once(self, i: int) -> bool:
+        """Whether two runs of message ``i`` held their leases at once: the later was granted before the delivery
+        of the earlier ended, its lease released (a delivery not seen to end counts as never ending)."""
+        message_id = self.messages[i].message_id
+
+        def ended(thread: int, entered: float) -> float:
+            ends = [at for m, t, at in self.storm.finished if m == message_id and t == thread and at >= entered]
+            return min(ends, default=math.inf)
+
+        runs = sorted((at, granted, thread) for j, at, granted, thread in self.entries if j == i)
+        return any(b[1] < ended(a[2], a[0]) for a, b in itertools.pairwise(runs))
+
+    def history(self, i: int) -> str:
+        """What the broker, the actor and the log say of message ``i``, in order, for a failure message."""
+        message_id = self.messages[i].message_id
+        recorder = self.stack.recorder
+        acks = sum(m == message_id for m in recorder.acked)
+        nacks = sum(m == message_id for m in recorder.nacked)
+        sends = [f"delay={d} {o}" for m, d, o in recorder.enqueues if m == message_id]
+        events = [(at, f"actor entered in {t}") for j, at, _, t in self.entries if j == i]
+        events += [(granted, "lease granted") for j, _, granted, _ in self.entries if j == i]
+        events += [(at, f"delivery ended in {t}") for m, t, at in self.storm.finished if m == message_id]
+        events += [(end, "actor left") for (j, _), end in self.ends.items() if j == i]
+        events += [
+            (r.created, f"{r.levelname} {r.threadName} {r.name}: {r.getMessage()}")
+            for r in self.handler.records
+            if message_id in r.getMessage()
+        ]
+        return "\n".join(
+            [f"message {i} ({message_id}): {acks} acks, {nacks} nacks, {len(sends)} enqueues:", *sends]
+            + [f"{at:.4f} {what}" for at, what in sorted(events)]
+        )
+
+
+def storm(policy: str, redis_server: EmbeddedRedis, handler: LockFreeHandler) -> StormRun:
+    """Send batches of messages on 2 keys of limit 3, under 8 threads and the storm, until 600 interruptions have
+    fired; return once the broker holds none of them (each ran, or was acknowledged or dead-lettered for good)."""
+    # No endpoint of its own: it would switch this process's metric values to a shared directory.
+    stack = Stack(
+        redis_server.url(0),
+        redis_server.url(1),
+        threads=8,
+        lock_min_backoff=1,
+        lock_max_backoff=5,
+        metrics_endpoint=False,
+    )
+    interrupts = Storm(window=0.006, chance=0.3, seed=21)
+    run = StormRun(stack, handler, interrupts)
+    stack.broker.middleware.insert(0, interrupts)  # first, like TimeLimit: its window spans every other hook
+
+    @stack.actor(lock_key="storm:{key}", lock_ttl=1_000, max_retries=0, lock_limit=3, lock_on_busy=policy)
+    def work(i: int, key: int, spins: int) -> None:
+        start = time.time()
+        try:
+            run.entered.append(i)
+            run.entries.append((i, start, current_lease().acquired_at, threading.get_ident()))
+            for _ in range(spins):
+                pass
+        finally:
+            end = time.time()  # within the lease: recorded spans never overcount
+            run.spans[key].append((start, end))
+            run.ends[(i, start)] = end
+
+    interrupts.thread.start()
+    try:
+        stack.start()
+        rng = random.Random(2)
+        deadline = time.monotonic() + 60
+        while sum(interrupts.fired.values()) < 600 and time.monotonic() < deadline:
+            base = len(run.messages)
+            run.messages += [work.send(i, i % 2, rng.randrange(0, 20_000)) for i in range(base, base + 200)]
+            # Not each message's acks against its enqueues: an interruption may land in the recorder's own hook.
+            drained(run, redis_server, timeout=20)
+    finally:
+        interrupts.running = False
+    assert sum(interrupts.fired.values()) >= 600, (
+        f"the storm was too weak to prove anything in 60 s: {interrupts.fired}"
+    )
+    print(f"policy {policy}: interrupts {interrupts.fired}, {len(run.messages)} messages")
+    return run
+
+
+def drained(run: StormRun, server: EmbeddedRedis, timeout: float) -> None:
+    """Wait until the broker holds no message; else fail with what the keys and the first message left say."""
+    deadline = time.monotonic() + timeout
+    while pending(server) > 0:
+        if time.monotonic() > deadline:
+            broker = redis.Redis.from_url(server.url(0))
+            leases = redis.Redis.from_url(server.url(1), decode_responses=True)
+            try:
+                # What pending() counts: queued, delayed or being processed. A client without decode_responses
+                # answers bytes, which redis-py's return type does not narrow to.
+                held = [*broker.hvals("dramatiq:default.msgs"), *broker.hvals("dramatiq:default.DQ.msgs")]
+                left = {Message.decode(cast(bytes, data)).message_id for data in held}
+                state = []
+                for key in ("storm:0", "storm:1"):
+                    holders = [(h.fence, h.meta.get("message_id")) for h in run.stack.leases.holders(key)]
+                    line = keys.line_name(DEFAULT_PREFIX, key)
+                    state.append(
+                        f"{key}: holders {holders}; line {leases.zrange(line, 0, -1, withscores=True)}; "
+                        f"waiters {leases.hgetall(line.replace(':line:', ':waiters:', 1))}"
+                    )
+            finally:
+                broker.close()
+                leases.close()
+            stuck = [i for i, m in enumerate(run.messages) if m.message_id in left]
+            pytest.fail(
+                f"the broker still holds {len(left)} messages after {timeout}s\n"
+                + "\n".join(state)
+                + f"\n{first_of(stuck, run)}"
+            )
+        time.sleep(0.05)
+
+
+def first_of(indexes: list[int], run: StormRun) -> str:
+    """How many of ``indexes`` there are, and the history of the first."""
+    return f"{len(indexes)} of them, the first:\n{run.history(indexes[0])}" if indexes else ""
+
+
+@pytest.mark.usefixtures("survivable_worker_threads")
+@pytest.mark.parametrize("policy", ["wait", "skip", "fail", "latest"])
+def test_an_interrupt_storm_keeps_three_at_once_and_loses_nothing(
+    policy: str, redis_server: EmbeddedRedis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TimeLimitExceeded and Shutdown raised into worker threads at random instants, on 2 keys of limit 3 under 8
+    threads: never more than 3 run one key at once, no message runs twice, and each either runs or leaves its
+    trace: dead-lettered, or acknowledged with an INFO line saying why; a message said not to run does not."""
+    # As in tests/test_interrupts.py: records go to a lock-free list (an interruption can strand a handler's lock).
+    handler = LockFreeHandler()
+    monkeypatch.setattr(logging.getLogger(), "handlers", [handler])
+    ours = logging.getLogger("dramatiq_leases")
+    monkeypatch.setattr(ours, "level", logging.INFO)  # the INFO line of each message that does not run
+    ours.manager._clear_cache()  # type: ignore[attr-defined]  # levels are cached per logger
+    run = storm(policy, redis_server, handler)
+    try:
+        for key, spans in run.spans.items():
+            assert most_at_once(spans) <= 3, f"more than 3 ran key {key} at once"
+        traces = not_run_traces(handler)
+        dead = {m.message_id for m in redis_dead_letters(redis_server)}
+        ran = set(run.entered)
+        ids = [m.message_id for m in run.messages]
+        # Two known defects (see the xfail tests below) are told apart from everything else: two copies of one
+        # message holding a key of several holders at once, and a copy said not to run while its sibling runs.
+        twice = [i for i, n in collections.Counter(run.entered).items() if n > 1]
+        at_once = [i for i in twice if run.at_once(i)]
+        assert [i for i in twice if i not in at_once] == [], f"messages ran twice: {first_of(twice, run)}"
+        lost = [
+            i for i, m in enumerate(ids) if i not in ran and m not in dead and not any(m in t for t in traces.values())
+        ]
+        assert lost == [], f"messages neither ran, nor were dead-lettered, nor left a trace: {first_of(lost, run)}"
+        said = {
+            r: [i for i, m in enumerate(ids) if m in traces[r] and i in ran]
+            for r in ("skipped", "failed", "superseded")
+        }
+        alive = [i for i, m in enumerate(ids) if m in traces["failed"] and m not in dead]
+        assert alive == [], f"messages traced failed are not in the dead-letter queue: {first_of(alive, run)}"
+        expected = {"wait": None, "skip": "skipped", "fail": "failed", "latest": "superseded"}[policy]
+        assert expected is None or traces[expected], f"the storm never found a key full: no message {expected}"
+        others = {r: len(traces[r]) for r in {"skipped", "failed", "superseded"} - {expected} if traces[r]}
+        assert others == {}, f"lock_on_busy={policy!r}, yet messages were {others}"
+        # Nothing is left held or renewed.
+        wait_for(lambda: run.stack.leases_mw.heartbeat.tracked() == [], what="every lease to be untracked", timeout=5)
+        wait_for(lambda: list(run.stack.leases.scan()) == [], what="every lease to be gone from Redis", timeout=5)
+    finally:
+        run.stack.stop()
+    known = {"copies ran at once": at_once, **{f"traced {r} yet ran": v for r, v in said.items()}}
+    if any(known.values()):
+        pytest.xfail(
+            "known defects seen (see the xfail tests of copies): "
+            + ", ".join(f"{what}: {len(v)} messages" for what, v in known.items() if v)
+        )
+
+
+# --- two copies of one message, as a send-back that was interrupted leaves ---------------------------------------
+
+#: The defects the storm shows, each made certain here with two copies of one message in the broker at once (an
+#: interrupted send-back sends its copy again, busy.py's _send_copy_back: "a second copy never runs, its run is
+#: remembered by its waiter id"; a timed-out enqueue tried again does the same).
+TWO_AT_ONCE = (
+    "two copies of one sent-back message are granted two slots of a key of several holders and run at once: the "
+    "run is remembered only at release, and nothing stops one waiter id from holding two slots"
+)
+SAID_NOT_RUN = (
+    "a copy finding the key held by its own sibling's run is skipped (counted 'skipped') or dead-lettered (counted "
+    "'failed') as if the key were busy with another message: the message both ran and 'did not run'"
+)
+
+
+@pytest.mark.parametrize(
+    ("limit", "policy"),
+    [
+        (1, "wait"),
+        (1, "latest"),
+        pytest.param(3, "wait", marks=pytest.mark.xfail(strict=True, reason=TWO_AT_ONCE)),
+        pytest.param(3, "latest", marks=pytest.mark.xfail(strict=True, reason=TWO_AT_ONCE)),
+        pytest.param(1, "skip", marks=pytest.mark.xfail(strict=True, reason=SAID_NOT_RUN)),
+        pytest.param(1, "fail", marks=pytest.mark.xfail(strict=True, reason=SAID_NOT_RUN)),
+    ],
+)
+def test_two_copies_of_a_message_run_once_and_leave_no_trace_of_not_running(
+    limit: int, policy: str, redis_server: EmbeddedRedis
+) -> None:
+    registry = CollectorRegistry()
+    stack = Stack(
+        redis_server.url(0),
+        redis_server.url(1),
+        threads=4,
+        metrics_endpoint=False,
+        metrics=PrometheusMetrics(registry=registry),
+    )
+    runs: list[float] = []
+
+    # A short TTL: a copy waiting in place behind its sibling lost its entry in the line to the sibling's grant (one
+    # waiter id), so no release wakes it; it waits for the holder's TTL.
+    @stack.actor(lock_key="copies", lock_ttl=1_000, lock_limit=limit, lock_on_busy=policy, max_retries=0)
+    def work(n: int) -> None:
+        runs.append(time.time())
+        time.sleep(0.5)  # its sibling copy is delivered meanwhile
+
+    stack.start()
+    try:
+        copy = work.message(1).copy(options={SENT_BACK_OPTION: True})
+        stack.broker.enqueue(copy)
+        stack.broker.enqueue(copy)
+        wait_for(lambda: runs and pending(redis_server) == 0, timeout=10, what="both copies to leave the broker")
+    finally:
+        stack.stop()
+    not_run = {
+        reason: registry.get_sample_value(
+            "dramatiq_lease_not_run_total", {"actor_name": "work", "queue_name": "default", "reason": reason}
+        )
+        for reason in ("skipped", "failed")
+    }
+    assert (len(runs), not_run, redis_dead_letters(redis_server)) == (1, {"skipped": 0, "failed": 0}, [])
