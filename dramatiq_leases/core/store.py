@@ -557,9 +557,8 @@ class Leases:
                         ready,
                         promote_ms,
                         self.fence_retention,
-                        "" if slot is not None else "find",
                         # A release asked again after its reply was lost finds this grant recorded as released.
-                        "" if slot is None or fence is None else str(fence),
+                        "find" if slot is None else "" if fence is None else str(fence),
                     ],
                 )
                 code = int(reply)

@@ -31,7 +31,7 @@
 -- keeps its own: `g:s` granted, `r:s` released, `e:s` expired, and each grant's hash names its `slot` and
 -- the `limit` it was granted under.
 -- The uncontended path (free key, no line) comes first and creates no closure it does not call.
---#include args clock keys slots
+--#include args clock keys
 local token, waiter = ARGV[1], ARGV[6]
 local ttl_ms = whole(ARGV[2], 1, MAX_MS)
 local max_hold_ms = whole(ARGV[3], 0, MAX_MS)
@@ -74,8 +74,15 @@ local prev_fence = tonumber(counter[1]) or 0
 local width = tonumber(counter[2])
 if width then width = math.max(1, math.min(math.floor(width), MAX_LIMIT)) end
 local slots = math.max(limit, width or 1)
--- One call for the common case: no holder and no line.
-local found = present(KEYS[1], slots, LINE)
+-- One call for the common case: no holder and no line (the slots' names built only for a key of several).
+local found
+if slots == 1 then
+  found = redis.call('EXISTS', KEYS[1], LINE)
+else
+  local names = {KEYS[1], LINE}
+  for s = 1, slots - 1 do names[#names + 1] = KEYS[1] .. ':' .. s end
+  found = redis.call('EXISTS', unpack(names))
+end
 local lined = found > 0 and redis.call('EXISTS', LINE) == 1
 local count = found - (lined and 1 or 0)
 
@@ -126,7 +133,8 @@ local function grant(s, top)
     local new_width = math.max(limit, top + 1)
     redis.call('HSET', KEYS[2], 'g:' .. s, string.format('%d', fence), 'width', new_width)
   end
-  local name = slot_key(KEYS[1], s)
+  local name = KEYS[1]
+  if s > 0 then name = name .. ':' .. s end
   if wide then
     redis.call('HSET', name, 'token', token, 'fence', string.format('%d', fence), 'ttl', ttl_ms,
       'interval', interval_ms, 'margin_ms', margin_ms, 'acquired_ms', now, 'renewed_ms', now,
@@ -145,6 +153,7 @@ if count == 0 and not lined then
   return {1, fence, now, expired, 0, 0, 0}
 end
 
+--#include slots
 local WAITERS = sibling(KEYS[1], 'waiters')
 -- Keys of another type (written by hand) would fail a command below after earlier writes, leaving a line
 -- without TTL: refused before the first write.

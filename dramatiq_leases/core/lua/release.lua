@@ -7,10 +7,10 @@
 --   3 ready: how many waiters of the key may wait in place
 --   4 promote_ms: how long a waiter whose turn came has to show up
 --   5 retention_ms: how long an idle fence counter is kept (0: for ever; optional)
---   6 find: 'find' if the holder's slot is not known (a grant whose reply was lost): the token is looked for
---     in every slot of the key (KEYS[1] then names the lease, slot 0); optional
---   7 fence: the grant's fence, if known: a release asked again (its first reply lost) finds the grant
---     recorded as released by that fence, and answers 2; optional
+--   6 grant: what the caller knows of its grant (optional): its fence, so that a release asked again (its
+--     first reply lost) finds the grant recorded as released and answers 2; or 'find' if it knows neither
+--     fence nor slot (a grant whose reply was lost): the token is looked for in every slot of the key
+--     (KEYS[1] then names the lease, slot 0)
 -- Returns 1 if released, 0 if the token did not hold the lease (nothing is touched then), 2 if it did not
 -- but the grant of the fence given is recorded as released (by this token, or release --if-dead). The holder
 -- always has the newest fence of its slot, so it is recorded as the slot's last one released. A waiter that ran
@@ -25,11 +25,11 @@ if ready == nil then return bad('ready', ARGV[3]) end
 if promote_ms == nil then return bad('promote_ms', ARGV[4]) end
 if waiter == nil or #waiter > MAX_ID_LENGTH then return bad('waiter', waiter) end
 if retention_ms == nil then return bad('retention_ms', ARGV[5]) end
-local asked = ARGV[7] or ''
-if asked ~= '' and not string.match(asked, '^%d+$') then return bad('fence', asked) end
+local grant = ARGV[6] or ''
+if grant ~= '' and grant ~= 'find' and not string.match(grant, '^%d+$') then return bad('grant', grant) end
 local LINE = sibling(KEYS[1], 'line')
 local LEASE = KEYS[1]
-if ARGV[6] == 'find' then
+if grant == 'find' then
   local width = redis.pcall('HGET', KEYS[2], 'width')
   width = math.min((type(width) == 'string' and tonumber(width)) or 1, MAX_LIMIT)
   for s = 1, width - 1 do
@@ -39,10 +39,10 @@ if ARGV[6] == 'find' then
 end
 local cur = redis.pcall('HMGET', LEASE, 'token', 'fence', 'slot')
 if cur.err or not cur[1] or cur[1] ~= token then
-  if asked ~= '' then
+  if grant ~= '' and grant ~= 'find' then
     local s = string.match(LEASE, '}:(%d+)$') or '0'
     local rec = redis.pcall('HMGET', KEYS[2], 'released', 'r:' .. s)
-    if not rec.err and (rec[1] == asked or rec[2] == asked) then return 2 end
+    if not rec.err and (rec[1] == grant or rec[2] == grant) then return 2 end
   end
   return 0
 end
