@@ -60,9 +60,10 @@ if first_ms == nil or mode == nil or ready == nil or park_ms == nil or promote_m
   return bad('line_numbers', ARGV[7])
 end
 if (#ARGV - 7) % 2 ~= 0 then return bad('fields', #ARGV - 7) end
-local LINE, DONE = sibling(KEYS[1], 'line'), sibling(KEYS[1], 'done')
+local LINE, DONE = sibling(KEYS[1], 'line'), nil
 local now, now_us = server_time()
 if waiter ~= '' then
+  DONE = sibling(KEYS[1], 'done')
   local done = redis.call('ZMSCORE', DONE, waiter, 's:' .. waiter)
   if done[1] and tonumber(done[1]) > now then return {0, 0, 0, now, 4, -1, 0, 0} end
   if done[2] and tonumber(done[2]) > now then return {0, 0, 0, now, 5, -1, 0, 0} end
