@@ -167,6 +167,7 @@ _CORE_FIELDS = frozenset(
         "key",
         "slot",
         "limit",
+        "waiter",
     }
 )
 

@@ -148,6 +148,9 @@ class Wait(str, Enum):
     DUPLICATE = "duplicate"
     #: A newer waiter of the key took this one's place (``lock_on_busy="latest"``): it must not run.
     SUPERSEDED = "superseded"
+    #: Another copy of this message (the same waiter) holds the key and runs: ask again later, outside the
+    #: line (a redelivery of a crashed run then runs once that lease ends; a stray copy finds it ran).
+    COPY_HOLDS = "copy_holds"
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,7 @@ def _check_numbers(ttl: Any, interval: Any, max_hold: Any) -> tuple[int, int, in
     return ttl, interval, max_hold
 
 
-_WAITS = [Wait.NONE, Wait.IN_PLACE, Wait.PARK, Wait.SOON, Wait.DUPLICATE, Wait.SUPERSEDED]
+_WAITS = [Wait.NONE, Wait.IN_PLACE, Wait.PARK, Wait.SOON, Wait.DUPLICATE, Wait.SUPERSEDED, Wait.COPY_HOLDS]
 
 _RENEW_CODES = {"1": Renewal.OK, "0": Renewal.GONE, "s": Renewal.STOLEN, "m": Renewal.MAX_HOLD}
 
@@ -300,6 +300,8 @@ class Leases:
             line,
             *meta_args(key, meta),
         ]
+        if waiter:  # named in the grant, so that another copy of the same message never holds a slot beside it
+            args += ["waiter", waiter]
         attributes: dict[str, str | int] = {**self._span_attrs[_ACQUIRE], tracing.TTL: ttl}
         if tracing.keys_recorded():
             attributes[tracing.KEY] = key

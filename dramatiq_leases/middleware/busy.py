@@ -120,7 +120,7 @@ def on_busy(
     # Near the front with no thread to wait in place: parked, and called back at the next release. But not
     # from a worker shutting down: its copy comes back by itself soon, not through promotions to a process
     # that is stopping.
-    if busy.wait is Wait.NONE or (busy.wait is Wait.SOON and waiting.stopping):
+    if busy.wait in (Wait.NONE, Wait.COPY_HOLDS) or (busy.wait is Wait.SOON and waiting.stopping):
         logger.debug(
             "Lease %r is busy; message %s (place %d of %d) comes again soon.",
             busy.key,

@@ -24,7 +24,8 @@
 -- holder_fence, now, action, rank, length, block_ms} (pttl: the soonest a holder's TTL ends; holder_fence:
 -- the newest holder's fence): action 0 not in the line, 1 wait in place (BLPOP the waiter's wake list for
 -- block_ms), 2 park, 3 park, near the front (a place to wait in but no thread for it), 4 this waiter already ran
--- (a duplicate), 5 a newer waiter took its place (latest; it must not run). A key with free slots and a
+-- (a duplicate), 5 a newer waiter took its place (latest; it must not run), 6 another copy of this waiter
+-- holds the key (it runs: ask again later, outside the line; the holder's hash names its `waiter`). A key with free slots and a
 -- line goes to the front of its line only: its first waiters, one per free slot.
 -- Records: a key never held by several at once keeps its last release and expiry in the counter's
 -- `released` and `expired`; once it was (the counter has a `width`: how many slots may be held), each slot s
@@ -162,12 +163,12 @@ if lined and redis.call('TYPE', LINE).ok ~= 'zset' then return bad('line (not a 
 local waiters_type = redis.call('TYPE', WAITERS).ok
 if waiters_type ~= 'hash' and waiters_type ~= 'none' then return bad('waiters (not a hash)', WAITERS) end
 -- The holders: a free slot below the limit, the highest held, the soonest TTL end, the newest fence.
-local pttl, holder_fence, free_slot, top = 0, 0, nil, -1
+local pttl, holder_fence, free_slot, top, sibling_holds = 0, 0, nil, -1, false
 if count > 0 then
   pttl = nil
   for s = 0, slots - 1 do
     local name = slot_key(KEYS[1], s)
-    local cur = redis.pcall('HMGET', name, 'fence', 'token', 'acquired_ms')
+    local cur = redis.pcall('HMGET', name, 'fence', 'token', 'acquired_ms', 'waiter')
     -- A hash without those fields (written by hand) blocks its slot as any holder does.
     if cur.err or cur[1] or cur[2] or redis.call('EXISTS', name) == 1 then
       if not cur.err and cur[2] == token then
@@ -176,6 +177,8 @@ if count > 0 then
         return {1, tonumber(cur[1]) or 0, tonumber(cur[3]) or now, 0, 0, waiter ~= '' and 1 or 0, s}
       end
       if not cur.err then holder_fence = math.max(holder_fence, tonumber(cur[1]) or 0) end
+      -- Another copy of this message holds a slot (it runs): this one must not run beside it.
+      if waiter ~= '' and not cur.err and cur[4] == waiter then sibling_holds = true end
       local left = redis.call('PTTL', name)
       if left >= -1 and (pttl == nil or (left >= 0 and (pttl < 0 or left < pttl))) then pttl = left end
       top = s
@@ -187,6 +190,7 @@ if count > 0 then
 else
   free_slot = 0
 end
+if sibling_holds then return {0, pttl, holder_fence, now, 6, -1, 0, 0} end
 local free = limit - count
 if free_slot == nil then free = 0 end
 
