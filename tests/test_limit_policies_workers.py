@@ -409,8 +409,8 @@ def test_an_interrupt_storm_keeps_three_at_once_and_loses_nothing(
         dead = {m.message_id for m in redis_dead_letters(redis_server)}
         ran = set(run.entered)
         ids = [m.message_id for m in run.messages]
-        # Two known defects (see the xfail tests below) are told apart from everything else: two copies of one
-        # message holding a key of several holders at once, and a copy said not to run while its sibling runs.
+        # Two defects the storm once showed (the tests of copies below) are told apart: two copies of one message
+        # holding a key of several holders at once, and a copy said not to run while its sibling runs.
         twice = [i for i, n in collections.Counter(run.entered).items() if n > 1]
         at_once = [i for i in twice if run.at_once(i)]
         assert [i for i in twice if i not in at_once] == [], f"messages ran twice: {first_of(twice, run)}"
@@ -434,42 +434,32 @@ def test_an_interrupt_storm_keeps_three_at_once_and_loses_nothing(
     finally:
         run.stack.stop()
     known = {"copies ran at once": at_once, **{f"traced {r} yet ran": v for r, v in said.items()}}
-    if any(known.values()):
-        pytest.xfail(
-            "known defects seen (see the xfail tests of copies): "
-            + ", ".join(f"{what}: {len(v)} messages" for what, v in known.items() if v)
-        )
+    assert not any(known.values()), ", ".join(f"{what}: {len(v)} messages" for what, v in known.items() if v)
 
 
 # --- two copies of one message, as a send-back that was interrupted leaves ---------------------------------------
 
-#: The defects the storm shows, each made certain here with two copies of one message in the broker at once (an
-#: interrupted send-back sends its copy again, busy.py's _send_copy_back: "a second copy never runs, its run is
-#: remembered by its waiter id"; a timed-out enqueue tried again does the same).
-TWO_AT_ONCE = (
-    "two copies of one sent-back message are granted two slots of a key of several holders and run at once: the "
-    "run is remembered only at release, and nothing stops one waiter id from holding two slots"
-)
-SAID_NOT_RUN = (
-    "a copy finding the key held by its own sibling's run is skipped (counted 'skipped') or dead-lettered (counted "
-    "'failed') as if the key were busy with another message: the message both ran and 'did not run'"
-)
 
-
+# The defects the storm showed (fixed: each grant names its waiter; a copy finding it among the holders asks
+# again later), each made certain here with two copies of one message in the broker at once (an
+# interrupted send-back sends its copy again, busy.py's _send_copy_back: "a second copy never runs, its run is
+# remembered by its waiter id"; a timed-out enqueue tried again does the same).
 @pytest.mark.parametrize(
     ("limit", "policy"),
     [
         (1, "wait"),
         (1, "latest"),
-        pytest.param(3, "wait", marks=pytest.mark.xfail(strict=True, reason=TWO_AT_ONCE)),
-        pytest.param(3, "latest", marks=pytest.mark.xfail(strict=True, reason=TWO_AT_ONCE)),
-        pytest.param(1, "skip", marks=pytest.mark.xfail(strict=True, reason=SAID_NOT_RUN)),
-        pytest.param(1, "fail", marks=pytest.mark.xfail(strict=True, reason=SAID_NOT_RUN)),
+        (3, "wait"),
+        (3, "latest"),
+        (1, "skip"),
+        (1, "fail"),
     ],
 )
 def test_two_copies_of_a_message_run_once_and_leave_no_trace_of_not_running(
     limit: int, policy: str, redis_server: EmbeddedRedis
 ) -> None:
+    """Two copies of one message never hold two slots of a key at once, and a copy behind its own sibling's run
+    is never counted skipped or failed (nor dead-lettered): it asks again later, and is dropped once it ran."""
     registry = CollectorRegistry()
     stack = Stack(
         redis_server.url(0),
