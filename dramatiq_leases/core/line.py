@@ -79,6 +79,7 @@ class Line:
         promote_ms: int = PROMOTE_MS,
         limit: int = 1,
         latest: bool = False,
+        final: bool = False,
     ) -> Lease | Busy:
         """:meth:`Leases.try_acquire` as ``waiter`` of ``key``'s line: granted at the head, else a place.
 
@@ -89,7 +90,8 @@ class Line:
         the line: a busy answer is then :attr:`Wait.NONE`. ``limit``: how many may hold the key at once
         (then ``ready + limit - 1`` may wait in place);
         ``latest``: the key keeps only its newest waiter that joined so (the older one's answer, or its
-        holder's :meth:`hold`, becomes ``superseded``).
+        holder's :meth:`hold`, becomes ``superseded``); ``final`` (with ``joins=False``): a busy answer is
+        remembered as this waiter's outcome, so a copy of its message asking later is told it is a duplicate.
         """
         if not isinstance(waiter, str) or not waiter:
             raise LeaseConfigError(f"a waiter of {key!r} needs a non-empty id, got {waiter!r}", key=key)
@@ -106,6 +108,7 @@ class Line:
             rules=(ready, park_ms, promote_ms),
             limit=limit,
             latest=latest,
+            final=final,
         )
 
     def release(

@@ -277,10 +277,12 @@ class Leases:
         rules: tuple[int, int, int] = (DEFAULT_READY, DEFAULT_PARK_MS, PROMOTE_MS),
         limit: int = 1,
         latest: bool = False,
+        final: bool = False,
     ) -> Lease | Busy:
         """The acquire script, for :meth:`try_acquire` (``mode`` 0: never joins the line) and
         :meth:`Line.join` (1: may park, 2: may wait in place); ``rules``: ready, park_ms, promote_ms;
-        ``latest``: the key keeps only its newest such waiter."""
+        ``latest``: the key keeps only its newest such waiter; ``final`` (``mode`` 0): a refusal is remembered,
+        so another copy of this waiter never runs after it."""
         validate_key(key)
         ttl, stored_interval, max_hold_ms = _check_numbers(ttl, interval, max_hold)
         limit = whole_limit(limit, "limit", maximum=MAX_LIMIT)
@@ -289,7 +291,8 @@ class Leases:
         token = token or new_token()
         meta = dict(meta or {})
         ready, park_ms, promote_ms = rules
-        line = f"{first_ms} {mode} {ready} {park_ms} {promote_ms} {self.fence_retention} {limit} {int(latest)}"
+        policy = 2 if final else int(latest)
+        line = f"{first_ms} {mode} {ready} {park_ms} {promote_ms} {self.fence_retention} {limit} {policy}"
         args: list[Any] = [
             token,
             ttl,

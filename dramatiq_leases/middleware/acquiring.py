@@ -141,6 +141,9 @@ class Acquisition:
             joins=opts.on_busy in ("wait", "latest"),
             limit=self.limit,
             latest=opts.on_busy == "latest",
+            # A copy sent back (a Redis error, an interruption) may have a sibling in the broker: refused, it
+            # is the message's outcome, and the sibling must not run after it.
+            final=opts.on_busy in ("skip", "fail") and bool(options.get(SENT_BACK_OPTION)),
         )
 
     def _unavailable(self, error: Exception) -> NoReturn:

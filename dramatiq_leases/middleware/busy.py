@@ -78,7 +78,8 @@ def on_busy(
     """
     if busy.wait is Wait.DUPLICATE:
         logger.info(
-            "Message %s is a copy of one that already ran under lease %r; not running it again.",
+            "Message %s is a copy of one that already ran, or was refused by lock_on_busy, under lease %r; "
+            "not running it.",
             message.message_id,
             busy.key,
         )

@@ -16,7 +16,9 @@
 --       promote_ms: how long a waiter whose turn came has to show up
 --       retention_ms: how long an idle fence counter is kept (0: for ever)
 --       limit: how many may hold the key at once (its holders counted whatever limit they were granted with)
---       latest: 1 if the key keeps only its newest waiter of this kind (lock_on_busy="latest"), else 0
+--       latest: 1 if the key keeps only its newest waiter of this kind (lock_on_busy="latest"); 2 if a refusal
+--         of this waiter (mode 0) is final: remembered, so another copy of its message never runs after it
+--         (a copy sent back, refused by lock_on_busy skip or fail); else 0
 --   8.. fields: field/value pairs of the lease hash ('key', and 'meta': the holder metadata as JSON)
 -- Returns {1, fence, now, previous_fence_expired, released_ms, from_line, slot} when granted (released_ms:
 -- when the key's last grant was released, if this waiter waited in the line, else 0; from_line: 1 if granted
@@ -46,7 +48,7 @@ local park_ms = whole(f4, 1, MAX_MS)
 local promote_ms = whole(f5, 1, MAX_MS)
 local retention_ms = whole(f6, 0, MAX_MS)
 local limit = whole(f7, 1, MAX_LIMIT)
-local latest = whole(f8, 0, 1)
+local latest = whole(f8, 0, 2)
 if token == nil or token == '' then return bad('token', token) end
 if ttl_ms == nil then return bad('ttl_ms', ARGV[2]) end
 if max_hold_ms == nil then return bad('max_hold_ms', ARGV[3]) end
@@ -57,7 +59,7 @@ if waiter == nil or #waiter > MAX_ID_LENGTH or (waiter == '' and mode ~= nil and
   return bad('waiter', waiter)
 end
 if first_ms == nil or mode == nil or ready == nil or park_ms == nil or promote_ms == nil or retention_ms == nil
-  or limit == nil or latest == nil or (latest == 1 and mode == 0) then
+  or limit == nil or latest == nil or (latest == 1 and mode == 0) or (latest == 2 and (mode ~= 0 or waiter == '')) then
   return bad('line_numbers', ARGV[7])
 end
 if (#ARGV - 7) % 2 ~= 0 then return bad('fields', #ARGV - 7) end
@@ -65,8 +67,9 @@ local LINE, DONE = sibling(KEYS[1], 'line'), nil
 local now, now_us = server_time()
 if waiter ~= '' then
   DONE = sibling(KEYS[1], 'done')
-  local done = redis.call('ZMSCORE', DONE, waiter, 's:' .. waiter)
+  local done = redis.call('ZMSCORE', DONE, waiter, 's:' .. waiter, 'n:' .. waiter)
   if done[1] and tonumber(done[1]) > now then return {0, 0, 0, now, 4, -1, 0, 0} end
+  if done[3] and tonumber(done[3]) > now then return {0, 0, 0, now, 4, -1, 0, 0} end
   if done[2] and tonumber(done[2]) > now then return {0, 0, 0, now, 5, -1, 0, 0} end
 end
 -- The counter first: one of another type fails the script here, before any write.
@@ -255,6 +258,10 @@ local function call_front()
 end
 if mode == 0 then
   call_front()
+  if latest == 2 then
+    redis.call('ZADD', DONE, now + DONE_MS, 'n:' .. waiter)
+    redis.call('PEXPIRE', DONE, DONE_MS)
+  end
   return {0, pttl, holder_fence, now, 0, -1, redis.call('ZCARD', LINE), 0}
 end
 redis.call('ZADD', LINE, 'NX', mine_first, waiter)
