@@ -453,10 +453,7 @@ def test_an_interrupt_storm_keeps_three_at_once_and_loses_nothing(
     finally:
         run.stack.stop()
     assert at_once == [], f"copies ran at once: {first_of(at_once, run)}"
-    if any(said.values()):  # the defect of test_a_copy_said_not_to_run_never_runs_after_all, when the storm meets it
-        pytest.xfail(
-            f"{COPY_SAID_NOT_RUN}: " + ", ".join(f"traced {r} yet ran: {len(v)}" for r, v in said.items() if v)
-        )
+    assert not any(said.values()), ", ".join(f"traced {r} yet ran: {len(v)}" for r, v in said.items() if v)
 
 
 # --- two copies of one message, as a send-back that was interrupted leaves ---------------------------------------
@@ -519,13 +516,6 @@ def not_run(registry: CollectorRegistry) -> dict[str, float]:
     }
 
 
-COPY_SAID_NOT_RUN = (
-    "a copy of a message skipped or dead-lettered because its key was full does not stop a sibling copy delivered "
-    "once the key freed: the message is counted skipped (or dead-lettered, counted failed) and runs all the same"
-)
-
-
-@pytest.mark.xfail(strict=True, reason=COPY_SAID_NOT_RUN)
 @pytest.mark.parametrize("policy", ["skip", "fail"])
 def test_a_copy_said_not_to_run_never_runs_after_all(policy: str, redis_server: EmbeddedRedis) -> None:
     """One copy of a message meets its key held by another message and is skipped (or failed); a sibling copy of it
