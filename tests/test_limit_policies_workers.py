@@ -354,16 +354,16 @@ def storm(policy: str, redis_server: EmbeddedRedis, handler: LockFreeHandler) ->
     try:
         stack.start()
         rng = random.Random(2)
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 90
         while sum(interrupts.fired.values()) < 600 and time.monotonic() < deadline:
             base = len(run.messages)
-            run.messages += [work.send(i, i % 2, rng.randrange(0, 20_000)) for i in range(base, base + 200)]
+            run.messages += [work.send(i, i % 2, rng.randrange(0, 20_000)) for i in range(base, base + 400)]
             # Not each message's acks against its enqueues: an interruption may land in the recorder's own hook.
-            drained(run, redis_server, timeout=20)
+            drained(run, redis_server, timeout=30)
     finally:
         interrupts.running = False
     assert sum(interrupts.fired.values()) >= 600, (
-        f"the storm was too weak to prove anything in 60 s: {interrupts.fired}"
+        f"the storm was too weak to prove anything in 90 s: {interrupts.fired}"
     )
     print(f"policy {policy}: interrupts {interrupts.fired}, {len(run.messages)} messages")
     return run
