@@ -489,8 +489,7 @@ def test_two_copies_of_a_message_run_once_and_leave_no_trace_of_not_running(
     )
     runs: list[float] = []
 
-    # A short TTL: a copy waiting in place behind its sibling lost its entry in the line to the sibling's grant (one
-    # waiter id), so no release wakes it; it waits for the holder's TTL.
+    # A short TTL: a copy that meets its sibling holding is sent back to ask later, not woken by the release.
     @stack.actor(lock_key="copies", lock_ttl=1_000, lock_limit=limit, lock_on_busy=policy, max_retries=0)
     def work(n: int) -> None:
         runs.append(time.time())
