@@ -257,8 +257,6 @@ _NOT_RUN_WHY = {
     "skipped": "its key was full",
     "failed": "its key was full; moving it to the dead-letter queue",
     "superseded": "a newer message of its key took its place in the line",
-    "gave_up": "it waited longer than its wait budget",
-    "duplicate": "it is a copy of one that already ran",
 }
 
 
