@@ -21,13 +21,13 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from dramatiq_leases.core import Busy, Lease, Leases, LeaseUnavailableError, Renewal, Wait
-from dramatiq_leases.core.info import text
 from dramatiq_leases.core.keys import fence_name, lease_name
 from dramatiq_leases.core.lease import new_token
 from dramatiq_leases.embedded import EmbeddedRedis
 
 from .support.lossy import LossyProxy, scripts_at_random
 from .support.waiting import wait_for
+from .test_limit import held_slots, refused
 
 T = TypeVar("T")
 TTL = 10_000
@@ -38,11 +38,6 @@ def leases(redis_client: redis.Redis) -> Leases:
     return Leases(redis_client, prefix="t")
 
 
-def refused(reply: Lease | Busy) -> Busy:
-    assert isinstance(reply, Busy), reply
-    return reply
-
-
 def granted(reply: Lease | Busy) -> Lease:
     assert isinstance(reply, Lease), reply
     return reply
@@ -51,16 +46,6 @@ def granted(reply: Lease | Busy) -> Lease:
 def join(leases: Leases, waiter: str, first_ms: int, *, key: str = "k", **options: Any) -> Lease | Busy:
     options.setdefault("may_wait", True)
     return leases._line.join(key, TTL, waiter=waiter, first_ms=first_ms, **options)
-
-
-def held(client: redis.Redis, key: str = "k", upto: int = 12) -> dict[int, str]:
-    """The token in each held slot of ``key``, read from Redis."""
-    out = {}
-    for s in range(upto):
-        token = client.hget(lease_name("t", key, s), "token")
-        if token is not None:
-            out[s] = text(token)
-    return out
 
 
 class Waits:
@@ -265,7 +250,7 @@ def test_a_lower_limit_counts_high_slots_past_the_retention(redis_client: redis.
     assert leases.renew_many(held[2:]) == [Renewal.OK, Renewal.OK]
     counter = fence_name("t", "k")
     assert redis_client.pttl(counter) >= min(redis_client.pttl(f"t:lease:{{k}}:{s}") for s in (2, 3)) - 50
-    assert len(held_now := held_slots_of(redis_client)) == 2, held_now
+    assert len(held_now := held_slots(redis_client, upto=12)) == 2, held_now
     refused(leases.try_acquire("k", TTL, limit=2))  # two hold: a limit of 2 is met
 
 
@@ -276,11 +261,7 @@ def test_release_token_finds_a_high_slot_past_the_retention(redis_client: redis.
     wait_for(lambda: time.monotonic() - started > 0.4, timeout=2, what="twice the retention to pass")
     assert redis_client.exists(fence_name("t", "k")), "the counter of a wide key expired under its holders"
     assert leases.release_token("k", held[2].token)
-    assert held[2].slot not in held_slots_of(redis_client)
-
-
-def held_slots_of(client: redis.Redis) -> dict[int, str]:
-    return held(client)
+    assert held[2].slot not in held_slots(redis_client, upto=12)
 
 
 def test_the_last_single_holders_expiry_is_recorded_when_a_key_becomes_wide(
@@ -350,7 +331,7 @@ class Holders:
         self._monitor.join(5)
 
     def in_redis(self) -> dict[str, int]:
-        return {token: slot for slot, token in held(self.direct, upto=self.limit + 4).items()}
+        return {token: slot for slot, token in held_slots(self.direct, upto=self.limit + 4).items()}
 
 
 def run_rounds(leases: Leases, holders: Holders, rounds: int, seed: int, *, keep_last: bool) -> list[str]:
@@ -469,11 +450,11 @@ def test_a_release_whose_reply_was_lost_is_a_no_op_when_sent_again(server: Embed
         assert leases.release(b) is False
         assert leases.release_token("k", b.token) is False
         assert direct.hgetall(fence_name("t", "k")) == counter_after
-        assert held(direct) == {a.slot: a.token, c.slot: c.token}
+        assert held_slots(direct, upto=12) == {a.slot: a.token, c.slot: c.token}
         d = granted(leases.try_acquire("k", TTL, limit=3))
         assert d.slot == b.slot
         assert leases.release(b) is False  # and later still, with d in its slot
-        assert held(direct)[b.slot] == d.token
+        assert held_slots(direct, upto=12)[b.slot] == d.token
 
 
 def test_grants_whose_replies_were_abandoned_expire_within_their_ttl(server: EmbeddedRedis) -> None:
@@ -491,7 +472,7 @@ def test_grants_whose_replies_were_abandoned_expire_within_their_ttl(server: Emb
                     leases.release(lease)
         assert proxy.lost > 50
         abandoned_at = time.monotonic()
-    wait_for(lambda: held(direct) == {}, timeout=2, what="abandoned grants to expire")
+    wait_for(lambda: held_slots(direct, upto=12) == {}, timeout=2, what="abandoned grants to expire")
     assert time.monotonic() - abandoned_at < 0.3 + 1.0  # their TTL, and slack for a loaded machine
     leases = Leases(direct, prefix="t")
     assert sorted(granted(leases.try_acquire("k", 1_000, limit=3)).slot for _ in range(3)) == [0, 1, 2]
