@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -21,25 +20,19 @@ from .support.waiting import wait_for
 
 
 @pytest.fixture
-def lease_server() -> Iterator[EmbeddedRedis]:
-    server = EmbeddedRedis().start()
-    yield server
-    server.close()
-
-
-@pytest.fixture
-def make_stack(redis_server: EmbeddedRedis, lease_server: EmbeddedRedis) -> Iterator[MakeStack]:
-    stacks: list[Stack] = []
+def make_stack(make_stack: MakeStack) -> MakeStack:
+    """conftest's stacks (leases on database 1 of the test's server), each with a metrics registry of its own."""
 
     def make(**options: Any) -> Stack:
         options.setdefault("metrics", PrometheusMetrics(registry=CollectorRegistry()))
-        stack = Stack(redis_server.url(0), lease_server.url(0), **options)
-        stacks.append(stack)
-        return stack
+        return make_stack(**options)
 
-    yield make
-    for stack in stacks:
-        stack.stop()
+    return make
+
+
+def leases_written(server: EmbeddedRedis) -> int:
+    """How many keys the lease store (database 1) holds."""
+    return int(redis.Redis.from_url(server.url(1)).dbsize())
 
 
 def latest_waiter(stack: Stack) -> str:
@@ -73,7 +66,7 @@ def not_run(stack: Stack, actor: str, reason: str) -> float:
     ],
 )
 def test_bad_limits_and_policies_fail_at_declaration(
-    make_stack: MakeStack, lease_server: EmbeddedRedis, options: dict[str, Any], expected: str
+    make_stack: MakeStack, redis_server: EmbeddedRedis, options: dict[str, Any], expected: str
 ) -> None:
     stack = make_stack()
     with pytest.raises(LeaseOptionError) as info:
@@ -84,19 +77,19 @@ def test_bad_limits_and_policies_fail_at_declaration(
 
     assert "actor 'call_vendor'" in str(info.value) and info.value.actor == "call_vendor"
     assert expected in str(info.value)
-    assert redis.Redis.from_url(lease_server.url(0)).dbsize() == 0
+    assert leases_written(redis_server) == 0
 
 
-def test_bad_middleware_limit_fails_at_construction(lease_server: EmbeddedRedis) -> None:
+def test_bad_middleware_limit_fails_at_construction(redis_server: EmbeddedRedis) -> None:
     from dramatiq_leases import LeaseMiddleware
 
     with pytest.raises(LeaseOptionError, match="LeaseMiddleware: lock_limit=0"):
-        LeaseMiddleware(redis_url=lease_server.url(), lock_limit=0)
+        LeaseMiddleware(redis_url=redis_server.url(1), lock_limit=0)
     with pytest.raises(LeaseOptionError, match="LeaseMiddleware: lock_on_busy must be one of"):
-        LeaseMiddleware(redis_url=lease_server.url(), lock_on_busy="queue")
+        LeaseMiddleware(redis_url=redis_server.url(1), lock_on_busy="queue")
 
 
-def test_bad_limits_are_refused_at_send_time(make_stack: MakeStack, lease_server: EmbeddedRedis) -> None:
+def test_bad_limits_are_refused_at_send_time(make_stack: MakeStack, redis_server: EmbeddedRedis) -> None:
     stack = make_stack()
 
     def tiers(tenant: str) -> Any:
@@ -126,7 +119,7 @@ def test_bad_limits_are_refused_at_send_time(make_stack: MakeStack, lease_server
     with pytest.raises(LeaseOptionError, match="actor 'plain': lock_on_busy must be one of"):
         plain.send_with_options(args=("gold",), lock_on_busy="later")
     assert stack.recorder.enqueues == []  # nothing reached the queue
-    assert redis.Redis.from_url(lease_server.url(0)).dbsize() == 0  # nor the lease store
+    assert leases_written(redis_server) == 0  # nor the lease store
     call_vendor.send("gold")  # a good answer goes through
     assert len(stack.recorder.enqueues) == 1
 
