@@ -287,7 +287,8 @@ def test_results_never_see_none_from_a_busy_skip(make_stack: MakeStack, redis_se
     holding = threading.Event()
     go = threading.Event()
 
-    @stack.actor(lock_key="sum:{a}", store_results=True)
+    # A time limit of 8 s bounds a wait in place to 2 s: whichever waiters take the places, each parks after that.
+    @stack.actor(lock_key="sum:{a}", store_results=True, time_limit=8_000)
     def add(a: int, b: int, hold: bool = False) -> int:
         if hold:
             holding.set()
@@ -297,7 +298,7 @@ def test_results_never_see_none_from_a_busy_skip(make_stack: MakeStack, redis_se
     stack.start()
     add.send(1, 100, hold=True)
     assert holding.wait(10)
-    # More waiters than may wait in place: some are parked, their first deliveries skipped.
+    # Parked waiters: their first deliveries are skipped.
     waiters = [add.send(1, b) for b in (2, 3, 4)]
     wait_for(lambda: any(stack.recorder.delays(w.message_id) for w in waiters), what="a parked waiter")
     go.set()
