@@ -33,6 +33,7 @@
 -- `released` and `expired`; once it was (the counter has a `width`: how many slots may be held), each slot s
 -- keeps its own: `g:s` granted, `r:s` released, `e:s` expired, and each grant's hash names its `slot` and
 -- the `limit` it was granted under.
+-- A grant ends its message's "queued" unique record (`q:<message id>` in the key's `unique` sorted set).
 -- The uncontended path (free key, no line) comes first and creates no closure it does not call.
 --#include args clock keys
 local token, waiter = ARGV[1], ARGV[6]
@@ -150,6 +151,11 @@ local function grant(s, top)
       'max_hold_until_ms', until_ms, unpack(ARGV, 8))
   end
   redis.call('PEXPIRE', name, px)
+  -- lock_unique="queued": the message's record ends as its lease begins, in this step (never neither held).
+  if waiter ~= '' then
+    local mid = string.match(waiter, '^(.*):%d+$')
+    if mid then redis.call('ZREM', sibling(KEYS[1], 'unique'), 'q:' .. mid) end
+  end
   return fence, expired, released_ms
 end
 
