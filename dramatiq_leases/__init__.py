@@ -35,6 +35,7 @@ from .core import (
     Wait,
 )
 from .core import tracing as _core_tracing
+from .leader import Leader, LeaderLost
 from .otel_tracing import current_context as _otel_context
 from .otel_tracing import span as _otel_span
 from .prometheus import LeaseMetrics, OTelMetrics, PrometheusMetrics
@@ -44,25 +45,35 @@ _core_tracing.set_tracer(_otel_span, _otel_context)
 
 if TYPE_CHECKING:
     from .middleware import (
+        DuplicateMessage,
         LeaseBusyFailed,
         LeaseKeyRenderError,
         LeaseLost,
         LeaseMiddleware,
         LeaseOptionError,
+        LeaseSendUnavailableError,
         LeaseWaitExceeded,
+        Sent,
         current_lease,
+        try_send,
+        try_send_with_options,
     )
 
 __version__ = "0.2.0.dev0"  # 0.1.0 is the first version (CHANGELOG.md); this one freezes the API for 1.0
 
 _MIDDLEWARE_NAMES = {
+    "DuplicateMessage",
     "LeaseBusyFailed",
     "LeaseKeyRenderError",
     "LeaseLost",
     "LeaseMiddleware",
     "LeaseOptionError",
+    "LeaseSendUnavailableError",
     "LeaseWaitExceeded",
+    "Sent",
     "current_lease",
+    "try_send",
+    "try_send_with_options",
 }
 
 
@@ -79,7 +90,10 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "Busy",
     "DeadRelease",
+    "DuplicateMessage",
     "Heartbeat",
+    "Leader",
+    "LeaderLost",
     "Lease",
     "LeaseBusyError",
     "LeaseBusyFailed",
@@ -93,6 +107,7 @@ __all__ = [
     "LeaseMetrics",
     "LeaseMiddleware",
     "LeaseOptionError",
+    "LeaseSendUnavailableError",
     "LeaseStateError",
     "LeaseURLError",
     "LeaseUnavailableError",
@@ -104,8 +119,11 @@ __all__ = [
     "PrometheusMetrics",
     "ReadGaps",
     "Renewal",
+    "Sent",
     "State",
     "Wait",
     "__version__",
     "current_lease",
+    "try_send",
+    "try_send_with_options",
 ]

@@ -33,7 +33,7 @@ def validate_key(key: object, *, what: str = "lease key") -> str:
 
 
 #: The kinds of Redis key a lease key has, named ``{prefix}:{kind}:{tag}`` (see :func:`lease_name` and its siblings).
-KEY_KINDS = ("lease", "fence", "line", "waiters", "done")
+KEY_KINDS = ("lease", "fence", "line", "waiters", "done", "history")
 
 _GLOB = "glob characters in the SCAN patterns that `list` and the exporter build from the prefix would match other keys"
 
@@ -115,6 +115,16 @@ def fence_name(prefix: str, key: str) -> str:
 def line_name(prefix: str, key: str) -> str:
     """The Redis key of the line of waiters for ``key`` (a sorted set by first attempt)."""
     return f"{prefix}:line:{{{hash_tag(key)}}}"
+
+
+def unique_name(prefix: str, key: str) -> str:
+    """The Redis key of ``key``'s unique records (``lock_unique``: a sorted set of message ids by end time)."""
+    return f"{prefix}:unique:{{{hash_tag(key)}}}"
+
+
+def history_name(prefix: str, key: str) -> str:
+    """The Redis key of ``key``'s history (a list of JSON events, newest first; see :mod:`.history`)."""
+    return f"{prefix}:history:{{{hash_tag(key)}}}"
 
 
 def wake_name(prefix: str, key: str, waiter: str) -> str:

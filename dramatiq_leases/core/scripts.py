@@ -34,6 +34,12 @@ see :func:`dramatiq_leases.core.keys.hash_tag`):
   expiry (and ``s:<waiter>``: waiters a newer one replaced, ``latest``); the
   waiters hash's field ``""`` names the key's latest waiter. See :mod:`.line`.
   All carry TTLs.
+* ``P:history:{T}``: the key's history, if the store keeps one (``Leases(history=N)``): a list of
+  compact JSON events, newest first, capped to N and kept :data:`HISTORY_MS` after its last event
+  (see ``history_append`` in ``lua/prelude.lua`` and :mod:`.history`).
+* ``P:unique:{T}``: the key's unique records (``lock_unique``), a sorted set of ``q:<message id>``
+  (queued) and ``d:<message id>`` (until done) by the server time each ends; its TTL is its last
+  record's. See :mod:`.unique`.
 
 The holder's deadline. A holder stops trusting its lease ``margin_ms`` before
 the key can expire: at ``min(renewed_ms + ttl, max_hold_until_ms) - margin_ms``
@@ -85,6 +91,10 @@ RECORD_MS = 3_600_000
 MAX_LIMIT = 1000
 #: How many vanished waiters one call drops from the head of a line at most (bounded work per call).
 HEAD_DROPS_MAX = 16
+#: The most events a key's history keeps (the bound on ``Leases(history=N)``).
+MAX_HISTORY = 10_000
+#: How long a key's history is kept after its last event (ms): a week.
+HISTORY_MS = 7 * 86_400_000
 
 #: Every constant the Lua uses, by the name it uses: the loader declares those a script names.
 LUA_CONSTANTS: dict[str, int] = {
@@ -101,6 +111,8 @@ LUA_CONSTANTS: dict[str, int] = {
     "RECORD_MS": RECORD_MS,
     "HEAD_DROPS_MAX": HEAD_DROPS_MAX,
     "MAX_LIMIT": MAX_LIMIT,
+    "MAX_HISTORY": MAX_HISTORY,
+    "HISTORY_MS": HISTORY_MS,
 }
 
 _INCLUDE = re.compile(r"^--#include((?: \w+)+)\n", re.MULTILINE)
@@ -161,8 +173,12 @@ RELEASE_IF_DEAD = _load("release_if_dead")
 ADOPT = _load("adopt")
 #: Hold parked waiters, or leave the line (``lua/line.lua``).
 LINE = _load("line")
+#: Take, keep or end a message's unique record (``lua/unique.lua``).
+UNIQUE = _load("unique")
 #: Read many lease hashes with the server time (``lua/inspect_many.lua``).
 INSPECT_MANY = _load("inspect_many")
+#: Append an event decided outside the scripts to a key's history (``lua/history.lua``).
+HISTORY = _load("history")
 
 #: Every script, by name.
 ALL = {
@@ -173,4 +189,6 @@ ALL = {
     "adopt": ADOPT,
     "inspect_many": INSPECT_MANY,
     "line": LINE,
+    "history": HISTORY,
+    "unique": UNIQUE,
 }

@@ -7,14 +7,21 @@ lease, safe from asynchronous exceptions), :mod:`.busy` (a busy key: back to
 the queue), :mod:`.outages` (sending a message back through a broker outage),
 :mod:`.waiting` (the process's side of the line), :mod:`.declarations` (what
 actors declare and messages carry), :mod:`.runs` (which thread holds which
-lease, and how a run ends), :mod:`.stop_budget` (time limits against the
+lease, and how a run ends), :mod:`.unique` (sends refused while their key's message is queued or running), :mod:`.stop_budget` (time limits against the
 worker's shutdown timeout), :mod:`.dramatiq_metrics` (Dramatiq's own
 Prometheus middleware, kept from counting busy rounds), :mod:`.errors`, and
 :mod:`.hooks` (:class:`LeaseMiddleware` itself).
 """
 
 from .backoff import DEFAULT_MAX_BACKOFF, DEFAULT_MIN_BACKOFF
-from .errors import LeaseBusyFailed, LeaseKeyRenderError, LeaseOptionError, LeaseWaitExceeded
+from .errors import (
+    DuplicateMessage,
+    LeaseBusyFailed,
+    LeaseKeyRenderError,
+    LeaseOptionError,
+    LeaseSendUnavailableError,
+    LeaseWaitExceeded,
+)
 from .guard import LeaseLost
 from .hooks import LeaseMiddleware
 from .options import (
@@ -26,8 +33,10 @@ from .options import (
     DEFAULT_TTL,
     LEASE_OPTION,
     ON_BUSY_POLICIES,
+    UNIQUE_MODES,
 )
 from .runs import current_lease
+from .unique import Sent, try_send, try_send_with_options
 
 __all__ = [
     "ACTOR_OPTIONS",
@@ -38,13 +47,19 @@ __all__ = [
     "DEFAULT_MIN_BACKOFF",
     "DEFAULT_ON_BUSY",
     "DEFAULT_TTL",
+    "UNIQUE_MODES",
     "LEASE_OPTION",
     "ON_BUSY_POLICIES",
+    "DuplicateMessage",
     "LeaseBusyFailed",
     "LeaseKeyRenderError",
     "LeaseLost",
     "LeaseMiddleware",
     "LeaseOptionError",
+    "LeaseSendUnavailableError",
     "LeaseWaitExceeded",
+    "Sent",
     "current_lease",
+    "try_send",
+    "try_send_with_options",
 ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dramatiq.middleware import SkipMessage
 from dramatiq.middleware.middleware import MiddlewareError
 
-from ..core.errors import LeaseBusyError, LeaseConfigError, LeaseError, LeaseKeyError
+from ..core.errors import LeaseBusyError, LeaseConfigError, LeaseError, LeaseKeyError, LeaseUnavailableError
 from ..core.lease import Busy
 
 
@@ -41,3 +41,31 @@ class LeaseWaitExceeded(LeaseError, SkipMessage):  # noqa: N818 (named as Dramat
       key: the lease key it waited for.
       actor: the message's actor.
     """
+
+
+class DuplicateMessage(LeaseError, MiddlewareError):  # noqa: N818 (the name the issue and peers use)
+    """Raised to the producer by a send refused under ``lock_unique``: another message of the key holds its
+    record (queued, or with ``"until_done"`` not yet done for good). Nothing was enqueued.
+
+    Attributes:
+      key: the lease key.
+      message_id: the id of the message holding the record (the one already queued or running).
+      actor: the refused message's actor.
+      refused_id: the id the refused message would have had.
+    """
+
+    def __init__(self, *, key: str, message_id: str, actor: str, refused_id: str, mode: str) -> None:
+        LeaseError.__init__(
+            self,
+            f"actor {actor!r}: message {refused_id} not sent: key {key!r} already has message {message_id} "
+            f"(lock_unique={mode!r})",
+            key=key,
+            actor=actor,
+        )
+        self.message_id = message_id
+        self.refused_id = refused_id
+
+
+class LeaseSendUnavailableError(LeaseUnavailableError, MiddlewareError):
+    """Raised to the producer by a send of a ``lock_unique`` actor whose record could not be asked for (Redis
+    unreachable): refused, nothing enqueued, rather than sent unchecked."""

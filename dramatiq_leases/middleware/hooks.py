@@ -38,11 +38,13 @@ from .options import (
     DEFAULT_MAX_WAIT,
     DEFAULT_ON_BUSY,
     DEFAULT_TTL,
+    DEFAULT_UNIQUE_TTL,
     FIRST_ATTEMPT_OPTION,
     SENT_BACK_OPTION,
 )
 from .runs import Runs
 from .stop_budget import warn_stop_budget
+from .unique import Uniqueness
 from .waiting import LINE_OPTION, Waiting
 
 __all__ = ["LeaseMiddleware"]
@@ -98,6 +100,14 @@ class LeaseMiddleware(Middleware):
         replaces is acknowledged without running). Default ``"wait"``. Every
         message that does not run is logged (INFO, naming the key's holders)
         and counted in ``dramatiq_lease_not_run_total{reason}``.
+      lock_unique_ttl: default ``lock_unique_ttl`` in ms: how long a unique
+        record outlives the last sign of life of its message (its send plus
+        its delay, a delivery, a retry, a park), so that a message purged or
+        deleted by hand frees its key. Default 3 600 000 (an hour). The actor
+        and message option ``lock_unique`` (``None``, ``"queued"`` or
+        ``"until_done"``) refuses a send, with :class:`DuplicateMessage`,
+        while another message of the key is queued, or not done for good
+        (see :mod:`.unique`).
       metrics: where to report; default :class:`PrometheusMetrics`.
       metrics_endpoint: when Dramatiq's own ``Prometheus`` middleware is
         absent, serve the lease metrics of all worker processes on
@@ -117,6 +127,9 @@ class LeaseMiddleware(Middleware):
         (see :class:`Leases` and docs/replication.md). Not with RedisCluster.
       replica_timeout: how long, in ms, to wait for those acknowledgements.
         Default 500; shorter than the client's ``socket_timeout``.
+      history: keep each key's history, its newest ``history`` events (0 to
+        10 000), for a week after the last (:class:`Leases`' ``history``;
+        ``dramatiq-leases show KEY --history``). Default ``None``: none.
       trace_keys: record lease keys in span attributes (``lease.key``).
         Off by default, since keys often carry user ids; ``None`` leaves
         the process-wide setting (``DRAMATIQ_LEASES_TRACE_KEYS``) as it is.
@@ -127,7 +140,8 @@ class LeaseMiddleware(Middleware):
     ``"invoice:{invoice_id}"`` or a callable taking the actor's arguments),
     ``lock_ttl``, ``lock_renew_interval``, ``lock_max_hold``,
     ``lock_min_backoff``, ``lock_max_backoff``, ``lock_max_wait``,
-    ``lock_give_up``, ``lock_limit``, ``lock_on_busy``. ``send_with_options(lease=lease)`` hands a lease
+    ``lock_give_up``, ``lock_limit``, ``lock_on_busy``, ``lock_unique``,
+    ``lock_unique_ttl``. ``send_with_options(lease=lease)`` hands a lease
     acquired by the producer to the worker, which adopts it once. A message
     of an actor without ``lock_key`` that carries any of these is refused at
     send time. Every time is a whole number of milliseconds.
@@ -148,12 +162,14 @@ class LeaseMiddleware(Middleware):
         lock_give_up: str = DEFAULT_GIVE_UP,
         lock_limit: int | Callable[..., int] = DEFAULT_LIMIT,
         lock_on_busy: str = DEFAULT_ON_BUSY,
+        lock_unique_ttl: int = DEFAULT_UNIQUE_TTL,
         metrics: LeaseMetrics | None = None,
         metrics_endpoint: bool = True,
         trace_keys: bool | None = None,
         fence_retention: int | None = None,
         min_replicas: int = 0,
         replica_timeout: int = DEFAULT_REPLICA_TIMEOUT_MS,
+        history: int | None = None,
     ) -> None:
         if (redis_url is None) == (client is None):
             raise LeaseConfigError("LeaseMiddleware needs exactly one of redis_url or client")
@@ -175,6 +191,8 @@ class LeaseMiddleware(Middleware):
                 "lock_give_up": lock_give_up,
                 "lock_limit": lock_limit,
                 "lock_on_busy": lock_on_busy,
+                "lock_unique": None,
+                "lock_unique_ttl": lock_unique_ttl,
             }
         )
         if trace_keys is not None:
@@ -187,6 +205,7 @@ class LeaseMiddleware(Middleware):
             fence_retention=fence_retention,
             min_replicas=min_replicas,
             replica_timeout=replica_timeout,
+            history=history,
         )
         self.metrics = metrics if metrics is not None else PrometheusMetrics()
         self.heartbeat = Heartbeat(self.leases, metrics=self.metrics)
@@ -194,10 +213,16 @@ class LeaseMiddleware(Middleware):
         # Dramatiq's own Prometheus middleware, if the broker has it: not to count busy rounds.
         self.dramatiq_prometheus = DramatiqPrometheus(self)
         self.waiting = Waiting(self.leases, on_drop=self.dramatiq_prometheus.left_delay_queue)
+        self.unique = Uniqueness(self)
         self._exposition = WorkerExposition(metrics_endpoint)
         self._booted = False
         self.host = socket.gethostname()  # named in every lease's metadata
         logging.getLogger("dramatiq.worker.WorkerThread").addFilter(_skip_filter)
+
+    @property
+    def booted(self) -> bool:
+        """Whether this process booted as a worker process (Dramatiq's ``process_boot``)."""
+        return self._booted
 
     @property
     def actor_options(self) -> set[str]:
@@ -261,12 +286,26 @@ class LeaseMiddleware(Middleware):
         self.waiting.on_delay(message)
 
     def before_enqueue(self, broker: dramatiq.Broker, message: dramatiq.Message[Any], delay: int | None) -> None:
-        """Refuse, at send time, a message whose options are invalid or whose key cannot be rendered."""
+        """Refuse, at send time, a message whose options are invalid or whose key cannot be rendered, or (with
+        ``lock_unique``) whose key is taken: :class:`DuplicateMessage`."""
         self.waiting.on_enqueue(message)
         if delay is None and "eta" not in message.options:
             # Maybe one of our delayed copies leaving this process's delay queue, before anyone can run it.
             self.dramatiq_prometheus.left_delay_queue(message)
         self.declarations.check_message(broker, message)
+        self.unique.before_enqueue(broker, message, delay)
+
+    def after_enqueue(self, broker: dramatiq.Broker, message: Any, delay: int | None) -> None:
+        """The broker has the message: its unique record, if it took one, lives on past the send's grace."""
+        self.unique.after_enqueue(message)
+
+    def after_ack(self, broker: dramatiq.Broker, message: Any) -> None:
+        """Acknowledged: its unique record ends, unless the message was enqueued again meanwhile."""
+        self.unique.settled(broker, message)
+
+    def after_nack(self, broker: dramatiq.Broker, message: Any) -> None:
+        """Dead-lettered: its unique record ends, unless the message was enqueued again meanwhile."""
+        self.unique.settled(broker, message)
 
     # Processing -------------------------------------------------------------
 
@@ -341,6 +380,8 @@ class LeaseMiddleware(Middleware):
             self, broker, message, actor=actor, key=key, opts=opts, limit=limit, hook_started=hook_started
         )
         attempt.granted(attempt.acquire())
+        if opts.unique is not None:
+            self.unique.granted(broker, message, key, opts.unique, opts.unique_ttl)
 
     def after_process_message(
         self, broker: dramatiq.Broker, message: Any, *, result: Any = None, exception: BaseException | None = None

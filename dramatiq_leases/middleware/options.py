@@ -26,6 +26,8 @@ ACTOR_OPTIONS = frozenset(
         "lock_give_up",
         "lock_limit",
         "lock_on_busy",
+        "lock_unique",
+        "lock_unique_ttl",
     }
 )
 
@@ -50,6 +52,19 @@ GIVE_UP_ACTIONS = ("fail", "drop")
 #: key's line; ``"skip"``: acknowledged without running; ``"fail"``: dead-lettered without running;
 #: ``"latest"``: wait, but the key keeps only its newest such message waiting (the older is acknowledged).
 ON_BUSY_POLICIES = ("wait", "skip", "fail", "latest")
+
+#: What ``lock_unique`` may be (besides ``None``, the default: no uniqueness): while a message of the key is
+#: queued (sent, not started) another send of it is refused (``"queued"``), or until it is done for good
+#: (``"until_done"``).
+UNIQUE_MODES = ("queued", "until_done")
+
+#: Default ``lock_unique_ttl`` (ms): how long a unique record outlives its message's last sign of life (its
+#: send, a delivery, a park, a retry), so that a message purged or deleted by hand frees its key: an hour.
+DEFAULT_UNIQUE_TTL = 3_600_000
+
+#: Message option marking a message whose send took a unique record: a later enqueue of it (a retry, a
+#: parked copy, a delayed copy leaving its delay queue) keeps that record rather than asking for one.
+UNIQUE_OPTION = "lease_unique"
 
 #: Default ``lock_on_busy``.
 DEFAULT_ON_BUSY = "wait"
@@ -93,6 +108,9 @@ class Options:
     #: How many may hold a key at once: an int, or a callable of the actor's arguments returning one.
     limit: int | Callable[..., Any] = DEFAULT_LIMIT
     on_busy: str = DEFAULT_ON_BUSY
+    #: ``None``, ``"queued"`` or ``"until_done"`` (:data:`UNIQUE_MODES`).
+    unique: str | None = None
+    unique_ttl: int = DEFAULT_UNIQUE_TTL
 
 
 def ms(owner: str, name: str, value: Any, *, minimum: int = 1, maximum: int = MAX_MS) -> int:
@@ -141,6 +159,9 @@ def resolve(owner: str, defaults: Mapping[str, Any], *sources: Mapping[str, Any]
     limit = get("lock_limit")
     if not callable(limit):
         limit = check_limit(owner, limit)
+    unique = get("lock_unique")
+    if unique is not None and (not isinstance(unique, str) or unique not in UNIQUE_MODES):
+        raise LeaseOptionError(f"{owner}: lock_unique must be None or one of {UNIQUE_MODES}, got {unique!r}")
     return Options(
         ttl=ttl,
         renew_interval=interval,
@@ -151,6 +172,8 @@ def resolve(owner: str, defaults: Mapping[str, Any], *sources: Mapping[str, Any]
         give_up=give_up,
         limit=limit,
         on_busy=on_busy,
+        unique=unique,
+        unique_ttl=ms(owner, "lock_unique_ttl", get("lock_unique_ttl"), minimum=1_000, maximum=MAX_DELAY),
     )
 
 

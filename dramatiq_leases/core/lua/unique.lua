@@ -1,0 +1,96 @@
+-- KEYS:
+--   1 lease: the key's lease hash (holder slot 0; the unique records and slots are derived from its name)
+--   2 fence: the fence counter (its `width`: how many holder slots to look at)
+-- ARGV:
+--   1 op: 'take' (a send asks for a record), 'keep' (its message lives on: delivered, parked, retried) or
+--     'end' (its message is done for good)
+--   2 message_id: the message whose record it is
+--   3 mode: 'q' (lock_unique="queued": refused while `limit` messages of the key are queued, not started)
+--     or 'd' ("until_done": refused while `limit` are queued or running); ignored but by 'take'
+--   4 limit: how many may be queued (q) or queued and running (d) at once; ignored but by 'take'
+--   5 ms: how long the record lives from now without news of its message ('take': a short grace until
+--     the broker has the message; 'keep': until its next sign of life); ignored by 'end'
+-- The records: a sorted set `unique` beside the lease, members `q:<message id>` and `d:<message id>`,
+-- scored by the server time (ms) at which each ends. A grant (acquire.lua) ends its message's `q:` record
+-- in its own step. A record is live while its score is ahead, or while its message holds a slot of the key
+-- (a long run outlives no record: a holder's hash names its `waiter`, `<message id>:<retries>`); a `q:`
+-- record whose message holds a slot is over (it started: an adoption of a handed-over lease).
+-- Returns, for 'take': {1, now} taken (or its own record again: the same message sent twice is not a
+-- duplicate of itself), or {0, now, holder} refused (holder: the message id of the oldest live record);
+-- for 'keep': {1} a record was kept, {0} none (ended, or never taken: a retry of a started "queued"
+-- message takes none); for 'end': {n} the records removed.
+--#include args clock keys slots
+local op, mid, mode = ARGV[1], ARGV[2], ARGV[3]
+local limit = whole(ARGV[4], 1, MAX_LIMIT)
+local ms = whole(ARGV[5], 1, MAX_MS)
+if op ~= 'take' and op ~= 'keep' and op ~= 'end' then return bad('op', op) end
+if mid == nil or mid == '' or #mid > MAX_ID_LENGTH then return bad('message_id', mid) end
+if op == 'take' and mode ~= 'q' and mode ~= 'd' then return bad('mode', mode) end
+if op == 'take' and limit == nil then return bad('limit', ARGV[4]) end
+if op ~= 'end' and ms == nil then return bad('ms', ARGV[5]) end
+local UNIQUE = sibling(KEYS[1], 'unique')
+local kind_of = redis.call('TYPE', UNIQUE).ok
+if kind_of ~= 'zset' and kind_of ~= 'none' then return bad('unique records (not a sorted set)', UNIQUE) end
+local now = server_time()
+
+-- The set lives as long as its longest record (never without a TTL).
+local function expire_set()
+  local last = redis.call('ZRANGE', UNIQUE, -1, -1, 'WITHSCORES')
+  if last[2] then redis.call('PEXPIRE', UNIQUE, math.max(1, tonumber(last[2]) - now)) end
+end
+
+if op == 'end' then
+  return {redis.call('ZREM', UNIQUE, 'q:' .. mid, 'd:' .. mid)}
+end
+if op == 'keep' then
+  local kept = 0
+  for _, member in ipairs({'q:' .. mid, 'd:' .. mid}) do
+    local score = tonumber(redis.call('ZSCORE', UNIQUE, member))
+    if score then
+      kept = 1
+      if score < now + ms then redis.call('ZADD', UNIQUE, now + ms, member) end
+    end
+  end
+  if kept == 1 then expire_set() end
+  return {kept}
+end
+
+-- take: which messages hold a slot now (by message id), from the holders' own hashes.
+local width = tonumber(redis.pcall('HGET', KEYS[2], 'width')) or 1
+width = math.max(1, math.min(math.floor(width), MAX_LIMIT))
+local holding = {}
+for s = 0, math.max(width, limit) - 1 do
+  local w = redis.pcall('HGET', slot_key(KEYS[1], s), 'waiter')
+  if type(w) == 'string' then
+    local holder = string.match(w, '^(.*):%d+$')
+    if holder then holding[holder] = true end
+  end
+end
+local records = redis.call('ZRANGE', UNIQUE, 0, -1, 'WITHSCORES')
+local counted, oldest, oldest_score, own = 0, nil, nil, nil
+for i = 1, #records, 2 do
+  local member, score = records[i], tonumber(records[i + 1])
+  local kind, id = string.match(member, '^([qd]):(.*)$')
+  local started = id ~= nil and holding[id]
+  if kind == nil or (kind == 'q' and started) or (score <= now and not started) then
+    redis.call('ZREM', UNIQUE, member)  -- over: ended by time, or started
+  elseif id == mid then
+    own = member
+  elseif mode == 'd' or not started then
+    counted = counted + 1
+    if oldest_score == nil or score < oldest_score then oldest, oldest_score = id, score end
+  end
+end
+if own then
+  local score = tonumber(redis.call('ZSCORE', UNIQUE, own))
+  if score < now + ms then redis.call('ZADD', UNIQUE, now + ms, own) end
+  expire_set()
+  return {1, now}
+end
+if counted >= limit then
+  expire_set()
+  return {0, now, oldest}
+end
+redis.call('ZADD', UNIQUE, now + ms, mode .. ':' .. mid)
+expire_set()
+return {1, now}

@@ -1,0 +1,185 @@
+"""Unique sends (``lock_unique``): a send refused while another message of its key is queued, or not done.
+
+The record is taken at send time, before the broker has the message, for a short grace (:data:`GRACE_MS`);
+once the broker has it (``after_enqueue``) it lives ``lock_unique_ttl`` past each sign of life of its
+message: its send (plus its delay), a delivery that takes the lease, a later enqueue of it (a retry, a
+parked copy, a delayed copy leaving its delay queue). Its message's own acknowledgement or dead-lettering,
+when nothing of it was enqueued again meanwhile, ends it: ran, failed for good, skipped, superseded, given
+up, a duplicate. A "queued" record ends when its message is granted its lease, in the grant's own step.
+A message purged from its queue or deleted by hand ends its record ``lock_unique_ttl`` after its last sign
+of life at the latest. Only a message's own id ends its record: a retry or a stray copy of another
+message never touches it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import dramatiq
+
+from ..core.errors import LeaseUnavailableError
+from ..core.unique import UniqueRecords
+from .errors import DuplicateMessage, LeaseSendUnavailableError
+from .options import LEASE_OPTION, UNIQUE_OPTION
+
+if TYPE_CHECKING:
+    from .hooks import LeaseMiddleware
+
+__all__ = ["GRACE_MS", "Sent", "Uniqueness", "try_send", "try_send_with_options"]
+
+logger = logging.getLogger(__name__)
+
+#: How long (ms) a record taken at send time lives before the broker is known to have its message, at most
+#: (never longer than ``lock_unique_ttl``): a send whose broker call fails leaves a record that ends this soon.
+GRACE_MS = 30_000
+
+#: The most message ids of re-enqueued deliveries a worker process remembers (each is dropped at its ack).
+MAX_REQUEUED = 100_000
+
+_MODE_CODES = {"queued": "q", "until_done": "d"}
+
+
+class Uniqueness:
+    """The middleware's side of ``lock_unique``: takes records at send, keeps them, ends them at the end.
+
+    Parameters:
+      middleware: the :class:`LeaseMiddleware` (its declarations, store, metrics).
+    """
+
+    def __init__(self, middleware: LeaseMiddleware) -> None:
+        self.mw = middleware
+        self.records = UniqueRecords(middleware.leases)
+        # Ids of deliveries enqueued again while being processed (their ack must keep the record). set.add
+        # and set.discard are single operations: an interruption leaves the set whole.
+        self._requeued: set[str] = set()
+        self._taken = threading.local()
+
+    def _unique(self, broker: dramatiq.Broker, message: Any) -> tuple[str, str, int, int] | None:
+        """(mode, key, limit, ttl) of a leased message with ``lock_unique``, else ``None``."""
+        declarations = self.mw.declarations
+        template = declarations.template(message.actor_name, message.options)
+        if template is None:
+            return None
+        opts = declarations.message_options(message, broker.get_actor(message.actor_name))
+        if opts.unique is None:
+            return None
+        key = template.render(tuple(message.args), message.kwargs)
+        return opts.unique, key, declarations.limit(opts, message), opts.unique_ttl
+
+    def before_enqueue(self, broker: dramatiq.Broker, message: Any, delay: int | None) -> None:
+        """A new send takes its record (or raises :class:`DuplicateMessage`); a later enqueue keeps it."""
+        self._taken.key = None
+        found = self._unique(broker, message)
+        if found is None:
+            return
+        mode, key, limit, ttl = found
+        if message.options.get(UNIQUE_OPTION):
+            # A retry, a parked copy or a delayed copy moving on: the same message lives on.
+            if self.mw.booted and len(self._requeued) < MAX_REQUEUED:
+                self._requeued.add(message.message_id)
+            try:
+                self.records.keep(key, message.message_id, (delay or 0) + ttl)
+            except LeaseUnavailableError as e:
+                logger.warning("Could not keep the unique record of message %s on %r: %s.", message.message_id, key, e)
+            return
+        try:
+            holder = self.records.take(key, message.message_id, mode=mode, limit=limit, grace=min(GRACE_MS, ttl))  # type: ignore[arg-type]
+        except LeaseUnavailableError as e:
+            raise LeaseSendUnavailableError(
+                f"actor {message.actor_name!r}: message {message.message_id} not sent: its unique record on "
+                f"{key!r} could not be asked for ({e})",
+                key=key,
+                actor=message.actor_name,
+            ) from e
+        if holder is not None:
+            self.mw.metrics.not_run({"actor": message.actor_name, "queue": message.queue_name}, "duplicate")
+            logger.info(
+                "Message %s of actor %r was not sent (duplicate): key %r already has message %s (lock_unique=%r).",
+                message.message_id,
+                message.actor_name,
+                key,
+                holder,
+                mode,
+            )
+            raise DuplicateMessage(
+                key=key, message_id=holder, actor=message.actor_name, refused_id=message.message_id, mode=mode
+            )
+        message.options[UNIQUE_OPTION] = _MODE_CODES[mode]
+        self._taken.key = (message.message_id, key, (delay or 0) + ttl)
+
+    def after_enqueue(self, message: Any) -> None:
+        """The broker has the message: its record lives ``lock_unique_ttl`` (plus its delay) from now."""
+        taken, self._taken.key = getattr(self._taken, "key", None), None
+        if taken is None or taken[0] != message.message_id:
+            return
+        _, key, ms = taken
+        try:
+            self.records.keep(key, message.message_id, ms)
+        except LeaseUnavailableError as e:
+            logger.warning(
+                "Could not confirm the unique record of message %s on %r (%s): it ends within %d s.",
+                message.message_id,
+                key,
+                e,
+                GRACE_MS // 1000,
+            )
+
+    def granted(self, broker: dramatiq.Broker, message: Any, key: str, mode: str, ttl: int) -> None:
+        """The message holds its lease: a "queued" record of an adopted lease ends; an "until_done" one is kept."""
+        if not message.options.get(UNIQUE_OPTION):
+            return
+        try:
+            if mode == "queued":
+                if message.options.get(LEASE_OPTION) is not None:  # adopted: no grant script ended it
+                    self.records.end(key, message.message_id)
+            else:
+                self.records.keep(key, message.message_id, ttl)
+        except LeaseUnavailableError as e:
+            logger.warning("Could not update the unique record of message %s on %r: %s.", message.message_id, key, e)
+
+    def settled(self, broker: dramatiq.Broker, message: Any) -> None:
+        """Acknowledged or dead-lettered: the record ends, unless the message was enqueued again meanwhile."""
+        if message.message_id in self._requeued:
+            self._requeued.discard(message.message_id)
+            return
+        if not message.options.get(UNIQUE_OPTION):
+            return
+        try:
+            found = self._unique(broker, message)
+            if found is not None:
+                self.records.end(found[1], message.message_id)
+        except Exception as e:  # an after-hook: never let it break the worker's acks
+            logger.warning("Could not end the unique record of message %s: %s.", message.message_id, e)
+
+
+class Sent(NamedTuple):
+    """What :func:`try_send` did: ``sent`` is whether a message was enqueued; ``message_id`` is its id, or the
+    id of the message already holding the key's unique record; ``message`` is the enqueued message, if any."""
+
+    sent: bool
+    message_id: str
+    message: dramatiq.Message[Any] | None
+
+
+def try_send(actor: dramatiq.Actor[Any, Any], *args: Any, **kwargs: Any) -> Sent:
+    """``actor.send(*args, **kwargs)``, answering a ``lock_unique`` refusal instead of raising it."""
+    return try_send_with_options(actor, args=args, kwargs=kwargs)
+
+
+def try_send_with_options(
+    actor: dramatiq.Actor[Any, Any],
+    *,
+    args: tuple[Any, ...] = (),
+    kwargs: dict[str, Any] | None = None,
+    delay: int | None = None,
+    **options: Any,
+) -> Sent:
+    """``actor.send_with_options(...)``, answering a ``lock_unique`` refusal (:class:`DuplicateMessage`) with
+    ``Sent(False, <the holder's message id>, None)`` instead of raising it."""
+    try:
+        message = actor.send_with_options(args=args, kwargs=kwargs, delay=delay, **options)
+    except DuplicateMessage as e:
+        return Sent(False, e.message_id, None)
+    return Sent(True, message.message_id, message)

@@ -1,0 +1,222 @@
+"""Unique sends (``lock_unique``) through a real broker, worker and Redis, in one process.
+
+The record of a unique message must end on every path its message can leave by (ran, failed for good,
+dead-lettered, skipped, a purged queue, a send whose broker call failed), and only its own message may end
+it. Each test sends, then asks: is a new send of the key accepted, or refused naming the holder?
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import dramatiq
+import pytest
+import redis
+
+from dramatiq_leases import DuplicateMessage, LeaseOptionError, LeaseSendUnavailableError, try_send
+from dramatiq_leases.embedded import EmbeddedRedis, free_port
+from dramatiq_leases.middleware import LeaseMiddleware
+
+from .support.stack import Stack
+from .support.waiting import wait_for
+
+MakeStack = Callable[..., Stack]
+
+
+def pending(stack: Stack, queue: str = "default") -> int:
+    """Messages of ``queue`` the broker holds (queued, not yet taken by a worker)."""
+    client = stack.broker.client
+    return int(client.hlen(f"dramatiq:{queue}.msgs"))
+
+
+def accepted(actor: Any, *args: Any, **options: Any) -> str | None:
+    """The id of a new message of ``actor`` if its send is accepted, else ``None`` (refused as a duplicate)."""
+    try:
+        return str(actor.send_with_options(args=args, **options).message_id)
+    except DuplicateMessage:
+        return None
+
+
+def test_a_second_queued_send_is_refused_and_enqueues_nothing(make_stack: MakeStack, caplog: Any) -> None:
+    stack = make_stack()
+    started, go = threading.Event(), threading.Event()
+    runs: list[int] = []
+
+    @stack.actor(lock_key="export:{report}", lock_unique="queued")
+    def export(report: int, n: int) -> None:
+        started.set()
+        go.wait(10)
+        runs.append(n)
+
+    first = export.send(42, 1)
+    with (
+        caplog.at_level(logging.INFO, logger="dramatiq_leases.middleware.unique"),
+        pytest.raises(DuplicateMessage) as refused,
+    ):
+        export.send(42, 2)
+    assert refused.value.key == "export:42" and refused.value.message_id == first.message_id
+    assert first.message_id in str(refused.value) and "'export:42'" in str(refused.value)
+    assert pending(stack) == 1  # nothing enqueued for the refused send
+    line = next(r.getMessage() for r in caplog.records if "duplicate" in r.getMessage())
+    assert first.message_id in line and "'export'" in line
+    assert try_send(export, 42, 3) == (False, first.message_id, None)
+    other = export.send(43, 1)  # another key is its own
+    stack.start()
+    assert started.wait(10)
+    # Started: its run lease took over; a new send is accepted and waits its turn.
+    wait_for(lambda: accepted(export, 42, 4), what="a send accepted once the first started")
+    go.set()
+    assert stack.recorder.wait_settled(other.message_id) == "acked"
+    wait_for(lambda: 4 in runs, what="the second export, after the first")
+    assert runs.index(1) < runs.index(4) and 2 not in runs and 3 not in runs
+
+
+def test_until_done_refuses_until_the_first_is_acknowledged(make_stack: MakeStack) -> None:
+    stack = make_stack()
+    go = threading.Event()
+
+    @stack.actor(lock_key="export:{report}", lock_unique="until_done")
+    def export(report: int) -> None:
+        go.wait(10)
+
+    first = export.send(7)
+    stack.start()
+    wait_for(lambda: stack.leases.inspect("export:7"), what="the first holding its lease")
+    assert accepted(export, 7) is None  # running: still refused
+    go.set()
+    assert stack.recorder.wait_settled(first.message_id) == "acked"
+    settled = time.monotonic()
+    assert wait_for(lambda: accepted(export, 7), timeout=5, what="a send accepted after the ack")
+    assert time.monotonic() - settled < 5
+
+
+@pytest.mark.parametrize("path", ["failed", "skipped", "dead_lettered_busy"])
+def test_the_record_ends_with_a_message_that_ends_without_success(make_stack: MakeStack, path: str) -> None:
+    stack = make_stack()
+    hold = threading.Event()
+
+    @stack.actor(lock_key="job:{n}", max_retries=0)
+    def holder(n: int) -> None:
+        hold.wait(10)
+
+    options = {"failed": {}, "skipped": {"lock_on_busy": "skip"}, "dead_lettered_busy": {"lock_on_busy": "fail"}}
+
+    @stack.actor(lock_key="job:{n}", lock_unique="until_done", max_retries=0, **options[path])
+    def job(n: int) -> None:
+        raise RuntimeError("boom")
+
+    stack.start()
+    if path != "failed":
+        holder.send(1)
+        wait_for(lambda: stack.leases.inspect("job:1"), what="the key held")
+    first = job.send(1)
+    assert stack.recorder.wait_settled(first.message_id) == ("acked" if path == "skipped" else "nacked")
+    hold.set()
+    assert wait_for(lambda: accepted(job, 1), timeout=5, what=f"a send accepted after the first {path}")
+
+
+def test_a_retry_never_ends_a_newer_messages_record(make_stack: MakeStack) -> None:
+    stack = make_stack()
+    started = threading.Event()
+    failed_once = threading.Event()
+    go = threading.Event()
+
+    @stack.actor(lock_key="sync:{n}", lock_unique="queued", max_retries=1, min_backoff=100, max_backoff=100)
+    def sync(n: int, tag: str) -> None:
+        if tag == "first" and not failed_once.is_set():
+            started.set()
+            go.wait(10)
+            failed_once.set()
+            raise RuntimeError("fails once")
+
+    first = sync.send(1, "first")
+    stack.start()
+    assert started.wait(10)
+    # The first started: the second is accepted, and stays queued (delayed) while the first's retry runs.
+    second = sync.send_with_options(args=(1, "second"), delay=3_000).message_id
+    go.set()
+    wait_for(lambda: stack.recorder.delays(first.message_id), what="the first's retry")
+    assert stack.recorder.wait_settled(first.message_id) == "acked"  # the retry ran and was acknowledged
+    assert second not in stack.recorder.acked
+    assert accepted(sync, 1, "third") is None  # the second's record survived the first's retry
+    assert stack.recorder.wait_settled(second) == "acked"
+    assert wait_for(lambda: accepted(sync, 1, "fourth"), timeout=5, what="a send accepted once the second ran")
+
+
+def test_a_purged_queue_frees_the_key_within_the_unique_ttl(make_stack: MakeStack) -> None:
+    stack = make_stack()
+
+    @stack.actor(lock_key="k:{n}", lock_unique="queued", lock_unique_ttl=1_000)
+    def job(n: int) -> None:
+        pass
+
+    job.send(1)
+    assert accepted(job, 1) is None
+    stack.broker.flush_all()  # no worker ever saw it
+    purged = time.monotonic()
+    wait_for(lambda: accepted(job, 1), timeout=5, what="a send accepted after the purge")
+    assert time.monotonic() - purged < 1.0 + 1.0
+
+
+def test_a_send_whose_broker_call_failed_frees_the_key_after_its_grace(
+    make_stack: MakeStack, redis_server: EmbeddedRedis
+) -> None:
+    stack = make_stack()
+
+    @stack.actor(lock_key="k:{n}", lock_unique="queued", lock_unique_ttl=1_000)
+    def job(n: int) -> None:
+        pass
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise redis.ConnectionError("broker down")
+
+    broker: Any = stack.broker  # RedisBroker makes do_enqueue in __init__: unknown to mypy
+    real, broker.do_enqueue = broker.do_enqueue, broken
+    with pytest.raises(redis.ConnectionError):
+        job.send(1)
+    broker.do_enqueue = real
+    failed = time.monotonic()
+    assert accepted(job, 1) is None  # within the grace: held
+    wait_for(lambda: accepted(job, 1), timeout=5, what="a send accepted after the failed send's grace")
+    assert time.monotonic() - failed < 1.0 + 1.0
+
+
+def test_a_send_with_redis_unreachable_is_refused_not_sent_unchecked(redis_server: EmbeddedRedis) -> None:
+    from dramatiq.brokers.redis import RedisBroker
+
+    broker = RedisBroker(url=redis_server.url(0))  # type: ignore[no-untyped-call]  # dramatiq leaves it unannotated
+    broker.add_middleware(
+        LeaseMiddleware(redis_url=f"redis://127.0.0.1:{free_port()}/0?socket_timeout=0.5&socket_connect_timeout=0.5")
+    )
+
+    @dramatiq.actor(broker=broker, lock_key="k:{n}", lock_unique="queued")
+    def job(n: int) -> None:
+        pass
+
+    with pytest.raises(LeaseSendUnavailableError) as refused:
+        job.send(1)
+    assert "'k:1'" in str(refused.value) and "not sent" in str(refused.value)
+    assert broker.client.hlen("dramatiq:default.msgs") == 0
+
+
+def test_bad_lock_unique_is_refused_at_declaration_and_send(make_stack: MakeStack) -> None:
+    stack = make_stack()
+    with pytest.raises(LeaseOptionError, match=r"actor 'bad'.*lock_unique.*'sometimes'"):
+
+        @stack.actor(actor_name="bad", lock_key="k:{n}", lock_unique="sometimes")
+        def bad(n: int) -> None:
+            pass
+
+    @stack.actor(lock_key="k:{n}")
+    def good(n: int) -> None:
+        pass
+
+    with pytest.raises(LeaseOptionError, match=r"actor 'good'.*lock_unique_ttl"):
+        good.send_with_options(args=(1,), lock_unique="queued", lock_unique_ttl=5)
+    with pytest.raises(LeaseOptionError, match=r"actor 'good'.*lock_unique.*True"):
+        good.send_with_options(args=(1,), lock_unique=True)
+    assert pending(stack) == 0
