@@ -48,14 +48,25 @@ def target(key: str, holders: Sequence[LeaseInfo], fence: int | None) -> LeaseIn
 
 
 def release_if_dead(
-    call: Callable[[list[str], list[Any]], Any], prefix: str, fence_retention: int, key: str, holder: LeaseInfo
+    call: Callable[[list[str], list[Any]], Any],
+    prefix: str,
+    fence_retention: int,
+    key: str,
+    holder: LeaseInfo,
+    *,
+    history: int = 0,
+    by: str = "",
 ) -> DeadRelease:
     """:meth:`Leases.release_if_dead` of ``holder``, a holder of ``key`` as read: ``call`` runs the
     ``RELEASE_IF_DEAD`` script with its keys and arguments, on ``holder``'s slot and for its fence only (a hash
-    without a fence, written by hand: whatever holds that slot)."""
+    without a fence, written by hand: whatever holds that slot). ``history``: the key's history cap (-1: its
+    own, if it has one), recording the release as ``force_released`` ``by`` whom."""
     keys = [lease_name(prefix, validate_key(key), holder.slot), fence_name(prefix, key)]
+    args: list[Any] = [fence_retention, holder.fence]
+    if history:
+        args += [history, by]
     with unavailable(f"release lease {key!r}", key):
-        reply = call(keys, [fence_retention, holder.fence])
+        reply = call(keys, args)
     code = int(reply[0])
     if code == -1:
         return DeadRelease(None, None, 0)

@@ -21,15 +21,19 @@ from .lease import Lease
 #: split, and the calls still share one pipelined round trip.
 RENEW_BATCH = 1000
 
-#: One script call: its keys (the leases' Redis keys) and its arguments (the TTL, then the tokens).
+#: One script call: its keys (the leases' Redis keys) and its arguments (the TTL, then the tokens; with a
+#: history, its cap and the leases' fences).
 Call = tuple[list[str], list[Any]]
 
 
-def plan(leases: Sequence[Lease], name: Callable[[Lease], str], *, cluster: bool) -> tuple[list[list[int]], list[Call]]:
+def plan(
+    leases: Sequence[Lease], name: Callable[[Lease], str], *, cluster: bool, history: int = 0
+) -> tuple[list[list[int]], list[Call]]:
     """Group ``leases`` into script calls: the indexes each call renews, and the calls.
 
     One call per slot (Cluster) and TTL, so the TTL travels once, not once per lease;
-    ``name`` gives a lease's Redis key.
+    ``name`` gives a lease's Redis key. ``history``: the keys' history cap (0: none kept), so that a lease
+    found lost is recorded with its fence.
     """
     groups: dict[tuple[int, int], list[int]] = defaultdict(list)
     for i, lease in enumerate(leases):
@@ -40,6 +44,9 @@ def plan(leases: Sequence[Lease], name: Callable[[Lease], str], *, cluster: bool
         ([name(leases[i]) for i in batch], [leases[batch[0]].ttl, *(leases[i].token for i in batch)])
         for batch in batches
     ]
+    if history:
+        for batch, (_, args) in zip(batches, calls):
+            args += [history, *(leases[i].fence for i in batch)]
     return batches, calls
 
 

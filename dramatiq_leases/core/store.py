@@ -24,16 +24,17 @@ from .client import (
     server_attributes,
     unavailable,
 )
-from .errors import LeaseBusyError, LeaseConfigError, LeaseExpiredError, LeaseUnavailableError
+from .errors import LeaseBusyError, LeaseConfigError, LeaseExpiredError, LeaseStateError, LeaseUnavailableError
+from .history import HistoryEvent, parse
 from .info import LeaseInfo, meta_args, text
-from .keys import DEFAULT_PREFIX, fence_name, lease_name, validate_key, validate_prefix
+from .keys import DEFAULT_PREFIX, fence_name, history_name, lease_name, validate_key, validate_prefix
 from .lease import Busy, Lease, LostReason, Renewal, Wait, default_interval, new_token
 from .line import DEFAULT_PARK_MS, DEFAULT_READY, PROMOTE_MS, Line
 from .numbers import margin_ms, whole_count, whole_limit, whole_ms
 from .reading import LineInfo, Reader, ReadGaps
 from .recovery import DeadRelease, release_if_dead, target
 from .replication import DEFAULT_REPLICA_TIMEOUT_MS, MAX_REPLICAS, check_replication, evalsha_acked, not_replicated
-from .scripts import MAX_LIMIT, MAX_TIMESTAMP_MS
+from .scripts import MAX_HISTORY, MAX_ID_LENGTH, MAX_LIMIT, MAX_TIMESTAMP_MS
 
 if TYPE_CHECKING:
     from .heartbeat import Heartbeat
@@ -106,6 +107,15 @@ class Leases:
       replica_timeout: how long ``WAIT`` waits for those acknowledgements
         (whole ms; default 500). It must be shorter than the client's
         ``socket_timeout``, and should be well under the renew interval.
+      history: keep each key's history, its newest ``history`` events (0 to
+        10 000; ``None`` or 0, the default: none). Every script that changes
+        a key's state appends an event in the same step (granted, released,
+        lost, expired, adopted, duplicate, superseded, force-released...; see
+        :class:`~.history.HistoryEvent`), to a list in the key's hash slot kept
+        a week after its last event; :meth:`history` reads it. Off, the
+        scripts make no extra call. Give every process of the fleet the same
+        setting: a process without it records nothing (an operator's
+        ``release`` from the CLI appends to a history that exists).
 
     Example:
       >>> leases = Leases.from_url("redis://127.0.0.1:6379/1")
@@ -128,8 +138,13 @@ class Leases:
         fence_retention: int | None = None,
         min_replicas: int = 0,
         replica_timeout: int = DEFAULT_REPLICA_TIMEOUT_MS,
+        history: int | None = None,
     ) -> None:
         self.client = client
+        #: How many events each key's history keeps (0: none kept).
+        self.history_cap = (
+            0 if history is None else whole_count(history, "history", maximum=MAX_HISTORY, owner="Leases")
+        )
         self.prefix = validate_prefix(prefix)
         self.fence_retention = (
             0 if fence_retention is None else whole_ms(fence_retention, "fence_retention", owner="Leases")
@@ -150,6 +165,7 @@ class Leases:
         self._release_if_dead = client.register_script(scripts.RELEASE_IF_DEAD)
         self._adopt = client.register_script(scripts.ADOPT)
         self._line_script = client.register_script(scripts.LINE)
+        self._history_script = client.register_script(scripts.HISTORY)
         self._names: dict[str, list[str]] = {}
         # Parts, each with one idea. Every write script goes through _call (or _call_acked); reads go through
         # the reader's pipelines, master by master.
@@ -177,6 +193,7 @@ class Leases:
         fence_retention: int | None = None,
         min_replicas: int = 0,
         replica_timeout: int = DEFAULT_REPLICA_TIMEOUT_MS,
+        history: int | None = None,
     ) -> Leases:
         """Leases on the Redis at ``url``; its calls and connects time out after ``socket_timeout`` seconds.
 
@@ -199,6 +216,7 @@ class Leases:
             fence_retention=fence_retention,
             min_replicas=min_replicas,
             replica_timeout=replica_timeout,
+            history=history,
         )
 
     # Names -----------------------------------------------------------------
@@ -293,6 +311,8 @@ class Leases:
         ready, park_ms, promote_ms = rules
         policy = 2 if final else int(latest)
         line = f"{first_ms} {mode} {ready} {park_ms} {promote_ms} {self.fence_retention} {limit} {policy}"
+        if self.history_cap:
+            line += f" {self.history_cap}"
         args: list[Any] = [
             token,
             ttl,
@@ -400,6 +420,8 @@ class Leases:
         interval_ms = stored_interval or default_interval(ttl)
         margin = margin_ms(ttl)
         args: list[Any] = [token, mine, ttl, interval_ms, margin, max_hold_ms, *meta_args(key, meta)]
+        if self.history_cap:
+            args.append(self.history_cap)  # an odd last argument: the history cap
         sent_at = time.monotonic()
         with unavailable(f"adopt lease {key!r}", key):
             reply, acked = self._call_acked(self._adopt, [lease_name(self.prefix, key, slot)], args)
@@ -477,7 +499,9 @@ class Leases:
         """
         if not leases:
             return []
-        batches, calls = rounds.plan(leases, lambda lease: self._keys(lease.key, lease.slot)[0], cluster=self._cluster)
+        batches, calls = rounds.plan(
+            leases, lambda lease: self._keys(lease.key, lease.slot)[0], cluster=self._cluster, history=self.history_cap
+        )
         # Several script calls on one connection are a pipeline: a batch in the conventions' terms.
         attributes: dict[str, str | int]
         if not self._cluster and len(batches) > 1:
@@ -520,17 +544,22 @@ class Leases:
         """
         return self.release_token(lease.key, lease.token, fence=lease.fence, slot=lease.slot)
 
-    def release_token(self, key: str, token: str, *, fence: int | None = None, slot: int | None = None) -> bool:
+    def release_token(
+        self, key: str, token: str, *, fence: int | None = None, slot: int | None = None, by: str | None = None
+    ) -> bool:
         """Release the lease on ``key`` only if ``token`` holds it; ``False`` if it did not (nothing touched).
 
         For a holder that kept the token, not the :class:`Lease` (a web request that handed its lease on,
         an operator). ``slot`` is the grant's :attr:`Lease.slot` (``None``: the token is looked for in every
-        slot of the key). The front of the key's line, if any, is woken.
+        slot of the key). The front of the key's line, if any, is woken. ``by``: who releases it in its
+        holder's stead (an operator, ``user@host``): the key's history records a ``force_released`` by them,
+        also from a store without ``history`` if the key has a history.
 
         Raises:
+          LeaseConfigError: ``by`` is not a string of at most 512 characters.
           LeaseUnavailableError: Redis could not be asked; the lease expires by its TTL.
         """
-        return self._release_token(key, token, fence=fence, slot=slot) == 1
+        return self._release_token(key, token, fence=fence, slot=slot, by=_by(by)) == 1
 
     def _release_token(
         self,
@@ -542,10 +571,24 @@ class Leases:
         waiter: str = "",
         ready: int = DEFAULT_READY,
         promote_ms: int = PROMOTE_MS,
+        by: str = "",
     ) -> int:
         """The release script, for :meth:`release_token` and :meth:`Line.release` (``waiter`` is recorded as
         having run): 1 released, 0 not held, 2 not held but recorded as released by ``fence`` (an earlier
-        release of this grant, whose reply was lost)."""
+        release of this grant, whose reply was lost). ``by``: an operator's release (see :meth:`release_token`)."""
+        args: list[Any] = [
+            token,
+            waiter,
+            ready,
+            promote_ms,
+            self.fence_retention,
+            # A release asked again after its reply was lost finds this grant recorded as released.
+            "find" if slot is None else "" if fence is None else str(fence),
+        ]
+        if by:
+            args += [self.history_cap or -1, by]  # -1: a history the fleet keeps, even unknown to this store
+        elif self.history_cap:
+            args.append(self.history_cap)
         attributes: dict[str, str | int] = dict(self._span_attrs[_RELEASE])
         if tracing.keys_recorded():
             attributes[tracing.KEY] = key
@@ -553,19 +596,7 @@ class Leases:
             attributes[tracing.FENCE] = fence
         with tracing.span(_RELEASE_SPAN, attributes) as span:
             with unavailable(f"release lease {key!r}", key):
-                reply = self._call(
-                    self._release,
-                    self._keys(key, slot or 0),
-                    [
-                        token,
-                        waiter,
-                        ready,
-                        promote_ms,
-                        self.fence_retention,
-                        # A release asked again after its reply was lost finds this grant recorded as released.
-                        "find" if slot is None else "" if fence is None else str(fence),
-                    ],
-                )
+                reply = self._call(self._release, self._keys(key, slot or 0), args)
                 code = int(reply)
             span.set_attribute(tracing.OUTCOME, "released" if code == 1 else "not_held")
         return code
@@ -674,7 +705,7 @@ class Leases:
         """:meth:`fence_state` of many keys in one round trip per master, in order."""
         return self._reader.fence_states(keys, gaps=gaps)
 
-    def release_if_dead(self, key: str, *, fence: int | None = None) -> DeadRelease:
+    def release_if_dead(self, key: str, *, fence: int | None = None, by: str | None = None) -> DeadRelease:
         """Release a holder of ``key`` only if it cannot still be running under its lease.
 
         Decided inside one script from facts the holder wrote itself: its
@@ -699,12 +730,17 @@ class Leases:
         this store has none (the CLI's, which cannot know the fleet's): never
         without a TTL. A counter of another type is left alone.
 
+        ``by``: who asks (an operator, ``user@host``), named in the key's history: its ``force_released``
+        event is appended if the store keeps a history, or the key has one (a CLI's store cannot know).
+
         Raises:
           LeaseStateError: no ``fence``, and the key has several holders (named with their fences): which to
             release is never guessed.
-          LeaseConfigError: ``fence`` is not a whole number from 0 (a hash without one) to 2**53.
+          LeaseConfigError: ``fence`` is not a whole number from 0 (a hash without one) to 2**53, or ``by``
+            is not a string of at most 512 characters.
           LeaseUnavailableError: Redis could not be asked.
         """
+        who = _by(by)
         if fence is not None:
             fence = whole_count(fence, "fence", maximum=2**53, owner="release_if_dead")
         holder = target(validate_key(key), self.holders(key), fence)
@@ -714,7 +750,72 @@ class Leases:
         def call(keys: list[str], args: list[Any]) -> Any:
             return self._call(self._release_if_dead, keys, args)
 
-        return release_if_dead(call, self.prefix, self.fence_retention, key, holder)
+        return release_if_dead(
+            call, self.prefix, self.fence_retention, key, holder, history=self.history_cap or -1, by=who
+        )
+
+    # History -------------------------------------------------------------------
+
+    def history(self, key: str) -> list[HistoryEvent]:
+        """The history of ``key``, oldest event first (empty if it has none: the store's ``history`` is off,
+        or nothing happened to the key for a week). Readable whatever this store's own ``history`` setting.
+
+        Raises:
+          LeaseStateError: the history's Redis key is of another type (written by hand).
+          LeaseUnavailableError: Redis could not be asked.
+        """
+        name = history_name(self.prefix, validate_key(key))
+        with unavailable(f"read the history of {key!r}", key):
+            try:
+                entries = self.client.lrange(name, 0, -1)
+            except redis.ResponseError as e:
+                if "WRONGTYPE" not in str(e):
+                    raise
+                raise LeaseStateError(f"the history of {key!r} ({name}) is not a list: {e}", key=key) from None
+        return parse(entries)
+
+    def record_history(
+        self,
+        key: str,
+        event: str,
+        *,
+        fence: int = 0,
+        reason: str = "",
+        meta: Mapping[str, str] | None = None,
+        waited_ms: int = 0,
+    ) -> None:
+        """Append an event decided outside the scripts (``skipped``, ``failed``, ``gave_up``) to the history of
+        ``key``, stamped with the server's time; nothing (no call) if this store keeps no history. ``meta``: the
+        message's metadata (``message_id``, ``actor``, ``host``, ``pid``), named in the event; ``waited_ms``:
+        how long it had waited for the key.
+
+        Raises:
+          LeaseConfigError: an unknown ``event``, a ``fence`` or ``waited_ms`` that is not a whole number, a
+            ``reason`` over 512 characters, or ``meta`` that is not strings.
+          LeaseUnavailableError: Redis could not be asked.
+        """
+        if not self.history_cap:
+            return
+        validate_key(key)
+        if event not in ("skipped", "failed", "gave_up"):
+            raise LeaseConfigError(f"record_history: event must be 'skipped', 'failed' or 'gave_up', got {event!r}")
+        fence = whole_count(fence, "fence", maximum=2**53, owner="record_history")
+        if not isinstance(reason, str) or len(reason) > MAX_ID_LENGTH:
+            raise LeaseConfigError(f"record_history: reason must be a string of at most {MAX_ID_LENGTH} characters")
+        waited_ms = whole_ms(waited_ms, "waited_ms", minimum=0, owner="record_history")
+        packed = meta_args(key, dict(meta or {}))  # checked as a lease's metadata is
+        args = [self.history_cap, event, fence, reason, packed[3] if len(packed) > 2 else "", waited_ms]
+        with unavailable(f"record the history of {key!r}", key):
+            self._call(self._history_script, [lease_name(self.prefix, key)], args)
+
+
+def _by(by: str | None) -> str:
+    """An operator's name for the history (``""``: none), checked before Redis is asked."""
+    if by is None:
+        return ""
+    if not isinstance(by, str) or len(by) > MAX_ID_LENGTH:
+        raise LeaseConfigError(f"by must be a string of at most {MAX_ID_LENGTH} characters, got {by!r}")
+    return by
 
 
 def _ignore_lost(lease: Lease, reason: LostReason) -> None:

@@ -8,7 +8,7 @@
 --   4 interval_ms: how often a heartbeat renews it (0: nobody renews it)
 --   5 margin_ms: how long before the key can expire its holder stops trusting it (below ttl_ms)
 --   6 waiter: a message's waiter id in the key's line ('': never joins it)
---   7 line_numbers: the line's numbers, as one argument of eight space-separated fields:
+--   7 line_numbers: the line's numbers, as one argument of eight or nine space-separated fields:
 --       first_ms: the waiter's first attempt, its place in the line (server ms; 0: now)
 --       mode: 0 never join the line, 1 join it, 2 join it and may wait in place
 --       ready: how many waiters of the key may wait in place
@@ -19,6 +19,7 @@
 --       latest: 1 if the key keeps only its newest waiter of this kind (lock_on_busy="latest"); 2 if a refusal
 --         of this waiter (mode 0) is final: remembered, so another copy of its message never runs after it
 --         (a copy sent back, refused by lock_on_busy skip or fail); else 0
+--       history: how many events the key's history keeps (0 or left out: none; see prelude's history_append)
 --   8.. fields: field/value pairs of the lease hash ('key', and 'meta': the holder metadata as JSON)
 -- Returns {1, fence, now, previous_fence_expired, released_ms, from_line, slot} when granted (released_ms:
 -- when the key's last grant was released, if this waiter waited in the line, else 0; from_line: 1 if granted
@@ -34,14 +35,16 @@
 -- keeps its own: `g:s` granted, `r:s` released, `e:s` expired, and each grant's hash names its `slot` and
 -- the `limit` it was granted under.
 -- A grant ends its message's "queued" unique record (`q:<message id>` in the key's `unique` sorted set).
+-- With a history, a grant appends 'expired' (the previous grant was found ended by TTL) and 'granted', a copy
+-- that already ran 'duplicate', a waiter a newer one replaced 'superseded'.
 -- The uncontended path (free key, no line) comes first and creates no closure it does not call.
---#include args clock keys
+--#include args clock keys history
 local token, waiter = ARGV[1], ARGV[6]
 local ttl_ms = whole(ARGV[2], 1, MAX_MS)
 local max_hold_ms = whole(ARGV[3], 0, MAX_MS)
 local interval_ms = whole(ARGV[4], 0, MAX_MS)
-local f1, f2, f3, f4, f5, f6, f7, f8 =
-  string.match(ARGV[7] or '', '^(%d+) (%d+) (%d+) (%d+) (%d+) (%d+) (%d+) (%d+)$')
+local f1, f2, f3, f4, f5, f6, f7, f8, f9 =
+  string.match(ARGV[7] or '', '^(%d+) (%d+) (%d+) (%d+) (%d+) (%d+) (%d+) (%d+) ?(%d*)$')
 local first_ms = whole(f1, 0, MAX_TIMESTAMP_MS)
 local mode = whole(f2, 0, 2)
 local ready = whole(f3, 0, MAX_READY)
@@ -50,6 +53,8 @@ local promote_ms = whole(f5, 1, MAX_MS)
 local retention_ms = whole(f6, 0, MAX_MS)
 local limit = whole(f7, 1, MAX_LIMIT)
 local latest = whole(f8, 0, 2)
+local history = 0
+if f9 ~= '' then history = whole(f9, 0, MAX_HISTORY) end
 if token == nil or token == '' then return bad('token', token) end
 if ttl_ms == nil then return bad('ttl_ms', ARGV[2]) end
 if max_hold_ms == nil then return bad('max_hold_ms', ARGV[3]) end
@@ -60,17 +65,27 @@ if waiter == nil or #waiter > MAX_ID_LENGTH or (waiter == '' and mode ~= nil and
   return bad('waiter', waiter)
 end
 if first_ms == nil or mode == nil or ready == nil or park_ms == nil or promote_ms == nil or retention_ms == nil
-  or limit == nil or latest == nil or (latest == 1 and mode == 0) or (latest == 2 and (mode ~= 0 or waiter == '')) then
+  or limit == nil or latest == nil or (latest == 1 and mode == 0) or (latest == 2 and (mode ~= 0 or waiter == ''))
+  or history == nil or (f9 == '' and string.sub(ARGV[7], -1) == ' ') then
   return bad('line_numbers', ARGV[7])
 end
 if (#ARGV - 7) % 2 ~= 0 then return bad('fields', #ARGV - 7) end
+-- The holder's metadata, for the events that name it (read only with a history).
+local meta = nil
+if history > 0 then
+  for i = 8, #ARGV - 1, 2 do
+    if ARGV[i] == 'meta' then meta = ARGV[i + 1] end
+  end
+end
 local LINE, DONE = sibling(KEYS[1], 'line'), nil
 local now, now_us = server_time()
 if waiter ~= '' then
   DONE = sibling(KEYS[1], 'done')
   local done = redis.call('ZMSCORE', DONE, waiter, 's:' .. waiter, 'n:' .. waiter)
-  if done[1] and tonumber(done[1]) > now then return {0, 0, 0, now, 4, -1, 0, 0} end
-  if done[3] and tonumber(done[3]) > now then return {0, 0, 0, now, 4, -1, 0, 0} end
+  if (done[1] and tonumber(done[1]) > now) or (done[3] and tonumber(done[3]) > now) then
+    history_append(KEYS[1], history, now, {e = 'duplicate', w = waiter}, meta)
+    return {0, 0, 0, now, 4, -1, 0, 0}
+  end
   if done[2] and tonumber(done[2]) > now then return {0, 0, 0, now, 5, -1, 0, 0} end
 end
 -- The counter first: one of another type fails the script here, before any write.
@@ -151,6 +166,16 @@ local function grant(s, top)
       'max_hold_until_ms', until_ms, unpack(ARGV, 8))
   end
   redis.call('PEXPIRE', name, px)
+  if history > 0 then
+    local slot = nil
+    if wide then slot = s end
+    if expired > 0 then
+      history_append(KEYS[1], history, now, {e = 'expired', f = string.format('%d', expired), s = slot})
+    end
+    local ev = {e = 'granted', f = string.format('%d', fence), s = slot}
+    if waiter ~= '' then ev.w = waiter end
+    history_append(KEYS[1], history, now, ev, meta)
+  end
   -- lock_unique="queued": the message's record ends as its lease begins, in this step (never neither held).
   if waiter ~= '' then
     local mid = string.match(waiter, '^(.*):%d+$')
@@ -210,6 +235,10 @@ local mine_first = first_ms > 0 and first_ms or now
 local function supersede(w)
   local e = entry(WAITERS, w)
   forget(LINE, WAITERS, w)
+  if history > 0 then
+    history_append(KEYS[1], history, now, {e = 'superseded', w = w, m = string.match(w, '^(.*):%d+$'),
+      a = e and e.actor ~= '' and e.actor or nil, by = waiter})
+  end
   redis.call('ZADD', DONE, now + DONE_MS, 's:' .. w)
   redis.call('PEXPIRE', DONE, DONE_MS)
   if e and e.state == 'r' then

@@ -7,13 +7,14 @@
 --   4 interval_ms: how often the adopter's heartbeat renews it
 --   5 margin_ms: how long before the key can expire its holder stops trusting it (below ttl_ms)
 --   6 max_hold_ms: the longest the adopter may trust the lease, from now (0: none)
---   7.. fields: field/value pairs of holder metadata
+--   7.. fields: field/value pairs of holder metadata; an odd last one is the history cap: how many events the
+--     key's history keeps (absent or 0: none; see prelude's history_append), which records the adoption
 -- Takes over a lease acquired elsewhere (a web request) by proving its token, and replaces the token, so a
 -- lease is adopted once: a second delivery carrying the same token finds another owner. The fence stays
 -- the grant's. The maximum hold becomes the earlier of the grant's and now + max_hold_ms.
 -- Returns {1, fence, acquired_ms, max_hold_until_ms, now}, {0} when the lease is gone (or its maximum hold
 -- is over), or {-1, pttl, holder_fence, now} when another token holds it.
---#include args clock
+--#include args clock history
 local handed_token, token = ARGV[1], ARGV[2]
 local ttl_ms = whole(ARGV[3], 1, MAX_MS)
 local interval_ms = whole(ARGV[4], 0, MAX_MS)
@@ -25,7 +26,12 @@ if interval_ms == nil then return bad('interval_ms', ARGV[4]) end
 if max_hold_ms == nil then return bad('max_hold_ms', ARGV[6]) end
 local margin_ms = whole(ARGV[5], 0, ttl_ms - 1)
 if margin_ms == nil then return bad('margin_ms', ARGV[5]) end
-if (#ARGV - 6) % 2 ~= 0 then return bad('fields', #ARGV - 6) end
+local last, history = #ARGV, 0
+if (#ARGV - 6) % 2 ~= 0 then
+  history = whole(ARGV[#ARGV], 0, MAX_HISTORY)
+  if history == nil then return bad('fields', #ARGV - 6) end
+  last = #ARGV - 1
+end
 local now = server_time()
 local cur = redis.pcall('HMGET', KEYS[1], 'token', 'fence', 'acquired_ms', 'max_hold_until_ms')
 if cur.err then return {-1, redis.call('PTTL', KEYS[1]), 0, now} end
@@ -43,6 +49,13 @@ local px = ttl_ms
 if until_ms > 0 and until_ms - now < px then px = until_ms - now end
 if px <= margin_ms then return {0} end
 redis.call('HSET', KEYS[1], 'token', token, 'ttl', ttl_ms, 'interval', interval_ms, 'margin_ms', margin_ms,
-  'renewed_ms', now, 'max_hold_until_ms', until_ms, 'adopted_ms', now, unpack(ARGV, 7))
+  'renewed_ms', now, 'max_hold_until_ms', until_ms, 'adopted_ms', now, unpack(ARGV, 7, last))
 redis.call('PEXPIRE', KEYS[1], px)
+if history > 0 then
+  local meta = nil
+  for i = 7, last - 1, 2 do
+    if ARGV[i] == 'meta' then meta = ARGV[i + 1] end
+  end
+  history_append(KEYS[1], history, now, {e = 'adopted', f = cur[2] or '0'}, meta)
+end
 return {1, tonumber(cur[2]) or 0, tonumber(cur[3]) or now, until_ms, now}

@@ -132,3 +132,40 @@ local function call_forward(line, waiters, now, ready, promote_ms, wake_n, promo
     end
   end
 end
+
+--#section history
+-- A key's history (opt-in): a list beside the lease, `history:{tag}` (one hash slot with it), of compact
+-- JSON events, newest first. history_append pushes event `ev` (a table; `ev.e` names it: 'granted',
+-- 'released', ...) stamped with `now` (server ms), then keeps the newest `cap` and HISTORY_MS from now.
+-- `cap` 0: the history is off and nothing is done (no Redis call); -1 (a caller that cannot know the fleet's
+-- cap, such as the CLI): only a history that exists is appended to, and kept to MAX_HISTORY. `meta`: the
+-- holder's metadata JSON (the lease hash's `meta`), if the event is about a holder: its message id, actor
+-- and host:pid are named in the event (m, a, h). A key of another type (written by hand) is replaced: no
+-- error once the caller has written. `lease` is the lease's name or a holder slot's.
+local function history_append(lease, cap, now, ev, meta)
+  if cap == 0 then return end
+  local name = string.gsub(lease, ':lease:({[^}]*}).*$', ':history:%1', 1)
+  if cap < 0 then
+    if redis.call('EXISTS', name) == 0 then return end
+    cap = MAX_HISTORY
+  end
+  if meta then
+    local ok, m = pcall(cjson.decode, meta)
+    if ok and type(m) == 'table' then
+      if type(m.message_id) == 'string' then ev.m = m.message_id end
+      if type(m.actor) == 'string' then ev.a = m.actor end
+      if type(m.host) == 'string' or type(m.pid) == 'string' then
+        ev.h = tostring(m.host or '') .. ':' .. tostring(m.pid or '')
+      end
+    end
+  end
+  ev.t = now
+  local json = cjson.encode(ev)
+  local pushed = redis.pcall('LPUSH', name, json)
+  if type(pushed) == 'table' and pushed.err then
+    redis.call('DEL', name)
+    redis.call('LPUSH', name, json)
+  end
+  redis.call('LTRIM', name, 0, cap - 1)
+  redis.call('PEXPIRE', name, HISTORY_MS)
+end

@@ -11,12 +11,16 @@
 --     first reply lost) finds the grant recorded as released and answers 2; or 'find' if it knows neither
 --     fence nor slot (a grant whose reply was lost): the token is looked for in every slot of the key
 --     (KEYS[1] then names the lease, slot 0)
+--   7 history: how many events the key's history keeps (0 or absent: none; -1: as many as it has, if it has
+--     one: see prelude's history_append)
+--   8 by: who released it in the holder's stead (an operator; optional): the history's event is then
+--     'force_released' naming them, not 'released'
 -- Returns 1 if released, 0 if the token did not hold the lease (nothing is touched then), 2 if it did not
 -- but the grant of the fence given is recorded as released (by this token, or release --if-dead). The holder
 -- always has the newest fence of its slot, so it is recorded as the slot's last one released. A waiter that ran
 -- is remembered for DONE_MS, so a stray copy of it never runs again; the head of the line is woken, or
 -- asked to come back: as many as the key has slots free (its counter's width).
---#include args keys counter slots
+--#include args clock keys counter slots history
 local token, waiter = ARGV[1], ARGV[2]
 local ready = whole(ARGV[3], 0, MAX_READY)
 local promote_ms = whole(ARGV[4], 1, MAX_MS)
@@ -27,6 +31,10 @@ if waiter == nil or #waiter > MAX_ID_LENGTH then return bad('waiter', waiter) en
 if retention_ms == nil then return bad('retention_ms', ARGV[5]) end
 local grant = ARGV[6] or ''
 if grant ~= '' and grant ~= 'find' and not string.match(grant, '^%d+$') then return bad('grant', grant) end
+local history = whole(ARGV[7] or '0', -1, MAX_HISTORY)
+if history == nil then return bad('history', ARGV[7]) end
+local by = ARGV[8] or ''
+if #by > MAX_ID_LENGTH then return bad('by', by) end
 local LINE = sibling(KEYS[1], 'line')
 local LEASE = KEYS[1]
 if grant == 'find' then
@@ -37,7 +45,12 @@ if grant == 'find' then
     LEASE = slot_key(KEYS[1], s)
   end
 end
-local cur = redis.pcall('HMGET', LEASE, 'token', 'fence', 'slot')
+local cur
+if history == 0 then
+  cur = redis.pcall('HMGET', LEASE, 'token', 'fence', 'slot')
+else
+  cur = redis.pcall('HMGET', LEASE, 'token', 'fence', 'slot', 'meta')
+end
 if cur.err or not cur[1] or cur[1] ~= token then
   if grant ~= '' and grant ~= 'find' then
     local s = string.match(LEASE, '}:(%d+)$') or '0'
@@ -62,12 +75,16 @@ if waiter ~= '' or lined then
   lined = lined and line_ok and waiters_ok
 end
 redis.call('DEL', LEASE)
+if history ~= 0 then
+  local ev = {e = 'released', f = string.format('%d', fence), s = slot}
+  if by ~= '' then ev.e, ev.by, ev.r = 'force_released', by, 'owner' end
+  history_append(KEYS[1], history, server_time(), ev, cur[4])
+end
 if waiter == '' and not lined then
   -- The uncontended path: no line to wake, no waiter to remember.
   if fence > 0 then record_release(KEYS[2], counter, fence, retention_ms, slot) end
   return 1
 end
---#include clock
 local now = server_time()
 if fence > 0 then record_release(KEYS[2], counter, fence, retention_ms, slot, 'released_ms', now) end
 if waiter ~= '' then

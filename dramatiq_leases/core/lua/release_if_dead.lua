@@ -4,6 +4,9 @@
 -- ARGV:
 --   1 retention_ms: how long an idle fence counter is kept (0: for ever or not known, the CLI's; optional)
 --   2 fence: release only the grant of this fence (0 or absent: whichever holds the slot; optional)
+--   3 history: how many events the key's history keeps (0 or absent: none; -1: as many as it has, if it has
+--     one: see prelude's history_append)
+--   4 by: who asked (an operator, as user@host; optional), named in the history's 'force_released' event
 -- Releases the lease only if no holder can still be running under it: its holder's deadline and safety
 -- margin have passed (the key outlived them: its TTL was changed by hand), or the hash does not say and
 -- the key has no TTL (a key written by hand). The release is recorded in the fence counter as a release by
@@ -11,7 +14,7 @@
 -- released.
 -- Returns {1, ms_past_end, fence}, {0, ms_to_end, fence} (-1: the key expires by itself and its hash does
 -- not say when its holder stops), {-1} if there is no such key, or {-2, fence} if another grant holds it.
---#include args clock counter
+--#include args clock counter history
 -- The instant this lease ends by its holder's own facts (server ms): its holder's deadline plus the
 -- margin its actor has to stop. Nil if the hash does not say (a key written by someone else).
 local function lease_end(renewed, ttl, until_ms)
@@ -26,12 +29,16 @@ local retention_ms = whole(ARGV[1] or '0', 0, MAX_MS)
 if retention_ms == nil then return bad('retention_ms', ARGV[1]) end
 local wanted = whole(ARGV[2] or '0', 0, 2 ^ 53)
 if wanted == nil then return bad('fence', ARGV[2]) end
+local history = whole(ARGV[3] or '0', -1, MAX_HISTORY)
+if history == nil then return bad('history', ARGV[3]) end
+local by = ARGV[4] or ''
+if #by > MAX_ID_LENGTH then return bad('by', by) end
 if redis.call('EXISTS', KEYS[1]) == 0 then return {-1} end
 local now = server_time()
 local pttl = redis.call('PTTL', KEYS[1])
 -- Read before the first write, so that nothing below can fail after the lease is deleted.
 local counter = redis.call('TYPE', KEYS[2]).ok
-local cur = redis.pcall('HMGET', KEYS[1], 'renewed_ms', 'ttl', 'max_hold_until_ms', 'fence', 'slot')
+local cur = redis.pcall('HMGET', KEYS[1], 'renewed_ms', 'ttl', 'max_hold_until_ms', 'fence', 'slot', 'meta')
 local deadline, fence, slot = nil, 0, nil
 if not cur.err then
   deadline = lease_end(cur[1], cur[2], cur[3])
@@ -47,4 +54,9 @@ elseif now <= deadline then
 end
 redis.call('DEL', KEYS[1])
 if fence > 0 then record_release(KEYS[2], counter, fence, retention_ms, slot) end
+if history ~= 0 then
+  local ev = {e = 'force_released', f = string.format('%d', fence), s = slot, r = 'dead'}
+  if by ~= '' then ev.by = by end
+  history_append(KEYS[1], history, now, ev, not cur.err and cur[6] or nil)
+end
 return {1, deadline and now - deadline or 0, fence}
