@@ -1,0 +1,401 @@
+"""A lease for a process that must run alone: a scheduler in every container, exactly one of them active.
+
+:class:`Leader` stands by until it holds its key, renews it with a heartbeat of its own, and tells the
+process when it loses it, in time: no later than the lease's local deadline (``ttl - margin`` after the
+last renewal Redis confirmed), while the key still has ``margin`` ms to live on the server, so a
+deposed leader has stopped before any other process can be granted the key. It sits on the lease core
+alone (no Dramatiq, no middleware).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import math
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from types import FrameType, TracebackType
+from typing import Any, Literal
+
+from .core.errors import LeaseConfigError, LeaseStateError, LeaseUnavailableError
+from .core.heartbeat import Heartbeat
+from .core.info import meta_args
+from .core.keys import validate_key
+from .core.lease import Busy, Lease, LostReason, new_token
+from .core.numbers import whole_ms
+from .core.store import Leases
+
+logger = logging.getLogger(__name__)
+
+#: The exit code of a process whose leader lease was lost with ``on_lost="exit"``: 75, ``EX_TEMPFAIL`` of
+#: sysexits.h ("try again later"): a supervisor that restarts the process puts it back in standby.
+EXIT_CODE = 75
+
+#: The shortest TTL a leader may have, in ms: below it, one slow renewal round is already a loss.
+MIN_TTL = 100
+
+#: The signal that wakes the main thread to raise :class:`LeaderLost` in it. SIGURG: its default action is to
+#: be ignored, so one arriving after the handler was put back harms nothing, and programs rarely use it.
+_SIGNAL: int | None = getattr(signal, "SIGURG", None)
+
+#: What to do when leadership is lost: ``"raise"``, ``"exit"`` or a function called with the lease and the reason.
+OnLost = Literal["raise", "exit"] | Callable[[Lease, LostReason], None]
+
+_NO_HANDLER = object()  # no signal handler of ours to put back
+
+
+class LeaderLost(BaseException):
+    """Raised in the thread that entered a :class:`Leader`'s ``with`` (``on_lost="raise"``) when it lost the key.
+
+    A ``BaseException``, as ``KeyboardInterrupt``: a scheduler loop's ``except Exception`` around each job
+    cannot swallow it and go on scheduling beside the new leader. Leaving the ``with`` puts the
+    :class:`Leader` back to where it can stand by again.
+
+    Attributes:
+      key: the leader key.
+      fence: the fence of the grant that was lost.
+      reason: why (:class:`~dramatiq_leases.core.lease.LostReason`): gone, stolen, or unreachable.
+    """
+
+    def __init__(self, *args: object, key: str = "", fence: int = 0, reason: LostReason | None = None) -> None:
+        super().__init__(*args)
+        self.key = key
+        self.fence = fence
+        self.reason = reason
+
+
+class Leader:
+    """Hold ``key`` as this process's leadership: ``with Leader(leases, "scheduler", ttl=15_000) as leader:``.
+
+    Entering the ``with`` stands by until this process is granted the key (every ``poll`` ms at most, and as
+    soon as the holder's TTL runs out: a SIGKILLed leader is replaced within its TTL), then returns with the
+    key held and renewed every ``ttl // 3`` ms on a heartbeat of its own. Leaving it releases the key
+    (owner-checked), so a standby takes over at once.
+
+    Losing the key (found gone or taken by another owner, or Redis unreachable until the lease's local
+    deadline) is told no later than that deadline, ``ttl - margin`` after the last confirmed renewal, while
+    the key still lives ``margin`` (a tenth of the TTL) on the server: the deadline is the watchdog's, which
+    never waits on a hung socket. How depends on ``on_lost``:
+
+    * ``"raise"`` (the default): :class:`LeaderLost` is raised in the thread that entered the ``with`` (or
+      last called :meth:`wait`). In the main thread it is raised by a handler of ``SIGURG``, installed for
+      the time the key is held and sent to that thread alone: a signal interrupts a blocking ``time.sleep``,
+      ``Event.wait`` or socket read at once, where an asynchronous exception would wait for it to return.
+      (The handler calls a previous Python handler for SIGURGs that are not its own.) In another thread it is
+      an asynchronous exception (``PyThreadState_SetAsyncExc``, as Dramatiq's time limits): it lands at that
+      thread's next Python instruction, so such a thread should not block for long.
+    * ``"exit"``: the process ends at once with ``os._exit(exit_code)`` (default :data:`EXIT_CODE`, 75):
+      nothing of it runs on, for a supervisor (Docker, Kubernetes, systemd) to restart into standby.
+    * a function ``on_lost(lease, reason)``: called on the heartbeat's thread; the process must stop acting
+      as leader itself (:attr:`is_leader` is already ``False``).
+
+    Parameters:
+      leases: the store of the key.
+      key: the leader key, such as ``"scheduler"``.
+      ttl: the lease's TTL in whole milliseconds (at least 100): how long a dead leader keeps the key.
+      on_lost: how a loss is told: ``"raise"``, ``"exit"`` or a function (see above).
+      poll: the longest a standby waits between two asks, in whole ms (default ``ttl // 3``).
+      meta: holder metadata stored with the lease (strings), besides ``host`` and ``pid``.
+      exit_code: the exit code of ``on_lost="exit"`` (1 to 255; default 75).
+
+    Raises:
+      LeaseConfigError: an argument that cannot work, named with its value (checked here, before Redis).
+      LeaseKeyError: an empty key.
+
+    Attributes:
+      key, ttl, poll: as given.
+
+    Example:
+      >>> with Leader(leases, "scheduler", ttl=15_000) as leader:
+      ...     run_scheduler(fence=leader.fence)  # LeaderLost is raised here if the key is lost
+    """
+
+    def __init__(
+        self,
+        leases: Leases,
+        key: str,
+        *,
+        ttl: int,
+        on_lost: OnLost = "raise",
+        poll: int | None = None,
+        meta: Mapping[str, str] | None = None,
+        exit_code: int = EXIT_CODE,
+    ) -> None:
+        if not isinstance(leases, Leases):
+            raise LeaseConfigError(f"Leader: leases must be a dramatiq_leases.Leases, got {type(leases).__name__}")
+        self.key = validate_key(key, what="Leader key")
+        owner = f"Leader {key!r}"
+        self.ttl = whole_ms(ttl, "ttl", minimum=MIN_TTL, owner=owner)
+        self.poll = max(1, self.ttl // 3) if poll is None else whole_ms(poll, "poll", owner=owner)
+        if on_lost not in ("raise", "exit") and not callable(on_lost):
+            raise LeaseConfigError(f"{owner}: on_lost must be 'raise', 'exit' or a function, got {on_lost!r}")
+        if isinstance(exit_code, bool) or not isinstance(exit_code, int) or not 1 <= exit_code <= 255:
+            raise LeaseConfigError(f"{owner}: exit_code must be a whole number from 1 to 255, got {exit_code!r}")
+        self._meta = dict(meta or {})
+        meta_args(key, self._meta)  # refused here rather than at the first grant
+        self._leases = leases
+        self._on_lost = on_lost
+        self._exit_code = exit_code
+        self._heartbeat = Heartbeat(leases)
+        # Between the heartbeat's thread (a loss) and the holding thread (release): who is told, once.
+        self._lock = threading.Lock()
+        self._lease: Lease | None = None
+        self._last: Lease | None = None
+        self._reason: LostReason | None = None
+        self._target = 0  # the thread told with "raise"
+        self._armed = False
+        self._injected = False  # an asynchronous LeaderLost set on the target thread, perhaps not yet raised
+        self._pending: list[LeaderLost] = []  # for the signal handler: list.pop/clear are atomic
+        self._saved: Any = _NO_HANDLER  # the SIGURG handler ours replaced
+        self._closing = threading.Event()
+
+    # State -------------------------------------------------------------------
+
+    @property
+    def is_leader(self) -> bool:
+        """Whether this process holds the key now and may rely on it (``False`` from the instant of a loss)."""
+        lease = self._lease
+        return lease is not None and lease.remaining() > 0
+
+    @property
+    def lease(self) -> Lease | None:
+        """The lease held now, or ``None`` (standing by, released or lost)."""
+        return self._lease
+
+    @property
+    def fence(self) -> int:
+        """The fence of the current grant (of the last one, once lost or released): send it with what the
+        leader does, so that a deposed leader's late work, carrying a smaller fence, can be refused.
+
+        Raises:
+          LeaseStateError: this leader was never granted the key.
+        """
+        lease = self._lease or self._last
+        if lease is None:
+            raise LeaseStateError(f"Leader {self.key!r} has not been granted its key: it has no fence yet")
+        return lease.fence
+
+    @property
+    def lost_reason(self) -> LostReason | None:
+        """Why the last grant was lost, or ``None`` (held, released, or never granted)."""
+        return self._reason
+
+    # Standby, hold, release ------------------------------------------------------
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Stand by until this process holds the key; ``False`` if ``timeout`` seconds passed first (or
+        :meth:`release` was called from another thread meanwhile). ``True`` at once if it holds it already.
+
+        Once granted, the key is renewed until :meth:`release` or a loss; with ``on_lost="raise"``, the
+        calling thread is the one :class:`LeaderLost` is raised in. Redis being unreachable while standing by
+        is logged and asked again every ``poll``.
+        """
+        if self._lease is not None:
+            return True
+        deadline = math.inf if timeout is None else time.monotonic() + max(0.0, timeout)
+        self._closing.clear()
+        standby = _Standby()
+        try:
+            while True:
+                got = self._ask(standby)
+                if isinstance(got, Lease):
+                    self._hold(got)
+                    return True
+                delay = self.poll / 1000 if got is None else _busy_delay(got, self.poll / 1000)
+                left = deadline - time.monotonic()
+                if left <= 0 or self._closing.wait(min(delay, left)):
+                    return False
+        except BaseException:
+            # Interrupted while asking (KeyboardInterrupt, a time limit): a grant made under this token is
+            # released, whether or not its reply arrived.
+            if self._lease is not None:
+                self.release()  # granted and taken: nothing may stay held behind a failed wait
+            else:
+                with contextlib.suppress(LeaseUnavailableError):
+                    self._leases.release_token(self.key, standby.token)
+            raise
+
+    def release(self) -> None:
+        """Stop renewing and release the key (owner-checked), or stop standing by; idempotent.
+
+        A release that cannot reach Redis is logged: the key then ends by its TTL.
+        """
+        self._closing.set()
+        with self._lock:
+            lease, self._lease = self._lease, None
+            self._armed = False
+            self._pending.clear()
+            if self._injected:  # a LeaderLost not yet raised must not land in the code after the block
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._target), None)
+                self._injected = False
+        self._restore_signal()
+        if lease is not None:
+            self._heartbeat.untrack(lease)
+        self._heartbeat.stop(timeout=0)  # its threads end by themselves; a hung renewal is not waited for
+        if lease is None:
+            # Never held, or lost: nothing to release. A lost lease is not asked for again either, so that
+            # leaving the block after a loss never waits on Redis (the key ends by its TTL, soon after).
+            return
+        try:
+            if self._leases.release(lease):
+                logger.info("Leader %r: released the key (fence %d).", self.key, lease.fence)
+        except LeaseUnavailableError as e:
+            logger.warning("Leader %r: could not release the key (it ends by its TTL): %s", self.key, e)
+
+    def __enter__(self) -> Leader:
+        if not self.wait():
+            raise LeaseStateError(f"Leader {self.key!r} was released while it stood by")
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, value: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        state = "leader" if self.is_leader else f"lost ({self._reason})" if self._reason else "not leader"
+        return f"Leader(key={self.key!r}, ttl={self.ttl}, {state})"
+
+    # Internals ---------------------------------------------------------------
+
+    def _holder_meta(self) -> dict[str, str]:
+        return {"host": socket.gethostname(), "pid": str(os.getpid()), **self._meta}
+
+    def _ask(self, standby: _Standby) -> Lease | Busy | None:
+        """One ask of a standby: the grant, the holder's answer, or ``None`` if Redis could not be asked."""
+        if standby.unsure:
+            with contextlib.suppress(LeaseUnavailableError):
+                self._leases.release_token(self.key, standby.unsure)
+            standby.unsure = ""  # else it ends by its TTL: nobody renews it
+        try:
+            got = self._leases.try_acquire(self.key, self.ttl, meta=self._holder_meta(), token=standby.token)
+        except LeaseUnavailableError as e:
+            if not standby.down:
+                logger.warning("Leader %r: cannot ask for the key (standing by): %s", self.key, e)
+            # Its grant may have been made, its reply lost: released at the next ask, under a new token.
+            standby.down, standby.unsure, standby.token = True, standby.token, new_token()
+            return None
+        if isinstance(got, Busy):
+            if standby.down:
+                logger.info("Leader %r: Redis answers again.", self.key)
+            if not standby.announced:
+                logger.info("Leader %r: standing by (held by fence %d).", self.key, got.fence)
+            standby.announced, standby.down = True, False
+        return got
+
+    def _hold(self, lease: Lease) -> None:
+        """Take the grant: arm the loss signal for this thread, then let the heartbeat renew it."""
+        target = threading.get_ident()
+        if self._on_lost == "raise" and target == threading.main_thread().ident:
+            self._install_signal()
+        with self._lock:
+            self._lease = self._last = lease
+            self._reason = None
+            self._target = target
+            self._armed = self._on_lost == "raise"
+            self._injected = False
+        self._heartbeat.track(lease, self._lost)
+        logger.info("Leader %r: this process leads (fence %d).", self.key, lease.fence)
+
+    def _lost(self, lease: Lease, reason: LostReason) -> None:
+        """The heartbeat's callback (on its thread), at the latest at the lease's local deadline."""
+        with self._lock:
+            if self._lease is not lease:
+                return  # released meanwhile: nobody is to be told
+            self._lease = None
+            self._reason = reason
+            armed, self._armed = self._armed, False
+            if armed:
+                self._raise_in_target(lease, reason)
+        if self._on_lost == "exit":
+            logger.critical(
+                "Leader %r (fence %d) lost: %s; exiting with code %d.",
+                self.key,
+                lease.fence,
+                reason.description,
+                self._exit_code,
+            )
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(Exception):
+                    stream.flush()
+            os._exit(self._exit_code)
+        if callable(self._on_lost):
+            self._on_lost(lease, reason)
+
+    def _raise_in_target(self, lease: Lease, reason: LostReason) -> None:
+        """Raise LeaderLost in the target thread (the caller holds ``_lock``)."""
+        detail = f"leader lease {self.key!r} (fence {lease.fence}) was lost: {reason.value} ({reason.description})"
+        if self._saved is not _NO_HANDLER and _SIGNAL is not None and callable(signal.getsignal(_SIGNAL)):
+            self._pending.append(LeaderLost(detail, key=self.key, fence=lease.fence, reason=reason))
+            signal.pthread_kill(self._target, _SIGNAL)
+            return
+        lost = _leader_lost_with(detail, self.key, lease.fence, reason)
+        done = ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._target), ctypes.py_object(lost))
+        self._injected = done == 1
+        if not self._injected:
+            logger.error("Leader %r: the thread that held the key is gone; LeaderLost was not raised.", self.key)
+
+    def _install_signal(self) -> None:
+        """Handle SIGURG in the main thread while the key is held (called on the main thread)."""
+        if _SIGNAL is None or not hasattr(signal, "pthread_kill") or self._saved is not _NO_HANDLER:
+            return
+        try:
+            self._saved = signal.signal(_SIGNAL, self._on_signal)
+        except ValueError:  # not the main interpreter: the asynchronous exception it is
+            self._saved = _NO_HANDLER
+
+    def _restore_signal(self) -> None:
+        saved = self._saved
+        if saved is _NO_HANDLER or _SIGNAL is None or threading.get_ident() != threading.main_thread().ident:
+            return
+        self._saved = _NO_HANDLER
+        # Only if ours is still the handler: a Leader entered later put its own over it, chaining to ours.
+        if signal.getsignal(_SIGNAL) == self._on_signal:
+            signal.signal(_SIGNAL, saved)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        try:
+            lost = self._pending.pop()
+        except IndexError:
+            saved = self._saved
+            if callable(saved):
+                saved(signum, frame)  # not ours (or ours, cancelled by release)
+            return
+        self._restore_signal()
+        raise lost
+
+
+class _Standby:
+    """What one :meth:`Leader.wait` knows between its asks."""
+
+    __slots__ = ("announced", "down", "token", "unsure")
+
+    def __init__(self) -> None:
+        self.token = new_token()
+        self.unsure = ""  # a token whose grant may have been made though its reply was lost
+        self.announced = False
+        self.down = False
+
+
+def _busy_delay(busy: Busy, poll: float) -> float:
+    """How long a standby waits before asking again: until the holder's TTL runs out, ``poll`` at most."""
+    if busy.ttl_left < 0:
+        return poll
+    return min(poll, (busy.ttl_left + 5) / 1000)  # a few ms past the expiry, so the key is gone by then
+
+
+def _leader_lost_with(detail: str, key: str, fence: int, reason: LostReason) -> type[LeaderLost]:
+    """A LeaderLost subclass that carries its details: an exception raised in another thread is given as a class."""
+
+    class DetailedLeaderLost(LeaderLost):
+        def __init__(self, *args: object) -> None:
+            super().__init__(*(args or (detail,)), key=key, fence=fence, reason=reason)
+
+    DetailedLeaderLost.__name__ = DetailedLeaderLost.__qualname__ = "LeaderLost"
+    return DetailedLeaderLost

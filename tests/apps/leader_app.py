@@ -1,0 +1,73 @@
+"""A scheduler-like process for tests/test_leader.py: stands by for a leader key and, while it leads, ticks.
+
+``python -m tests.apps.leader_app URL KEY EVENTS [--ttl MS] [--on-lost raise|exit|callback] [--tick S]``
+
+Every event is a JSON line appended to the file ``EVENTS`` with ``time.time()`` (one clock for every process
+of a test, and the test's own): ``standby``, ``leader`` (with the fence), ``tick`` (with the fence and the
+lease's local deadline as a wall-clock time), ``lost`` (the reason, and how it was told). A lost leader goes
+back to standby, as the README's recipe does; with ``--on-lost exit`` the process ends with Leader's code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+from dramatiq_leases import Leader, LeaderLost, Leases
+from dramatiq_leases.core.lease import Lease, LostReason
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("url")
+    parser.add_argument("key")
+    parser.add_argument("events")
+    parser.add_argument("--ttl", type=int, default=1_000)
+    parser.add_argument("--on-lost", choices=["raise", "exit", "callback"], default="raise")
+    parser.add_argument("--tick", type=float, default=0.05)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # A short socket timeout: a renewal into a partition gives up well before the deadline (the watchdog
+    # declares the loss at the deadline either way).
+    leases = Leases.from_url(args.url, socket_timeout=0.5)
+    fd = os.open(args.events, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def note(event: str, **fields: Any) -> None:
+        line = json.dumps({"event": event, "t": time.time(), "pid": os.getpid(), **fields}) + "\n"
+        os.write(fd, line.encode())  # one write of an O_APPEND file: whole lines, in order
+
+    told = threading.Event()
+
+    def on_lost(lease: Lease, reason: LostReason) -> None:
+        note("lost", fence=lease.fence, reason=reason.value, how="callback")
+        told.set()
+
+    leader = Leader(leases, args.key, ttl=args.ttl, on_lost=on_lost if args.on_lost == "callback" else args.on_lost)
+    while True:
+        note("standby")
+        told.clear()
+        try:
+            with leader:
+                note("leader", fence=leader.fence)
+                while not told.is_set():
+                    lease = leader.lease
+                    if lease is None:
+                        break
+                    # The work a scheduler does while it leads: here, a record of when it did it.
+                    note("tick", fence=lease.fence, deadline=time.time() + lease.remaining())
+                    time.sleep(args.tick)
+        except LeaderLost as lost:
+            note("lost", fence=lost.fence, reason=lost.reason.value if lost.reason else "", how="raise")
+        else:
+            reason = leader.lost_reason
+            if reason is not None and not told.is_set():  # seen by the loop before the exception could land
+                note("lost", fence=leader.fence, reason=reason.value, how="seen")
+
+
+if __name__ == "__main__":
+    main()

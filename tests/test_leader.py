@@ -1,0 +1,256 @@
+"""Leader: a process-level lease for singleton processes (issue 22, item 3).
+
+In-process: the arguments, standby and takeover at a release, renewals past the TTL, and each way a loss is
+told (a callback, LeaderLost in a worker thread, LeaderLost interrupting a blocked main thread). Across real
+processes (tests/apps/leader_app.py, a scheduler-like loop that records its ticks with ``time.time()``, this
+machine's one clock): a SIGKILLed leader is replaced within TTL + 1 s; a leader cut off from Redis by a
+partition (tests/support/blackhole.py) is told no later than its local deadline, raising or exiting with
+code 75, and its ticks never overlap the next leader's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from dramatiq_leases import Leader, LeaderLost, LeaseConfigError, LeaseKeyError, Leases, LeaseStateError
+from dramatiq_leases.core.lease import Lease, LostReason
+from dramatiq_leases.embedded import EmbeddedRedis
+from dramatiq_leases.leader import EXIT_CODE
+
+from .support.blackhole import Blackhole
+from .support.processes import Processes, clean_env, wait_until
+from .support.waiting import wait_for
+
+KEY = "scheduler"
+#: How late, past its local deadline, a leader may learn of the loss on this loaded machine: well under the
+#: margin (a tenth of the TTL) the key still lives on the server after that deadline.
+LATENESS_S = 0.25
+
+
+def test_bad_arguments_are_refused_naming_the_option_and_value(redis_client: redis.Redis) -> None:
+    leases = Leases(redis_client)
+    cases: list[tuple[dict[str, Any], type[Exception], str]] = [
+        (
+            {"ttl": 99},
+            LeaseConfigError,
+            r"Leader 'scheduler': ttl must be a whole number of milliseconds from 100 .* got 99",
+        ),
+        ({"ttl": 1500.5}, LeaseConfigError, r"ttl .* got 1500\.5"),
+        ({"ttl": "15s"}, LeaseConfigError, r"ttl .* got '15s'"),
+        ({"ttl": 1_000, "poll": 0}, LeaseConfigError, r"poll must be a whole number .* got 0"),
+        (
+            {"ttl": 1_000, "on_lost": "log"},
+            LeaseConfigError,
+            r"on_lost must be 'raise', 'exit' or a function, got 'log'",
+        ),
+        ({"ttl": 1_000, "exit_code": 0}, LeaseConfigError, r"exit_code must be .* from 1 to 255, got 0"),
+        ({"ttl": 1_000, "meta": {"pid": 1}}, LeaseConfigError, r"metadata must map strings to strings"),
+    ]
+    for kwargs, error, match in cases:
+        with pytest.raises(error, match=match):
+            Leader(leases, KEY, **kwargs)
+    with pytest.raises(LeaseKeyError, match="Leader key must be a non-empty string, got ''"):
+        Leader(leases, "", ttl=1_000)
+    with pytest.raises(LeaseConfigError, match="leases must be a dramatiq_leases.Leases, got Redis"):
+        Leader(redis_client, KEY, ttl=1_000)  # type: ignore[arg-type]
+    assert redis_client.keys("*") == []  # refused before Redis was asked
+
+
+def test_a_standby_waits_and_takes_over_at_the_leaders_release_with_a_larger_fence(redis_client: redis.Redis) -> None:
+    leases = Leases(redis_client)
+    first = Leader(leases, KEY, ttl=300)
+    second = Leader(leases, KEY, ttl=300, poll=100)
+    with pytest.raises(LeaseStateError, match="has not been granted its key"):
+        _ = second.fence
+    with first as leader:
+        assert leader is first and first.is_leader and first.fence == 1
+        info = leases.inspect(KEY)
+        assert info is not None and info.meta["pid"] == str(os.getpid()) and info.meta["host"]
+        # Held for more than three TTLs: only its heartbeat can keep it (one grant: the fence stays).
+        assert not second.wait(timeout=1.2)
+        assert not second.is_leader and second.lease is None
+        info = leases.inspect(KEY)
+        assert info is not None and info.fence == 1 and info.renewed_ms - info.acquired_ms > 600
+        took: list[float] = []
+        standby = threading.Thread(target=lambda: took.append(time.monotonic()) if second.wait(10) else None)
+        standby.start()
+        time.sleep(0.15)  # let it ask and be refused at least once
+        released_at = time.monotonic()
+    assert not first.is_leader and first.fence == 1  # the last grant's fence stays readable
+    standby.join(10)
+    assert took and took[0] - released_at < 0.1 + 0.2  # one poll (100 ms) and a loaded machine
+    assert second.is_leader and second.fence == 2
+    second.release()
+    second.release()  # idempotent
+    assert leases.inspect(KEY) is None and leases.fence_state(KEY)["released"] == 2
+
+
+def test_a_lost_key_calls_the_callback_on_the_heartbeats_thread(redis_client: redis.Redis) -> None:
+    leases = Leases(redis_client)
+    calls: list[tuple[Lease, LostReason, str]] = []
+
+    def on_lost(lease: Lease, reason: LostReason) -> None:
+        calls.append((lease, reason, threading.current_thread().name))
+
+    leader = Leader(leases, KEY, ttl=600, on_lost=on_lost)
+    with leader:
+        fence = leader.fence
+        redis_client.delete(leases.lease_name(KEY))  # an operator's DEL, or an eviction
+        wait_for(lambda: calls, timeout=5, what="the callback")
+        assert not leader.is_leader and leader.lease is None and leader.lost_reason is LostReason.GONE
+    [(lease, reason, thread)] = calls
+    assert (lease.fence, reason) == (fence, LostReason.GONE)
+    assert thread.startswith("dramatiq-leases-") and thread != threading.current_thread().name
+
+
+def test_a_stolen_key_raises_leaderlost_in_the_thread_that_entered(redis_client: redis.Redis) -> None:
+    leases = Leases(redis_client)
+    leader = Leader(leases, KEY, ttl=600)
+    raised: list[LeaderLost] = []
+    leading = threading.Event()
+
+    def scheduler() -> None:
+        try:
+            with leader:
+                leading.set()
+                while True:  # a scheduler loop whose `except Exception` cannot swallow the loss
+                    try:
+                        time.sleep(0.01)
+                    except Exception:  # what a scheduler loop does with a failed job
+                        continue
+        except LeaderLost as lost:
+            raised.append(lost)
+
+    thread = threading.Thread(target=scheduler)
+    thread.start()
+    assert leading.wait(5)
+    redis_client.hset(leases.lease_name(KEY), "token", "another-owner")
+    stolen_at = time.monotonic()
+    thread.join(5)
+    assert not thread.is_alive()
+    [lost] = raised
+    assert (lost.key, lost.fence, lost.reason) == (KEY, 1, LostReason.STOLEN)
+    assert "stolen" in str(lost) and "'scheduler'" in str(lost)
+    assert time.monotonic() - stolen_at < 0.2 + 1.0  # one renew interval, and a loaded machine
+
+
+def test_in_the_main_thread_leaderlost_interrupts_a_blocking_sleep(redis_client: redis.Redis) -> None:
+    assert threading.current_thread() is threading.main_thread()
+    leases = Leases(redis_client)
+    before = signal.getsignal(signal.SIGURG)
+    timer = threading.Timer(0.2, lambda: redis_client.delete(leases.lease_name(KEY)))
+    started = time.monotonic()
+    with pytest.raises(LeaderLost) as lost, Leader(leases, KEY, ttl=600):
+        timer.start()
+        time.sleep(30)  # a C call: an asynchronous exception would wait for its end
+    assert time.monotonic() - started < 3
+    assert lost.value.reason is LostReason.GONE
+    assert signal.getsignal(signal.SIGURG) == before  # put back
+
+
+# --- real processes --------------------------------------------------------------------------------------
+
+
+def _events(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _first(path: Path, event: str, after: float = 0.0) -> dict[str, Any] | None:
+    return next((e for e in _events(path) if e["event"] == event and e["t"] > after), None)
+
+
+def _ticks(path: Path, fence: int) -> list[dict[str, Any]]:
+    return [e for e in _events(path) if e["event"] == "tick" and e["fence"] == fence]
+
+
+def _start(procs: Processes, name: str, url: str, events: Path, *, ttl: int, on_lost: str = "raise") -> None:
+    argv = [sys.executable, "-m", "tests.apps.leader_app", url, KEY, str(events), "--ttl", str(ttl)]
+    procs.start(name, [*argv, "--on-lost", on_lost], env=clean_env())
+
+
+@pytest.mark.system
+def test_a_standby_process_takes_over_within_ttl_and_a_second_of_a_sigkill(
+    redis_server: EmbeddedRedis, tmp_path: Path
+) -> None:
+    ttl = 1_000
+    a_events, b_events = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    with Processes(tmp_path / "logs") as procs:
+        _start(procs, "a", redis_server.url(0), a_events, ttl=ttl)
+        a_lead = wait_until(lambda: _first(a_events, "leader"), timeout=30, what="a to lead", procs=procs)
+        _start(procs, "b", redis_server.url(0), b_events, ttl=ttl)
+        b_standby = wait_until(lambda: _first(b_events, "standby"), timeout=30, what="b to stand by", procs=procs)
+        # Two TTLs of b standing by: a's renewals keep the key, b never leads beside it.
+        wait_until(
+            lambda: _first(a_events, "tick", after=b_standby["t"] + 2 * ttl / 1000),
+            timeout=10,
+            what="a to lead two TTLs past b's standby",
+            procs=procs,
+        )
+        assert _first(b_events, "leader") is None
+        procs.may_exit.add("a")
+        killed_at = time.time()
+        os.killpg(procs.procs["a"].pid, signal.SIGKILL)
+        procs.procs["a"].wait(10)
+        b_lead = wait_until(lambda: _first(b_events, "leader"), timeout=10, what="b to take over", procs=procs)
+    assert b_lead["t"] - killed_at <= ttl / 1000 + 1.0
+    assert b_lead["fence"] > a_lead["fence"]
+    assert max(e["t"] for e in _ticks(a_events, a_lead["fence"])) < b_lead["t"]
+
+
+@pytest.mark.system
+@pytest.mark.parametrize("on_lost", ["raise", "exit"])
+def test_a_partitioned_leader_is_told_by_its_deadline_and_never_overlaps_the_next(
+    redis_server: EmbeddedRedis, tmp_path: Path, on_lost: str
+) -> None:
+    ttl = 3_000  # margin 300 ms: the time between the deposed leader's deadline and the key's end on the server
+    a_events, b_events = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    with Blackhole(redis_server.port) as hole, Processes(tmp_path / "logs") as procs:
+        _start(procs, "a", f"redis://127.0.0.1:{hole.port}/0", a_events, ttl=ttl, on_lost=on_lost)
+        a_lead = wait_until(lambda: _first(a_events, "leader"), timeout=30, what="a to lead", procs=procs)
+        _start(procs, "b", redis_server.url(0), b_events, ttl=ttl)
+        b_standby = wait_until(lambda: _first(b_events, "standby"), timeout=30, what="b to stand by", procs=procs)
+        wait_until(
+            lambda: _first(a_events, "tick", after=b_standby["t"] + 0.5), timeout=10, what="a's ticks", procs=procs
+        )
+        procs.may_exit.add("a")
+        exited: list[float] = []
+        if on_lost == "exit":
+            proc = procs.procs["a"]
+
+            def watch_exit() -> None:
+                proc.wait()
+                exited.append(time.time())
+
+            threading.Thread(target=watch_exit, daemon=True).start()
+        cut_at = hole.cut()
+        if on_lost == "raise":
+            a_lost = wait_until(lambda: _first(a_events, "lost"), timeout=ttl / 1000 + 5, what="a told", procs=procs)
+            assert (a_lost["reason"], a_lost["how"], a_lost["fence"]) == ("unreachable", "raise", a_lead["fence"])
+            told = a_lost["t"]
+        else:
+            told = wait_until(lambda: exited and exited[0], timeout=ttl / 1000 + 5, what="a to exit")
+            assert procs.procs["a"].returncode == EXIT_CODE == 75
+        b_lead = wait_until(lambda: _first(b_events, "leader"), timeout=ttl / 1000 + 5, what="b to lead", procs=procs)
+        if on_lost == "raise":
+            # Healed, the deposed leader stands by again: it asks, is refused, and never leads beside b.
+            hole.heal()
+            wait_until(lambda: "Redis answers again" in procs.log("a"), timeout=10, what="a to ask again", procs=procs)
+            assert _first(a_events, "leader", after=told) is None
+    ticks = _ticks(a_events, a_lead["fence"])
+    deadline = max(e["deadline"] for e in ticks)  # the local deadline, from the last renewal confirmed
+    assert cut_at < deadline <= cut_at + (ttl - ttl // 10) / 1000 + 0.05
+    assert told <= deadline + LATENESS_S, f"told {told - deadline:.3f} s after its deadline"
+    assert max(e["t"] for e in ticks) <= told < b_lead["t"]
+    assert b_lead["fence"] > a_lead["fence"]
