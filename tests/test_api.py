@@ -68,9 +68,10 @@ def test_every_error_is_a_lease_error_and_lease_lost_is_an_interruption() -> Non
     ]
     assert LockedError in exceptions and LeaseBusyError in exceptions
     outside = [e.__name__ for e in exceptions if not issubclass(e, LeaseError)]
-    assert outside == ["LeaseLost"]
-    # An actor's `except Exception` must not swallow it and run on without its lease.
-    assert not issubclass(LeaseLost, Exception)
+    assert outside == ["LeaderLost", "LeaseLost"]
+    # An actor's `except Exception` must not swallow it and run on without its lease; nor a scheduler loop's,
+    # and schedule beside the new leader.
+    assert not issubclass(LeaseLost, Exception) and not issubclass(dramatiq_leases.LeaderLost, Exception)
 
 
 def test_the_with_form_holds_the_key_for_the_block_and_releases_it(redis_client: redis.Redis) -> None:
