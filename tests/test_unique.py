@@ -94,7 +94,7 @@ def test_until_done_refuses_until_the_first_is_acknowledged(make_stack: MakeStac
     assert time.monotonic() - settled < 5
 
 
-@pytest.mark.parametrize("path", ["failed", "skipped", "dead_lettered_busy"])
+@pytest.mark.parametrize("path", ["failed", "skipped", "dead_lettered_busy", "gave_up"])
 def test_the_record_ends_with_a_message_that_ends_without_success(make_stack: MakeStack, path: str) -> None:
     stack = make_stack()
     hold = threading.Event()
@@ -103,7 +103,12 @@ def test_the_record_ends_with_a_message_that_ends_without_success(make_stack: Ma
     def holder(n: int) -> None:
         hold.wait(10)
 
-    options = {"failed": {}, "skipped": {"lock_on_busy": "skip"}, "dead_lettered_busy": {"lock_on_busy": "fail"}}
+    options: dict[str, dict[str, Any]] = {
+        "failed": {},
+        "skipped": {"lock_on_busy": "skip"},
+        "dead_lettered_busy": {"lock_on_busy": "fail"},
+        "gave_up": {"lock_max_wait": 300, "lock_give_up": "drop"},
+    }
 
     @stack.actor(lock_key="job:{n}", lock_unique="until_done", max_retries=0, **options[path])
     def job(n: int) -> None:
@@ -114,7 +119,7 @@ def test_the_record_ends_with_a_message_that_ends_without_success(make_stack: Ma
         holder.send(1)
         wait_for(lambda: stack.leases.inspect("job:1"), what="the key held")
     first = job.send(1)
-    assert stack.recorder.wait_settled(first.message_id) == ("acked" if path == "skipped" else "nacked")
+    assert stack.recorder.wait_settled(first.message_id) == ("acked" if path in ("skipped", "gave_up") else "nacked")
     hold.set()
     assert wait_for(lambda: accepted(job, 1), timeout=5, what=f"a send accepted after the first {path}")
 
@@ -220,3 +225,53 @@ def test_bad_lock_unique_is_refused_at_declaration_and_send(make_stack: MakeStac
     with pytest.raises(LeaseOptionError, match=r"actor 'good'.*lock_unique.*True"):
         good.send_with_options(args=(1,), lock_unique=True)
     assert pending(stack) == 0
+
+
+def test_a_handed_over_lease_carries_the_record_until_the_worker_adopts_it(make_stack: MakeStack) -> None:
+    stack = make_stack()
+    go = threading.Event()
+
+    @stack.actor(lock_key="export:{report}", lock_unique="queued")
+    def export(report: int) -> None:
+        go.wait(10)
+
+    lease = stack.leases.try_acquire("export:5", 30_000)  # a web request's
+    assert lease
+    handed = export.send_with_options(args=(5,), lease=lease)
+    assert accepted(export, 5) is None  # queued with its lease: refused
+    stack.start()
+    wait_for(lambda: stack.leases.client.hget(stack.leases.lease_name("export:5"), "adopted_ms"), what="the adoption")
+    wait_for(lambda: accepted(export, 5), timeout=5, what="a send accepted once the handed message started")
+    go.set()
+    assert stack.recorder.wait_settled(handed.message_id) == "acked"
+
+
+def test_a_refused_send_releases_the_lease_it_was_handed(make_stack: MakeStack) -> None:
+    stack = make_stack()
+
+    @stack.actor(lock_key="export:{report}", lock_unique="queued")
+    def export(report: int) -> None:
+        pass
+
+    queued = export.send(6)  # no worker: it stays queued, holding no lease
+    lease = stack.leases.try_acquire("export:6", 30_000)
+    assert lease
+    with pytest.raises(DuplicateMessage) as refused:
+        export.send_with_options(args=(6,), lease=lease)
+    assert refused.value.message_id == queued.message_id
+    assert stack.leases.inspect("export:6") is None  # released, not left to its TTL
+
+
+def test_with_a_limit_n_messages_may_be_queued_at_once(make_stack: MakeStack) -> None:
+    stack = make_stack()
+
+    @stack.actor(lock_key="call:{tenant}", lock_unique="until_done", lock_limit=3)
+    def call_vendor(tenant: int, n: int) -> None:
+        pass
+
+    sent = [accepted(call_vendor, 1, n) for n in range(5)]
+    assert all(sent[:3]) and sent[3:] == [None, None]
+    stack.start()
+    for message_id in sent[:3]:
+        assert message_id is not None and stack.recorder.wait_settled(message_id) == "acked"
+    assert wait_for(lambda: accepted(call_vendor, 1, 9), timeout=5, what="a send accepted once they ran")

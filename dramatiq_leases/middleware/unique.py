@@ -51,9 +51,10 @@ class Uniqueness:
     def __init__(self, middleware: LeaseMiddleware) -> None:
         self.mw = middleware
         self.records = UniqueRecords(middleware.leases)
-        # Ids of deliveries enqueued again while being processed (their ack must keep the record). set.add
-        # and set.discard are single operations: an interruption leaves the set whole.
-        self._requeued: set[str] = set()
+        # Ids of messages enqueued again here (a retry, a parked copy, a delayed copy moved on), once per
+        # enqueue: each ack or dead-lettering of a copy takes one back, and only one without any ends the
+        # record. list.append and list.remove are single operations: an interruption leaves the list whole.
+        self._requeued: list[str] = []
         self._taken = threading.local()
 
     def _unique(self, broker: dramatiq.Broker, message: Any) -> tuple[str, str, int, int] | None:
@@ -78,7 +79,7 @@ class Uniqueness:
         if message.options.get(UNIQUE_OPTION):
             # A retry, a parked copy or a delayed copy moving on: the same message lives on.
             if self.mw.booted and len(self._requeued) < MAX_REQUEUED:
-                self._requeued.add(message.message_id)
+                self._requeued.append(message.message_id)
             try:
                 self.records.keep(key, message.message_id, (delay or 0) + ttl)
             except LeaseUnavailableError as e:
@@ -94,6 +95,7 @@ class Uniqueness:
                 actor=message.actor_name,
             ) from e
         if holder is not None:
+            self._release_handed(message, key)
             self.mw.metrics.not_run({"actor": message.actor_name, "queue": message.queue_name}, "duplicate")
             logger.info(
                 "Message %s of actor %r was not sent (duplicate): key %r already has message %s (lock_unique=%r).",
@@ -108,6 +110,17 @@ class Uniqueness:
             )
         message.options[UNIQUE_OPTION] = _MODE_CODES[mode]
         self._taken.key = (message.message_id, key, (delay or 0) + ttl)
+
+    def _release_handed(self, message: Any, key: str) -> None:
+        """A refused message handed a lease (``lease=``, a web request's) will never adopt it: released now
+        (owner-checked), so the key is not held for nothing until its TTL."""
+        handed = message.options.get(LEASE_OPTION)
+        if not isinstance(handed, dict) or not isinstance(handed.get("token"), str):
+            return
+        try:
+            self.mw.leases.release_token(key, handed["token"], slot=handed.get("slot") or None)
+        except LeaseUnavailableError as e:
+            logger.warning("Could not release the lease handed to refused message %s: %s.", message.message_id, e)
 
     def after_enqueue(self, message: Any) -> None:
         """The broker has the message: its record lives ``lock_unique_ttl`` (plus its delay) from now."""
@@ -141,11 +154,13 @@ class Uniqueness:
 
     def settled(self, broker: dramatiq.Broker, message: Any) -> None:
         """Acknowledged or dead-lettered: the record ends, unless the message was enqueued again meanwhile."""
-        if message.message_id in self._requeued:
-            self._requeued.discard(message.message_id)
-            return
         if not message.options.get(UNIQUE_OPTION):
             return
+        try:
+            self._requeued.remove(message.message_id)
+            return  # a copy of it is on its way
+        except ValueError:
+            pass
         try:
             found = self._unique(broker, message)
             if found is not None:
