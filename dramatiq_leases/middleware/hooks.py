@@ -100,14 +100,15 @@ class LeaseMiddleware(Middleware):
         replaces is acknowledged without running). Default ``"wait"``. Every
         message that does not run is logged (INFO, naming the key's holders)
         and counted in ``dramatiq_lease_not_run_total{reason}``.
+      lock_unique: default ``lock_unique``: ``None`` (no uniqueness),
+        ``"queued"`` (a send is refused, with :class:`DuplicateMessage`,
+        while another message of its key is queued: sent and not started) or
+        ``"until_done"`` (until that message is done for good). Default
+        ``None`` (see :mod:`.unique`).
       lock_unique_ttl: default ``lock_unique_ttl`` in ms: how long a unique
         record outlives the last sign of life of its message (its send plus
         its delay, a delivery, a retry, a park), so that a message purged or
-        deleted by hand frees its key. Default 3 600 000 (an hour). The actor
-        and message option ``lock_unique`` (``None``, ``"queued"`` or
-        ``"until_done"``) refuses a send, with :class:`DuplicateMessage`,
-        while another message of the key is queued, or not done for good
-        (see :mod:`.unique`).
+        deleted by hand frees its key. Default 3 600 000 (an hour).
       metrics: where to report; default :class:`PrometheusMetrics`.
       metrics_endpoint: when Dramatiq's own ``Prometheus`` middleware is
         absent, serve the lease metrics of all worker processes on
@@ -162,6 +163,7 @@ class LeaseMiddleware(Middleware):
         lock_give_up: str = DEFAULT_GIVE_UP,
         lock_limit: int | Callable[..., int] = DEFAULT_LIMIT,
         lock_on_busy: str = DEFAULT_ON_BUSY,
+        lock_unique: str | None = None,
         lock_unique_ttl: int = DEFAULT_UNIQUE_TTL,
         metrics: LeaseMetrics | None = None,
         metrics_endpoint: bool = True,
@@ -191,7 +193,7 @@ class LeaseMiddleware(Middleware):
                 "lock_give_up": lock_give_up,
                 "lock_limit": lock_limit,
                 "lock_on_busy": lock_on_busy,
-                "lock_unique": None,
+                "lock_unique": lock_unique,
                 "lock_unique_ttl": lock_unique_ttl,
             }
         )
