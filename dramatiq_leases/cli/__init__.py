@@ -3,7 +3,7 @@
 Commands::
 
   dramatiq-leases list [--match GLOB] [--json]        (alias: ls)
-  dramatiq-leases show KEY [--json] [--show-token]
+  dramatiq-leases show KEY [--json] [--show-token] [--history]
   dramatiq-leases release KEY (--owner TOKEN | --if-dead [--fence N])
   dramatiq-leases exporter [--host HOST] [--port PORT] [--interval SECONDS] [--top N]
                            [--busy-view {local,open} | --busy-token-file FILE] [--busy-keys {plain,hashed}]
@@ -211,6 +211,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument(
         "--show-token", action="store_true", help="print the owner token (whoever has it can release the lease)"
+    )
+    p.add_argument(
+        "--history",
+        action="store_true",
+        help="also print the key's history, oldest event first (kept by workers with LeaseMiddleware(history=N)), "
+        "even once its lease is gone",
     )
 
     p = sub.add_parser(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
+import io
 import json
 import sys
 from collections.abc import Sequence
@@ -16,6 +17,7 @@ from ..core.errors import LeaseConfigError, LeaseUnavailableError
 from ..core.keys import DEFAULT_PREFIX, validate_key
 from ..core.reading import ReadGaps
 from ..urls import redact_url
+from .history import operator, write_history
 from .render import (
     deadline_in,
     describe_line,
@@ -126,8 +128,34 @@ def _holder_dict(info: LeaseInfo, problem: str | None, token: str | None) -> dic
 
 
 def cmd_show(leases: Leases, args: argparse.Namespace, out: TextIO) -> int:
-    """``show KEY``: every field of each of the key's holders, plus its fence counter and its line."""
+    """``show KEY``: every field of each of the key's holders, plus its fence counter and its line; with
+    ``--history``, the key's history too (``"history"`` in the JSON), also once its lease is gone."""
     key = validate_key(args.key)
+    if not getattr(args, "history", False):
+        return _show(leases, args, key, out)
+    events = leases.history(key)
+    shown = io.StringIO() if args.json else out
+    try:
+        code = _show(leases, args, key, shown)
+    except NotFoundError:
+        if not events:  # nothing to show at all
+            raise
+        code = EXIT_OK
+        if not args.json:
+            out.write(f"no lease on {key!r} right now\n")
+    if args.json:
+        text = shown.getvalue() if isinstance(shown, io.StringIO) else ""
+        doc = json.loads(text) if text else {"key": key, "lease": None, "holders": []}
+        doc["history"] = [event.as_dict() for event in events]
+        json.dump(doc, out, indent=2)
+        out.write("\n")
+    else:
+        write_history(key, events, out)
+    return code
+
+
+def _show(leases: Leases, args: argparse.Namespace, key: str, out: TextIO) -> int:
+    """``show KEY`` without its history."""
     # A key of the wrong type among the lease's (its line, its fence counter...) is told, not taken for an
     # unreachable Redis: the read goes on past it.
     gaps = ReadGaps()
@@ -179,7 +207,7 @@ def _holders_named(holders: Sequence[LeaseInfo]) -> str:
 def _release_owner(leases: Leases, key: str, holders: list[LeaseInfo], token: str, out: TextIO) -> int:
     """``release KEY --owner TOKEN``: the holder whose token it is, whichever slot it holds."""
     mine = next((info for info in holders if info.token == token), None)
-    if leases.release_token(key, token, slot=mine.slot if mine is not None else None):
+    if leases.release_token(key, token, slot=mine.slot if mine is not None else None, by=operator()):
         info = mine or holders[0]
         out.write(f"released {key!r} (fence {info.fence}, held by {holder(info)}): the token matched.\n")
         return EXIT_OK
@@ -222,7 +250,7 @@ def cmd_release(leases: Leases, args: argparse.Namespace, out: TextIO) -> int:
         )
     # The verdict is the script's, from the facts in Redis at that instant, on this holder's grant only;
     # `info` only describes the holder.
-    result = leases.release_if_dead(key, fence=info.fence)
+    result = leases.release_if_dead(key, fence=info.fence, by=operator())
     if result.released is None:
         raise NotFoundError(f"the lease on {key!r} (fence {info.fence}) ended meanwhile; nothing to release")
     if result.fence != info.fence:

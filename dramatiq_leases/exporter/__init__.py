@@ -122,8 +122,20 @@ field names are an API::
     "unreachable_nodes": [                # Cluster masters that did not answer that scan: their leases are missing
       {"node": "10.0.0.7:6379", "error": "TimeoutError: Timeout reading from socket"}
     ],
-    "unreadable_keys": {"lease": 0, "line": 1, "waiters": 0, "fence": 0}   # as the gauge; names in the log
+    "unreadable_keys": {"lease": 0, "line": 1, "waiters": 0, "fence": 0},  # as the gauge; names in the log
+    "history_path": "/leases/history?key="   # + a row's key, URL-encoded: its history (null: keys hashed)
   }
+
+``GET /leases/history?key=KEY``, under the same rules, reads the key's history
+from Redis at each request (kept by workers with ``LeaseMiddleware(history=N)``;
+see ``dramatiq-leases show KEY --history``), oldest event first::
+
+  {"key": "invoice:42", "events": [
+     {"event": "granted", "time_ms": 1767225600250, "fence": 17, "message_id": "5f0c...",
+      "actor": "send_invoice", "holder": "worker-1:4242", "reason": "", "by": "", "slot": null,
+      "waiter": "", "waited_ms": 0}, ...]}
+
+A missing or invalid ``key`` is a 400; Redis not answering, a 503.
 
 ``state`` is one of ``alive``, ``heartbeat_overdue``, ``holder_dead``,
 ``past_max_hold``, ``no_ttl`` (``leaked`` is true for the last three).
@@ -197,7 +209,12 @@ class Exporter:
         self.interval = interval
         self.registry = CollectorRegistry()
         self.registry.register(self.observer)
-        app = ExporterApp(self.registry, self.observer.busy_json if top > 0 else None, busy_access)
+        app = ExporterApp(
+            self.registry,
+            self.observer.busy_json if top > 0 else None,
+            busy_access,
+            history_json=self.observer.history_json if top > 0 else None,
+        )
         self.server, self._thread = start_server(app, host, port)
 
     @property

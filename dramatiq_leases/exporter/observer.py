@@ -21,6 +21,7 @@ from ..core.keys import fence_name
 from ..core.reading import LineInfo, ReadGaps
 from . import busy_page
 from .busy_page import DEFAULT_TOP, BusyPage
+from .server import HISTORY_PATH
 
 logger = logging.getLogger(__name__)
 
@@ -314,7 +315,16 @@ class LeaseObserver(Collector):
         doc["unreachable_nodes"] = [{"node": node, "error": error} for node, error in sorted(snap.unreachable.items())]
         kinds = Tally(bad.kind for bad in snap.unreadable.values())
         doc["unreadable_keys"] = {kind: kinds.get(kind, 0) for kind in UNREADABLE_KINDS}
+        doc["history_path"] = HISTORY_PATH + "?key="
         return doc
+
+    def history_json(self, key: str) -> dict[str, Any]:
+        """The document of ``GET /leases/history?key=KEY``: the key's history, oldest first (one Redis call).
+
+        Raises:
+          LeaseError: an invalid key (LeaseKeyError), a history not a list, or Redis not answering.
+        """
+        return {"key": key, "events": [event.as_dict() for event in self.leases.history(key)]}
 
     def collect(self) -> Iterator[Any]:
         """Prometheus collector protocol: the last scan's figures."""

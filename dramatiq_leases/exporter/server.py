@@ -46,6 +46,8 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
+from ..core.errors import LeaseError, LeaseUnavailableError
+
 if TYPE_CHECKING:
     from _typeshed.wsgi import StartResponse, WSGIEnvironment
 
@@ -53,6 +55,8 @@ logger = logging.getLogger(__name__)
 
 #: The path of the Busy page.
 LEASES_PATH = "/leases"
+#: The path of a key's history (``?key=KEY``), under the Busy page's rules.
+HISTORY_PATH = "/leases/history"
 
 #: The shortest token ``--busy-token-file`` accepts (characters).
 MIN_TOKEN_LENGTH = 16
@@ -189,6 +193,8 @@ class ExporterApp:
       busy_json: the Busy page for a ``limit`` (``None``: the default), without any Redis call;
         ``None`` turns ``/leases`` off (404).
       access: who may read ``/leases``; default :class:`BusyAccess()`.
+      history_json: a key's history document (one Redis call), for ``GET /leases/history?key=KEY``, under
+        the same rules; ``None``: 404.
 
     Attributes:
       bound: the address the endpoint listens on, set by :func:`start_server`; until then (an app
@@ -201,9 +207,12 @@ class ExporterApp:
         registry: CollectorRegistry,
         busy_json: Callable[[int | None], dict[str, Any]] | None,
         access: BusyAccess | None = None,
+        *,
+        history_json: Callable[[str], dict[str, Any]] | None = None,
     ) -> None:
         self.metrics = make_wsgi_app(registry)
         self.busy_json = busy_json
+        self.history_json = history_json
         self.access = access or BusyAccess()
         self.bound = "an unknown address"
         self.loopback = False
@@ -212,7 +221,10 @@ class ExporterApp:
 
     def __call__(self, environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
         """WSGI entry point."""
-        if environ.get("PATH_INFO", "/").rstrip("/") != LEASES_PATH:
+        path = environ.get("PATH_INFO", "/").rstrip("/")
+        if path == HISTORY_PATH:
+            return self._history(environ, start_response)
+        if path != LEASES_PATH:
             return self.metrics(environ, start_response)  # type: ignore[no-any-return]
         if self.busy_json is None:
             return _json(start_response, "404 Not Found", {"error": "the Busy page is off (--top 0)"})
@@ -239,6 +251,30 @@ class ExporterApp:
         doc = self.busy_json(limit)
         if self.access.hash_keys:
             doc = _hash_keys(doc)
+        body = _json(start_response, "200 OK", doc)
+        return [] if head else body
+
+    def _history(self, environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
+        """``GET /leases/history?key=KEY``: the key's history, read from Redis now, for those who may read
+        the Busy view."""
+        if self.history_json is None:
+            return _json(start_response, "404 Not Found", {"error": "the Busy page is off (--top 0)"})
+        refusal = self._refusal(environ)
+        head = environ.get("REQUEST_METHOD") == "HEAD"
+        if refusal is not None:
+            body = _json(start_response, *refusal)
+            return [] if head else body
+        if environ.get("REQUEST_METHOD", "GET") not in ("GET", "HEAD"):
+            return _json(start_response, "405 Method Not Allowed", {"error": "use GET"}, [("Allow", "GET, HEAD")])
+        keys = parse_qs(environ.get("QUERY_STRING", "")).get("key")
+        if not keys:
+            return _json(start_response, "400 Bad Request", {"error": "name the key: /leases/history?key=KEY"})
+        try:
+            doc = self.history_json(keys[-1])
+        except LeaseUnavailableError as e:
+            return _json(start_response, "503 Service Unavailable", {"error": str(e)})
+        except LeaseError as e:  # an invalid key, a history that is not a list
+            return _json(start_response, "400 Bad Request", {"error": str(e)})
         body = _json(start_response, "200 OK", doc)
         return [] if head else body
 
@@ -287,8 +323,11 @@ def _digest(token: str) -> bytes:
 
 
 def _hash_keys(doc: dict[str, Any]) -> dict[str, Any]:
-    """``doc`` with every row's key replaced by its digest and no ``inspect_command`` (which would name it)."""
+    """``doc`` with every row's key replaced by its digest and no ``inspect_command`` (which would name it), nor
+    ``history_path`` (a digest does not name a history)."""
     out = dict(doc)
+    if "history_path" in out:
+        out["history_path"] = None
     for table in ("leases", "hot_keys"):
         if isinstance(doc.get(table), list):
             out[table] = [{**row, "key": hashed_key(str(row["key"])), "inspect_command": None} for row in doc[table]]
