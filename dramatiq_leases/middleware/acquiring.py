@@ -20,7 +20,7 @@ from dramatiq.middleware import SkipMessage
 from ..core.errors import LeaseUnavailableError
 from ..core.lease import Busy, Lease, Wait, new_token
 from ..core.scripts import MAX_LIMIT
-from .busy import SKIP_MARK, gives_up, mark_skipped, on_busy, send_back
+from .busy import SKIP_MARK, gives_up, mark_skipped, on_busy, record_history, send_back
 from .errors import LeaseBusyFailed
 from .guard import Run
 from .options import ATTEMPTS_OPTION, FIRST_ATTEMPT_OPTION, LEASE_OPTION, SENT_BACK_OPTION, Options
@@ -228,6 +228,11 @@ class Acquisition:
         mw.runs.not_granted()
         reason = "superseded" if result.wait is Wait.SUPERSEDED else "skipped" if opts.on_busy == "skip" else "failed"
         not_run(mw, message, self.key, reason, f"lock_on_busy={opts.on_busy!r}", meta=self.meta)
+        if reason != "superseded":  # a superseded waiter is recorded by the script that replaced it
+            waited = max(0, result.now_ms - self.first) if self.first else 0
+            record_history(
+                mw.waiting, self.key, reason, self.meta, reason=f"lock_on_busy={opts.on_busy}", waited_ms=waited
+            )
         if reason == "failed":
             message.fail()
             message.options[SKIP_MARK] = True

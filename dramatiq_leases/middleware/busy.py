@@ -9,6 +9,7 @@ from typing import Any
 import dramatiq
 from dramatiq.middleware import Interrupt
 
+from ..core.errors import LeaseError
 from ..core.lease import Busy, Wait
 from ..core.metrics import LeaseMetrics
 from .backoff import backoff_delay
@@ -50,6 +51,15 @@ def mark_skipped(message: Any, *, requeued: bool = False) -> None:
     message.options[SKIP_MARK] = True
     if requeued:
         message.options[REQUEUED_MARK] = True
+
+
+def record_history(waiting: Waiting, key: str, event: str, meta: dict[str, str], **facts: Any) -> None:
+    """Append ``event`` (decided here, not in a script) to ``key``'s history, if the store keeps one; a failure
+    is logged, never raised: the message's outcome stands without it."""
+    try:
+        waiting.leases.record_history(key, event, meta=meta, **facts)
+    except LeaseError as e:
+        logger.warning("Could not record %r in the history of lease %r: %s", event, key, e)
 
 
 def gives_up(opts: Options, first_ms: int, now_ms: int) -> bool:
@@ -96,6 +106,7 @@ def on_busy(
             logger.warning("Could not take message %s out of the line of %r: %s", message.message_id, busy.key, e)
         metrics.gave_up(meta)
         metrics.not_run(meta, "gave_up")
+        record_history(waiting, busy.key, "gave_up", meta, reason=f"lock_max_wait={opts.max_wait}", waited_ms=waited)
         logger.error(
             "Gave up on message %s of actor %r: lease %r stayed busy for %d attempts over %.1fs "
             "(lock_max_wait=%d ms); %s.",
