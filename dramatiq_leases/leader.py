@@ -149,6 +149,7 @@ class Leader:
         self._last: Lease | None = None
         self._reason: LostReason | None = None
         self._target = 0  # the thread told with "raise"
+        self._by_signal = False  # told by our SIGURG handler (the main thread), else by an asynchronous exception
         self._armed = False
         self._injected = False  # an asynchronous LeaderLost set on the target thread, perhaps not yet raised
         self._pending: list[LeaderLost] = []  # for the signal handler: list.pop/clear are atomic
@@ -193,8 +194,8 @@ class Leader:
         :meth:`release` was called from another thread meanwhile). ``True`` at once if it holds it already.
 
         Once granted, the key is renewed until :meth:`release` or a loss; with ``on_lost="raise"``, the
-        calling thread is the one :class:`LeaderLost` is raised in. Redis being unreachable while standing by
-        is logged and asked again every ``poll``.
+        thread whose call was granted the key is the one :class:`LeaderLost` is raised in. Redis being
+        unreachable while standing by is logged and asked again every ``poll``.
         """
         if self._lease is not None:
             return True
@@ -205,6 +206,10 @@ class Leader:
             while True:
                 got = self._ask(standby)
                 if isinstance(got, Lease):
+                    if self._closing.is_set():  # released from another thread while this ask was in flight
+                        with contextlib.suppress(LeaseUnavailableError):
+                            self._leases.release(got)
+                        return False
                     self._hold(got)
                     return True
                 delay = self.poll / 1000 if got is None else _busy_delay(got, self.poll / 1000)
@@ -292,12 +297,15 @@ class Leader:
     def _hold(self, lease: Lease) -> None:
         """Take the grant: arm the loss signal for this thread, then let the heartbeat renew it."""
         target = threading.get_ident()
-        if self._on_lost == "raise" and target == threading.main_thread().ident:
+        main = target == threading.main_thread().ident
+        if self._on_lost == "raise" and main:
             self._install_signal()
         with self._lock:
             self._lease = self._last = lease
             self._reason = None
             self._target = target
+            # Only the main thread runs signal handlers: another thread is told by an asynchronous exception.
+            self._by_signal = main and self._saved is not _NO_HANDLER
             self._armed = self._on_lost == "raise"
             self._injected = False
         self._heartbeat.track(lease, self._lost)
@@ -331,7 +339,7 @@ class Leader:
     def _raise_in_target(self, lease: Lease, reason: LostReason) -> None:
         """Raise LeaderLost in the target thread (the caller holds ``_lock``)."""
         detail = f"leader lease {self.key!r} (fence {lease.fence}) was lost: {reason.value} ({reason.description})"
-        if self._saved is not _NO_HANDLER and _SIGNAL is not None and callable(signal.getsignal(_SIGNAL)):
+        if self._by_signal and _SIGNAL is not None and callable(signal.getsignal(_SIGNAL)):
             self._pending.append(LeaderLost(detail, key=self.key, fence=lease.fence, reason=reason))
             signal.pthread_kill(self._target, _SIGNAL)
             return

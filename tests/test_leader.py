@@ -144,6 +144,42 @@ def test_a_stolen_key_raises_leaderlost_in_the_thread_that_entered(redis_client:
     assert time.monotonic() - stolen_at < 0.2 + 1.0  # one renew interval, and a loaded machine
 
 
+def test_a_leader_released_from_another_thread_stops_standing_by_and_tells_the_next_holder_only(
+    redis_client: redis.Redis,
+) -> None:
+    """release() from another thread ends a standby; a Leader first held in the main thread and released
+    elsewhere, then held by a worker thread, raises its LeaderLost in that worker thread, not the main one."""
+    leases = Leases(redis_client)
+    other = Leader(leases, KEY, ttl=600)
+    assert other.wait(1)
+    leader = Leader(leases, KEY, ttl=600, poll=50)
+    threading.Timer(0.2, leader.release).start()
+    started = time.monotonic()
+    assert not leader.wait(10) and time.monotonic() - started < 2
+    other.release()
+    assert leader.wait(1)  # in the main thread: its SIGURG handler is installed
+    releaser = threading.Thread(target=leader.release)
+    releaser.start()
+    releaser.join(5)
+    raised: list[LeaderLost] = []
+
+    def worker() -> None:
+        try:
+            with leader:
+                while True:
+                    time.sleep(0.01)
+        except LeaderLost as lost:
+            raised.append(lost)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    wait_for(lambda: leader.is_leader, timeout=5, what="the worker thread to lead")
+    redis_client.hset(leases.lease_name(KEY), "token", "another-owner")
+    thread.join(5)
+    assert [lost.reason for lost in raised] == [LostReason.STOLEN]
+    time.sleep(0.1)  # a LeaderLost wrongly sent to this thread would land here
+
+
 def test_in_the_main_thread_leaderlost_interrupts_a_blocking_sleep(redis_client: redis.Redis) -> None:
     assert threading.current_thread() is threading.main_thread()
     leases = Leases(redis_client)
