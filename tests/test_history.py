@@ -1,0 +1,272 @@
+"""The history of a key (``Leases(history=N)``, ``LeaseMiddleware(history=N)``): what happened to its lease, in
+order, with fences. Real Redis; the first test runs real ``dramatiq`` workers (one SIGKILLed) and the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from dramatiq import Message
+from dramatiq.brokers.redis import RedisBroker
+from prometheus_client import CollectorRegistry
+
+from dramatiq_leases.core import Busy, Lease, Leases, Renewal, scripts
+from dramatiq_leases.core.errors import LeaseConfigError, LeaseStateError
+from dramatiq_leases.core.history import HistoryEvent
+from dramatiq_leases.core.keys import history_name
+from dramatiq_leases.embedded import EmbeddedRedis
+from dramatiq_leases.exporter.observer import LeaseObserver
+from dramatiq_leases.exporter.server import BusyAccess, ExporterApp
+
+from .support.processes import Processes, clean_env, wait_until
+
+CLI = str(Path(sys.executable).with_name("dramatiq-leases"))
+META = {"actor": "export", "message_id": "m1", "host": "web-1", "pid": "42"}
+
+
+def cli(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([CLI, *argv], capture_output=True, text=True, timeout=30, env=clean_env())
+
+
+def runs(record: redis.Redis) -> dict[str, int]:
+    """The messages the app's actors started, with the fence each held."""
+    return {d["message_id"]: d["fence"] for d in (json.loads(raw) for raw in record.lrange("runs", 0, -1))}
+
+
+def at(events: list[HistoryEvent], event: str, fence: int = 0, message_id: str = "") -> int:
+    """The index of the first event of that kind (and fence, and message), or fail naming the history."""
+    for i, e in enumerate(events):
+        if e.event == event and (not fence or e.fence == fence) and (not message_id or e.message_id == message_id):
+            return i
+    pytest.fail(f"no {event} (fence {fence}, message {message_id!r}) in {events}", pytrace=False)
+
+
+def test_a_killed_holder_a_forced_release_a_lost_lease_and_a_duplicate_appear_in_order(
+    redis_server: EmbeddedRedis, tmp_path: Path
+) -> None:
+    """m1's worker is SIGKILLed while it holds the key: the next grant (m2's) finds m1's grant ended by its TTL.
+    An operator releases m2's lease with its token from the CLI: m3, waiting in the line, is granted, and m2's
+    heartbeat finds its lease lost. m3 runs and releases; a copy of m3 is then refused as a duplicate. Each event
+    names its fence and message, and `show --history` prints them."""
+    broker_url, leases_url = redis_server.url(0), redis_server.url(1)
+    env = clean_env(LEASES_TEST_BROKER_URL=broker_url, LEASES_TEST_LEASES_URL=leases_url, LEASES_TEST_QUEUE="hist")
+    broker = RedisBroker(url=broker_url)  # type: ignore[no-untyped-call]
+    record = redis.Redis.from_url(broker_url)
+    leases = Leases.from_url(leases_url)  # a reader: its own history setting does not matter
+
+    def worker(queue: str) -> list[str]:
+        app = ["-m", "dramatiq", "tests.apps.history_app", "--processes", "1", "--threads", "2"]
+        return [sys.executable, *app, "--queues", queue, "--worker-shutdown-timeout", "5000"]
+
+    def send(actor: str, queue: str, seconds: float) -> Message[Any]:
+        return broker.enqueue(Message(queue_name=queue, actor_name=actor, args=("k", seconds), kwargs={}, options={}))
+
+    try:
+        with Processes(tmp_path / "logs") as procs:
+            procs.start("a", worker("hist-first"), env=env)
+            m1 = send("first", "hist-first", 60).message_id
+            wait_until(lambda: m1 in runs(record), timeout=30, what="m1 holding the key", procs=procs)
+            os.killpg(procs.procs["a"].pid, signal.SIGKILL)
+            procs.may_exit.add("a")
+            procs.procs["a"].wait(10)
+
+            procs.start("b", worker("hist"), env=env)
+            m2 = send("hold", "hist", 60).message_id
+            wait_until(lambda: m2 in runs(record), timeout=30, what="m2 granted once m1's lease expired", procs=procs)
+            m3_message = send("hold", "hist", 0.1)
+            m3 = m3_message.message_id
+            wait_until(lambda: leases.inspect_line("h:k").length, timeout=10, what="m3 in the line", procs=procs)
+
+            (holder,) = leases.holders("h:k")
+            done = cli("--redis-url", leases_url, "release", "h:k", "--owner", holder.token)
+            assert done.returncode == 0, done.stderr
+
+            def has(event: str, message_id: str) -> bool:
+                return any(e.event == event and e.message_id == message_id for e in leases.history("h:k"))
+
+            wait_until(lambda: has("released", m3), timeout=10, what="m3 run and released", procs=procs)
+            wait_until(lambda: has("lost", m2), timeout=10, what="m2's heartbeat finding its lease lost", procs=procs)
+            broker.enqueue(m3_message)  # a copy of m3, which already ran
+            wait_until(lambda: has("duplicate", m3), timeout=10, what="the copy of m3 refused", procs=procs)
+
+            events = leases.history("h:k")
+            print(*events, sep="\n")  # shown if the test fails
+            fences = runs(record)
+            f1, f2, f3 = fences[m1], fences[m2], fences[m3]
+            assert f1 < f2 < f3
+            granted1, expired1 = at(events, "granted", f1, m1), at(events, "expired", f1, m1)
+            granted2, forced2, lost2 = (
+                at(events, "granted", f2, m2),
+                at(events, "force_released", f2, m2),
+                at(events, "lost", f2, m2),
+            )
+            granted3, released3, duplicate3 = (
+                at(events, "granted", f3, m3),
+                at(events, "released", f3, m3),
+                at(events, "duplicate", 0, m3),
+            )
+            assert granted1 < expired1 < granted2 < forced2 < lost2, events
+            assert forced2 < granted3 < released3 < duplicate3, events
+            forced, lost = events[forced2], events[lost2]
+            assert forced.reason == "owner" and "@" in forced.by and forced.actor == "hold", forced
+            assert lost.reason in ("gone", "stolen"), lost
+            if lost.reason == "stolen":
+                assert lost.by == f"fence {f3}", lost
+            assert events[duplicate3].waiter == f"{m3}:0"
+            assert events[granted1].holder.split(":")[-1] != events[granted2].holder.split(":")[-1]  # two processes
+
+            shown = cli("--redis-url", leases_url, "show", "h:k", "--history")
+            assert shown.returncode == 0, shown.stderr
+            for word in ("force_released", "expired", "lost", "duplicate", m1, m3):
+                assert word in shown.stdout, shown.stdout
+            as_json = cli("--redis-url", leases_url, "show", "h:k", "--history", "--json")
+            assert json.loads(as_json.stdout)["history"] == [e.as_dict() for e in leases.history("h:k")]
+    finally:
+        leases.client.close()
+        record.close()
+
+
+def test_off_by_default_writes_no_history_and_on_keeps_the_newest_n_for_a_week(redis_client: redis.Redis) -> None:
+    plain = Leases(redis_client, prefix="t")
+    for _ in range(3):
+        lease = plain.try_acquire("k", 10_000, meta=META)
+        assert isinstance(lease, Lease) and plain.renew(lease) and plain.release(lease)
+    assert not list(redis_client.scan_iter("t:history:*")) and plain.history("k") == []
+
+    kept = Leases(redis_client, prefix="t", history=3)
+    fences = []
+    for _ in range(3):
+        lease = kept.try_acquire("k", 10_000, meta=META)
+        assert isinstance(lease, Lease) and kept.release(lease)
+        fences.append(lease.fence)
+    events = kept.history("k")
+    assert [(e.event, e.fence) for e in events] == [
+        ("released", fences[1]),
+        ("granted", fences[2]),
+        ("released", fences[2]),
+    ]
+    assert events[1] == HistoryEvent(
+        "granted", events[1].time_ms, fences[2], message_id="m1", actor="export", holder="web-1:42"
+    )
+    name = history_name("t", "k")
+    assert redis_client.llen(name) == 3
+    assert scripts.HISTORY_MS - 5_000 < redis_client.pttl(name) <= scripts.HISTORY_MS
+
+
+def test_each_change_of_a_key_appends_its_event(redis_client: redis.Redis) -> None:
+    """Adopted, superseded, lost (stolen, naming the grant that holds it), expired (naming whose grant it was),
+    released by an operator (--if-dead), and the middleware's own decisions (skipped, with its wait)."""
+    leases = Leases(redis_client, prefix="t", history=50)
+    handed = leases.try_acquire("k", 60_000, meta=META)
+    assert isinstance(handed, Lease)
+    adopted = leases.adopt("k", handed.token, ttl=200, meta={**META, "host": "worker-2"})
+    assert isinstance(adopted, Lease)
+    # A waiter replaced by a newer one (lock_on_busy="latest").
+    for waiter, first in (("old:0", 1), ("new:0", 2)):
+        busy = leases._line.join("k", 60_000, waiter=waiter, first_ms=first, latest=True, meta={"actor": "export"})
+        assert isinstance(busy, Busy)
+    redis_client.pexpire(leases.lease_name("k"), 1)  # the adopter's lease ends by its TTL, unreleased
+    wait_until(lambda: not redis_client.exists(leases.lease_name("k")), timeout=5, what="the lease expiring")
+    leases._line.leave("k", ["new:0"])
+    taker = leases.try_acquire("k", 60_000, meta={**META, "message_id": "m2"})
+    assert isinstance(taker, Lease)
+    assert leases.renew(adopted) is Renewal.STOLEN
+    leases.record_history("k", "skipped", reason="lock_on_busy=skip", meta={**META, "message_id": "m3"}, waited_ms=1500)
+    redis_client.pexpire(leases.lease_name("k"), 10**9)  # outlives its holder's deadline: a leak
+    redis_client.hset(leases.lease_name("k"), "renewed_ms", 1)
+    assert leases.release_if_dead("k", by="ops@bastion").released
+
+    events = leases.history("k")
+    kinds = [(e.event, e.fence) for e in events]
+    f1, f2 = handed.fence, taker.fence
+    assert kinds == [
+        ("granted", f1),
+        ("adopted", f1),
+        ("superseded", 0),
+        ("expired", f1),
+        ("granted", f2),
+        ("lost", f1),
+        ("skipped", 0),
+        ("force_released", f2),
+    ], events
+    _, adopted_event, superseded, expired, _, lost, skipped, forced = events
+    assert adopted_event.holder == "worker-2:42" and adopted_event.message_id == "m1"
+    assert (superseded.waiter, superseded.message_id, superseded.by) == ("old:0", "old", "new:0")
+    assert expired.message_id == "m1" and expired.holder == "worker-2:42"  # whose grant: its adopter's
+    assert (lost.reason, lost.by) == ("stolen", f"fence {f2}")
+    assert (skipped.message_id, skipped.reason, skipped.waited_ms) == ("m3", "lock_on_busy=skip", 1500)
+    assert (forced.reason, forced.by, forced.message_id) == ("dead", "ops@bastion", "m2")
+
+
+def test_an_operators_release_is_recorded_by_a_store_without_history_only_where_one_is_kept(
+    redis_client: redis.Redis,
+) -> None:
+    fleet, operator = Leases(redis_client, prefix="t", history=5), Leases(redis_client, prefix="t")
+    kept, not_kept = fleet.try_acquire("kept", 60_000), fleet.try_acquire("other", 60_000)
+    assert isinstance(kept, Lease) and isinstance(not_kept, Lease)
+    redis_client.delete(history_name("t", "other"))  # a key whose history expired, or a fleet without one
+    assert operator.release_token("kept", kept.token, by="ops@bastion")
+    assert operator.release_token("other", not_kept.token, by="ops@bastion")
+    assert [(e.event, e.by) for e in operator.history("kept")] == [("granted", ""), ("force_released", "ops@bastion")]
+    assert not redis_client.exists(history_name("t", "other"))
+
+
+def test_a_bad_history_argument_is_refused_before_the_first_write(redis_client: redis.Redis) -> None:
+    with pytest.raises(LeaseConfigError, match="history must be a whole number from 0 to 10000"):
+        Leases(redis_client, history=scripts.MAX_HISTORY + 1)
+    leases = Leases(redis_client, prefix="t", history=5)
+    name, fence = leases.lease_name("k"), leases.fence_name("k")
+    line = f"0 0 2 1000 1000 0 1 0 {scripts.MAX_HISTORY + 1}"
+    with pytest.raises(redis.ResponseError, match="invalid line_numbers"):
+        redis_client.eval(scripts.ACQUIRE, 2, name, fence, "tok", "1000", "0", "0", "100", "", line, "key", "k")
+    assert not redis_client.exists(name, fence, history_name("t", "k"))
+    lease = leases.try_acquire("k", 60_000)
+    assert isinstance(lease, Lease)
+    with pytest.raises(redis.ResponseError, match="invalid history"):
+        redis_client.eval(scripts.RELEASE, 2, name, fence, lease.token, "", "2", "1000", "0", "", "x")
+    assert redis_client.exists(name)  # still held
+    with pytest.raises(LeaseConfigError, match="event must be"):
+        leases.record_history("k", "granted")
+    with pytest.raises(LeaseConfigError, match="by must be a string"):
+        leases.release_token("k", lease.token, by="x" * 513)
+
+
+def test_a_history_key_of_another_type_is_replaced_not_failed_on(redis_client: redis.Redis) -> None:
+    leases = Leases(redis_client, prefix="t", history=5)
+    redis_client.set(history_name("t", "k"), "written by hand")
+    with pytest.raises(LeaseStateError, match="not a list"):
+        leases.history("k")
+    lease = leases.try_acquire("k", 60_000)
+    assert isinstance(lease, Lease)  # the grant stands; the history starts again
+    assert [e.event for e in leases.history("k")] == ["granted"]
+
+
+def test_the_exporter_serves_a_keys_history_under_the_busy_views_rules(redis_client: redis.Redis) -> None:
+    leases = Leases(redis_client, prefix="t", history=5)
+    lease = leases.try_acquire("invoice:42", 60_000, meta=META)
+    assert isinstance(lease, Lease)
+    observer = LeaseObserver(leases)
+
+    def get(app: ExporterApp, query: str) -> tuple[str, dict[str, Any]]:
+        status: list[str] = []
+        body = app(
+            {"PATH_INFO": "/leases/history", "QUERY_STRING": query, "REQUEST_METHOD": "GET"},
+            lambda s, headers: status.append(s),  # type: ignore[arg-type]
+        )
+        return status[0], json.loads(b"".join(body))
+
+    app = ExporterApp(CollectorRegistry(), None, BusyAccess(open=True), history_json=observer.history_json)
+    status, doc = get(app, "key=invoice%3A42")
+    assert status == "200 OK" and doc["key"] == "invoice:42"
+    assert [(e["event"], e["fence"], e["holder"]) for e in doc["events"]] == [("granted", lease.fence, "web-1:42")]
+    assert get(app, "")[0].startswith("400")
+    closed = ExporterApp(CollectorRegistry(), None, BusyAccess(), history_json=observer.history_json)
+    assert get(closed, "key=invoice%3A42")[0].startswith("403")  # not on a loopback bind, no token
+    assert observer.busy_json()["history_path"] == "/leases/history?key="
