@@ -21,6 +21,7 @@ from dramatiq_leases import DuplicateMessage, LeaseOptionError, LeaseSendUnavail
 from dramatiq_leases.embedded import EmbeddedRedis, free_port
 from dramatiq_leases.middleware import LeaseMiddleware
 
+from .support.brokers import redis_dead_letters
 from .support.stack import Stack
 from .support.waiting import wait_for
 
@@ -275,3 +276,30 @@ def test_with_a_limit_n_messages_may_be_queued_at_once(make_stack: MakeStack) ->
     for message_id in sent[:3]:
         assert message_id is not None and stack.recorder.wait_settled(message_id) == "acked"
     assert wait_for(lambda: accepted(call_vendor, 1, 9), timeout=5, what="a send accepted once they ran")
+
+
+def test_a_message_re_driven_from_its_dead_letters_takes_its_record_again(
+    make_stack: MakeStack, redis_server: EmbeddedRedis
+) -> None:
+    stack = make_stack()
+    failing = threading.Event()
+    failing.set()
+    go = threading.Event()
+
+    @stack.actor(lock_key="bill:{n}", lock_unique="until_done", max_retries=0)
+    def bill(n: int) -> None:
+        if failing.is_set():
+            raise RuntimeError("vendor down")
+        go.wait(10)
+
+    first = bill.send(1)
+    stack.start()
+    assert stack.recorder.wait_settled(first.message_id) == "nacked"
+    [dead] = redis_dead_letters(redis_server)
+    failing.clear()
+    stack.broker.enqueue(dead)  # an operator re-drives it: the same message, unique again
+    wait_for(lambda: stack.leases.inspect("bill:1"), what="the re-driven message running")
+    assert accepted(bill, 1) is None
+    go.set()
+    wait_for(lambda: stack.recorder.acked.count(first.message_id) >= 1, what="the re-driven message acknowledged")
+    assert wait_for(lambda: accepted(bill, 1), timeout=5, what="a send accepted once the re-driven one ran")

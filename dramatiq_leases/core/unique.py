@@ -86,11 +86,20 @@ class UniqueRecords:
         holder = reply[2]
         return holder.decode() if isinstance(holder, bytes) else str(holder)
 
-    def keep(self, key: str, message_id: str, ms: int) -> bool:
+    def keep(self, key: str, message_id: str, ms: int, *, retake: Mode | None = None, limit: int = 1) -> bool:
         """Push the end of ``message_id``'s record on ``key`` to ``ms`` from now (never earlier); ``False`` if
-        it has none (ended, or never taken)."""
+        it has none (ended, or never taken).
+
+        ``retake``: a message with no record takes one of this mode again if the key has room under
+        ``limit`` (a message re-driven from its dead letters, a retry of a started "queued" message: queued
+        again), and is never refused.
+        """
         ms = whole_ms(ms, "ms", owner="UniqueRecords.keep")
-        return self._run("keep", key, ["keep", message_id, "-", 1, ms])[0] == 1
+        code = "-" if retake is None else _MODE_CODES.get(retake)
+        if code is None:
+            raise LeaseConfigError(f"UniqueRecords.keep: retake must be None or one of {UNIQUE_MODES}, got {retake!r}")
+        limit = whole_limit(limit, "limit", maximum=scripts.MAX_LIMIT, owner="UniqueRecords.keep")
+        return self._run("keep", key, ["keep", message_id, code, limit, ms])[0] == 1
 
     def end(self, key: str, message_id: str) -> bool:
         """End ``message_id``'s record on ``key`` (its message is done for good); ``False`` if it had none."""

@@ -7,8 +7,9 @@ lease, safe from asynchronous exceptions), :mod:`.busy` (a busy key: back to
 the queue), :mod:`.outages` (sending a message back through a broker outage),
 :mod:`.waiting` (the process's side of the line), :mod:`.declarations` (what
 actors declare and messages carry), :mod:`.runs` (which thread holds which
-lease, and how a run ends), :mod:`.unique` (sends refused while their key's message is queued or running), :mod:`.stop_budget` (time limits against the
-worker's shutdown timeout), :mod:`.dramatiq_metrics` (Dramatiq's own
+lease, and how a run ends), :mod:`.unique` (sends refused while another
+message of their key is queued or running), :mod:`.stop_budget` (time
+limits against the worker's shutdown timeout), :mod:`.dramatiq_metrics` (Dramatiq's own
 Prometheus middleware, kept from counting busy rounds), :mod:`.errors`, and
 :mod:`.hooks` (:class:`LeaseMiddleware` itself).
 """
@@ -47,9 +48,9 @@ __all__ = [
     "DEFAULT_MIN_BACKOFF",
     "DEFAULT_ON_BUSY",
     "DEFAULT_TTL",
-    "UNIQUE_MODES",
     "LEASE_OPTION",
     "ON_BUSY_POLICIES",
+    "UNIQUE_MODES",
     "DuplicateMessage",
     "LeaseBusyFailed",
     "LeaseKeyRenderError",

@@ -361,6 +361,7 @@ class LeaseMiddleware(Middleware):
 
     def _acquire_or_skip(self, broker: dramatiq.Broker, message: Any) -> None:
         hook_started = time.monotonic()
+        self.unique.delivered(message)
         # Until a lease is registered below, the guarded actor refuses to run in this thread.
         self.runs.pending()
         self.waiting.forget_thread()

@@ -3,12 +3,13 @@
 The record is taken at send time, before the broker has the message, for a short grace (:data:`GRACE_MS`);
 once the broker has it (``after_enqueue``) it lives ``lock_unique_ttl`` past each sign of life of its
 message: its send (plus its delay), a delivery that takes the lease, a later enqueue of it (a retry, a
-parked copy, a delayed copy leaving its delay queue). Its message's own acknowledgement or dead-lettering,
-when nothing of it was enqueued again meanwhile, ends it: ran, failed for good, skipped, superseded, given
-up, a duplicate. A "queued" record ends when its message is granted its lease, in the grant's own step.
-A message purged from its queue or deleted by hand ends its record ``lock_unique_ttl`` after its last sign
-of life at the latest. Only a message's own id ends its record: a retry or a stray copy of another
-message never touches it.
+parked copy, a delayed copy leaving its delay queue, a re-drive from its dead letters, which takes the
+record again if the key has room). Its message's own acknowledgement or dead-lettering ends it (ran,
+failed for good, skipped, superseded, given up, a duplicate), unless that delivery enqueued it again or
+was a delayed copy moving on. A "queued" record ends when its message is granted its lease, in the
+grant's own step. A message purged from its queue or deleted by hand ends its record ``lock_unique_ttl``
+after its last sign of life at the latest. Only a message's own id ends its record: a retry or a stray
+copy of another message never touches it.
 """
 
 from __future__ import annotations
@@ -35,9 +36,6 @@ logger = logging.getLogger(__name__)
 #: (never longer than ``lock_unique_ttl``): a send whose broker call fails leaves a record that ends this soon.
 GRACE_MS = 30_000
 
-#: The most message ids of re-enqueued deliveries a worker process remembers (each is dropped at its ack).
-MAX_REQUEUED = 100_000
-
 _MODE_CODES = {"queued": "q", "until_done": "d"}
 
 
@@ -51,11 +49,10 @@ class Uniqueness:
     def __init__(self, middleware: LeaseMiddleware) -> None:
         self.mw = middleware
         self.records = UniqueRecords(middleware.leases)
-        # Ids of messages enqueued again here (a retry, a parked copy, a delayed copy moved on), once per
-        # enqueue: each ack or dead-lettering of a copy takes one back, and only one without any ends the
-        # record. list.append and list.remove are single operations: an interruption leaves the list whole.
-        self._requeued: list[str] = []
         self._taken = threading.local()
+        # The delivery each worker thread processes: an enqueue of the same message from that thread (a Retries
+        # retry, a parked copy, a send-back) marks it, so that its ack keeps the record.
+        self._current = threading.local()
 
     def _unique(self, broker: dramatiq.Broker, message: Any) -> tuple[str, str, int, int] | None:
         """(mode, key, limit, ttl) of a leased message with ``lock_unique``, else ``None``."""
@@ -77,11 +74,12 @@ class Uniqueness:
             return
         mode, key, limit, ttl = found
         if message.options.get(UNIQUE_OPTION):
-            # A retry, a parked copy or a delayed copy moving on: the same message lives on.
-            if self.mw.booted and len(self._requeued) < MAX_REQUEUED:
-                self._requeued.append(message.message_id)
+            # A retry, a parked copy, a delayed copy moving on, a re-drive: the same message, not a new send.
+            delivery = getattr(self._current, "delivery", None)
+            if delivery is not None and delivery.message_id == message.message_id:
+                delivery.lease_unique_requeued = True  # one attribute store: whole under interruption
             try:
-                self.records.keep(key, message.message_id, (delay or 0) + ttl)
+                self.records.keep(key, message.message_id, (delay or 0) + ttl, retake=mode, limit=limit)  # type: ignore[arg-type]
             except LeaseUnavailableError as e:
                 logger.warning("Could not keep the unique record of message %s on %r: %s.", message.message_id, key, e)
             return
@@ -152,15 +150,16 @@ class Uniqueness:
         except LeaseUnavailableError as e:
             logger.warning("Could not update the unique record of message %s on %r: %s.", message.message_id, key, e)
 
+    def delivered(self, message: Any) -> None:
+        """A worker thread starts on ``message`` (before anything can enqueue it again)."""
+        self._current.delivery = message
+
     def settled(self, broker: dramatiq.Broker, message: Any) -> None:
-        """Acknowledged or dead-lettered: the record ends, unless the message was enqueued again meanwhile."""
+        """Acknowledged or dead-lettered: the record ends, unless a copy of the message lives on."""
         if not message.options.get(UNIQUE_OPTION):
             return
-        try:
-            self._requeued.remove(message.message_id)
-            return  # a copy of it is on its way
-        except ValueError:
-            pass
+        if getattr(message, "lease_unique_requeued", False) or message.queue_name.endswith(".DQ"):
+            return  # enqueued again while processed, or a delayed copy moved on to its queue
         try:
             found = self._unique(broker, message)
             if found is not None:

@@ -6,8 +6,10 @@
 --     'end' (its message is done for good)
 --   2 message_id: the message whose record it is
 --   3 mode: 'q' (lock_unique="queued": refused while `limit` messages of the key are queued, not started)
---     or 'd' ("until_done": refused while `limit` are queued or running); ignored but by 'take'
---   4 limit: how many may be queued (q) or queued and running (d) at once; ignored but by 'take'
+--     or 'd' ("until_done": refused while `limit` are queued or running); for 'keep', the record to take
+--     again if the message has none and the key has room (a message re-driven from its dead letters), or
+--     '-' (none); ignored by 'end'
+--   4 limit: how many may be queued (q) or queued and running (d) at once; ignored by 'end'
 --   5 ms: how long the record lives from now without news of its message ('take': a short grace until
 --     the broker has the message; 'keep': until its next sign of life); ignored by 'end'
 -- The records: a sorted set `unique` beside the lease, members `q:<message id>` and `d:<message id>`,
@@ -17,16 +19,15 @@
 -- record whose message holds a slot is over (it started: an adoption of a handed-over lease).
 -- Returns, for 'take': {1, now} taken (or its own record again: the same message sent twice is not a
 -- duplicate of itself), or {0, now, holder} refused (holder: the message id of the oldest live record);
--- for 'keep': {1} a record was kept, {0} none (ended, or never taken: a retry of a started "queued"
--- message takes none); for 'end': {n} the records removed.
+-- for 'keep': {1} a record was kept (or taken again), {0} none; for 'end': {n} the records removed.
 --#include args clock keys slots
 local op, mid, mode = ARGV[1], ARGV[2], ARGV[3]
 local limit = whole(ARGV[4], 1, MAX_LIMIT)
 local ms = whole(ARGV[5], 1, MAX_MS)
 if op ~= 'take' and op ~= 'keep' and op ~= 'end' then return bad('op', op) end
 if mid == nil or mid == '' or #mid > MAX_ID_LENGTH then return bad('message_id', mid) end
-if op == 'take' and mode ~= 'q' and mode ~= 'd' then return bad('mode', mode) end
-if op == 'take' and limit == nil then return bad('limit', ARGV[4]) end
+if op ~= 'end' and mode ~= 'q' and mode ~= 'd' and not (op == 'keep' and mode == '-') then return bad('mode', mode) end
+if op ~= 'end' and limit == nil then return bad('limit', ARGV[4]) end
 if op ~= 'end' and ms == nil then return bad('ms', ARGV[5]) end
 local UNIQUE = sibling(KEYS[1], 'unique')
 local kind_of = redis.call('TYPE', UNIQUE).ok
@@ -52,10 +53,11 @@ if op == 'keep' then
     end
   end
   if kept == 1 then expire_set() end
-  return {kept}
+  if kept == 1 or mode == '-' then return {kept} end
 end
 
--- take: which messages hold a slot now (by message id), from the holders' own hashes.
+-- take (or keep of a message without a record): which messages hold a slot now (by message id), from the
+-- holders' own hashes.
 local width = tonumber(redis.pcall('HGET', KEYS[2], 'width')) or 1
 width = math.max(1, math.min(math.floor(width), MAX_LIMIT))
 local holding = {}
@@ -85,12 +87,15 @@ if own then
   local score = tonumber(redis.call('ZSCORE', UNIQUE, own))
   if score < now + ms then redis.call('ZADD', UNIQUE, now + ms, own) end
   expire_set()
+  if op == 'keep' then return {1} end
   return {1, now}
 end
 if counted >= limit then
   expire_set()
+  if op == 'keep' then return {0} end  -- an enqueue of a message already sent is never refused
   return {0, now, oldest}
 end
 redis.call('ZADD', UNIQUE, now + ms, mode .. ':' .. mid)
 expire_set()
+if op == 'keep' then return {1} end
 return {1, now}
