@@ -12,6 +12,7 @@ from .errors import (
     LeaseURLError,
 )
 from .heartbeat import Heartbeat
+from .history import HistoryEvent
 from .info import LeaseInfo, State, stale_after
 from .keys import DEFAULT_PREFIX, KeyTemplate
 from .lease import Busy, Lease, LostReason, Renewal, Wait
@@ -24,6 +25,7 @@ __all__ = [
     "Busy",
     "DeadRelease",
     "Heartbeat",
+    "HistoryEvent",
     "KeyTemplate",
     "Lease",
     "LeaseBusyError",
