@@ -106,6 +106,18 @@ def _ours(client: redis.Redis) -> Cycle:
     return cycle
 
 
+def _ours_history(client: redis.Redis) -> Cycle:
+    """:func:`_ours` with each key's history kept (``Leases(history=50)``): two events per cycle."""
+    leases = Leases(client, history=HISTORY_CAP)
+
+    def cycle() -> None:
+        lease = leases.try_acquire("bench:ours-history", TTL_MS)
+        check(lease, "dramatiq-leases (history on) acquire")
+        check(leases.release(lease), "dramatiq-leases (history on) release")  # type: ignore[arg-type]
+
+    return cycle
+
+
 def leases_cycle(
     leases_class: Callable[[redis.Redis], Any], key: str, **acquire: Any
 ) -> Callable[[redis.Redis], Cycle]:
@@ -169,6 +181,13 @@ def _rate_limiter(client: redis.Redis) -> Cycle:
 PING = CyclePeer("PING (floor)", _ping, "one round trip, no lock")
 RAW = CyclePeer("raw SET NX + Lua CAD", _raw, "baseline: SET NX PX, compare-and-delete script")
 OURS = CyclePeer("dramatiq-leases", _ours, "try_acquire + release (fence, metadata, server time)")
+#: How many events figure 1's "history on" variant keeps per key (its list is at the cap after 25 cycles).
+HISTORY_CAP = 50
+OURS_HISTORY = CyclePeer(
+    "dramatiq-leases, history on",
+    _ours_history,
+    f"as dramatiq-leases, with Leases(history={HISTORY_CAP}): granted and released appended in the same scripts",
+)
 
 LOCK = CyclePeer("redis-py Lock", _redis_py, "SET NX PX, Lua release")
 
@@ -176,6 +195,7 @@ CYCLE_PEERS: tuple[CyclePeer, ...] = (
     PING,
     RAW,
     OURS,
+    OURS_HISTORY,
     LOCK,
     CyclePeer(
         "python-redis-lock (auto-renewal)",
