@@ -141,10 +141,13 @@ end
 -- cap, such as the CLI): only a history that exists is appended to, and kept to MAX_HISTORY. `meta`: the
 -- holder's metadata JSON (the lease hash's `meta`), if the event is about a holder: its message id, actor
 -- and host:pid are named in the event (m, a, h). A key of another type (written by hand) is replaced: no
--- error once the caller has written. `lease` is the lease's name or a holder slot's.
+-- error once the caller has written. `lease` is any key of the lease key, named `<prefix>:<kind>:{tag}...`
+-- (its lease, a holder slot, its line, its unique records...): the history is its sibling; another name is
+-- never written to.
 local function history_append(lease, cap, now, ev, meta)
   if cap == 0 then return end
-  local name = string.gsub(lease, ':lease:({[^}]*}).*$', ':history:%1', 1)
+  local name, found = string.gsub(lease, ':%a+:({[^}]*}).*$', ':history:%1', 1)
+  if found == 0 then return end
   if cap < 0 then
     if redis.call('EXISTS', name) == 0 then return end
     cap = MAX_HISTORY
