@@ -21,9 +21,10 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import dramatiq
 
 from ..core.errors import LeaseUnavailableError
+from ..core.scripts import MAX_MS
 from ..core.unique import UniqueRecords
 from .errors import DuplicateMessage, LeaseSendUnavailableError
-from .options import LEASE_OPTION, UNIQUE_OPTION
+from .options import LEASE_OPTION, MAX_DELAY, UNIQUE_OPTION
 
 if TYPE_CHECKING:
     from .hooks import LeaseMiddleware
@@ -75,9 +76,9 @@ class Uniqueness:
         mode, key, limit, ttl = found
         if message.options.get(UNIQUE_OPTION):
             # A retry, a parked copy, a delayed copy moving on, a re-drive: the same message, not a new send.
-            delivery = getattr(self._current, "delivery", None)
-            if delivery is not None and delivery.message_id == message.message_id:
-                delivery.lease_unique_requeued = True  # one attribute store: whole under interruption
+            # The delivery is marked as enqueued again only once the broker has the copy (after_enqueue): an
+            # enqueue the broker refuses (Retries' retry, a park) leaves nothing of the message, and its
+            # acknowledgement or dead-lettering must then end the record, not leave it for lock_unique_ttl.
             try:
                 self.records.keep(key, message.message_id, (delay or 0) + ttl, retake=mode, limit=limit)  # type: ignore[arg-type]
             except LeaseUnavailableError as e:
@@ -121,7 +122,12 @@ class Uniqueness:
             logger.warning("Could not release the lease handed to refused message %s: %s.", message.message_id, e)
 
     def after_enqueue(self, message: Any) -> None:
-        """The broker has the message: its record lives ``lock_unique_ttl`` (plus its delay) from now."""
+        """The broker has the message: its record lives ``lock_unique_ttl`` (plus its delay) from now; a copy of
+        the delivery this thread processes marks it, so that its acknowledgement keeps the record."""
+        if message.options.get(UNIQUE_OPTION):
+            delivery = getattr(self._current, "delivery", None)
+            if delivery is not None and delivery.message_id == message.message_id:
+                delivery.lease_unique_requeued = True  # one attribute store: whole under interruption
         taken, self._taken.key = getattr(self._taken, "key", None), None
         if taken is None or taken[0] != message.message_id:
             return
@@ -138,7 +144,8 @@ class Uniqueness:
             )
 
     def granted(self, broker: dramatiq.Broker, message: Any, key: str, mode: str, ttl: int) -> None:
-        """The message holds its lease: a "queued" record of an adopted lease ends; an "until_done" one is kept."""
+        """The message holds its lease: a "queued" record of an adopted lease ends; an "until_done" one is kept
+        for the longest the run may hold its lease, plus ``ttl``."""
         if not message.options.get(UNIQUE_OPTION):
             return
         try:
@@ -146,7 +153,14 @@ class Uniqueness:
                 if message.options.get(LEASE_OPTION) is not None:  # adopted: no grant script ended it
                     self.records.end(key, message.message_id)
             else:
-                self.records.keep(key, message.message_id, ttl)
+                # Nothing writes the record while the run lasts: kept only `ttl`, the sorted set's own TTL would
+                # end it mid-run (and an adopted lease's hash names no waiter to count it as running). Unbounded
+                # runs (no lock_max_hold, no time limit) are kept for MAX_DELAY: still an end.
+                actor = broker.get_actor(message.actor_name)
+                hold = self.mw.declarations.max_hold(
+                    self.mw.declarations.message_options(message, actor), message, actor
+                )
+                self.records.keep(key, message.message_id, min(MAX_MS, ttl + (MAX_DELAY if hold is None else hold)))
         except LeaseUnavailableError as e:
             logger.warning("Could not update the unique record of message %s on %r: %s.", message.message_id, key, e)
 
