@@ -18,7 +18,7 @@ _WORDS = {
     "lost": "lost by its holder",
     "expired": "found ended by its TTL (never released) at the next grant",
     "adopted": "adopted (a handed-over lease)",
-    "duplicate": "not run: a copy of a message that already ran",
+    "duplicate": "refused as a duplicate (a copy of a message that already ran, or a lock_unique send)",
     "skipped": "not run: its key was full",
     "failed": "not run: its key was full (dead-lettered)",
     "superseded": "not run: a newer message took its place in the line",

@@ -43,7 +43,8 @@ class HistoryEvent:
     #: ``lost`` (its holder's heartbeat found it gone, stolen or past its maximum hold: :attr:`reason`);
     #: ``expired`` (a grant found that the previous one, of :attr:`fence`, had ended by its TTL, never
     #: released: a holder killed or cut off); ``adopted`` (a handed-over lease taken over by a worker);
-    #: ``duplicate`` (a copy of a message that already ran, not run); ``skipped`` and ``failed`` (the key
+    #: ``duplicate`` (a copy of a message that already ran, not run; or a send ``lock_unique`` refused,
+    #: :attr:`by` naming the message holding the record); ``skipped`` and ``failed`` (the key
     #: was full and ``lock_on_busy`` said so); ``superseded`` (a newer message of the key took its place
     #: in the line: ``lock_on_busy="latest"``); ``gave_up`` (``lock_max_wait`` spent).
     event: str
