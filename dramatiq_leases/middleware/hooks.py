@@ -299,7 +299,7 @@ class LeaseMiddleware(Middleware):
 
     def after_enqueue(self, broker: dramatiq.Broker, message: Any, delay: int | None) -> None:
         """The broker has the message: its unique record, if it took one, lives on past the send's grace."""
-        self.unique.after_enqueue(message)
+        self.unique.after_enqueue(broker, message, delay)
 
     def after_ack(self, broker: dramatiq.Broker, message: Any) -> None:
         """Acknowledged: its unique record ends, unless the message was enqueued again meanwhile."""
@@ -379,6 +379,8 @@ class LeaseMiddleware(Middleware):
             limit = self.declarations.limit(opts, message)
         except (LeaseConfigError, LeaseKeyError) as e:
             refuse(message, e)
+        if opts.unique is not None:
+            self.unique.seen(message, key, opts.unique_ttl)
         attempt = Acquisition(
             self, broker, message, actor=actor, key=key, opts=opts, limit=limit, hook_started=hook_started
         )

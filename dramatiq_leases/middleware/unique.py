@@ -16,15 +16,16 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import dramatiq
 
 from ..core.errors import LeaseUnavailableError
 from ..core.scripts import MAX_MS
-from ..core.unique import UniqueRecords
+from ..core.unique import Mode, UniqueRecords
 from .errors import DuplicateMessage, LeaseSendUnavailableError
 from .options import LEASE_OPTION, MAX_DELAY, UNIQUE_OPTION
+from .waiting import MAX_IN_PLACE
 
 if TYPE_CHECKING:
     from .hooks import LeaseMiddleware
@@ -38,6 +39,9 @@ logger = logging.getLogger(__name__)
 GRACE_MS = 30_000
 
 _MODE_CODES = {"queued": "q", "until_done": "d"}
+
+#: The longest a delivery waits in place for its lease (ms), past which it is parked (a sign of life again).
+IN_PLACE_MS = int(MAX_IN_PLACE * 1000)
 
 
 class Uniqueness:
@@ -55,7 +59,7 @@ class Uniqueness:
         # retry, a parked copy, a send-back) marks it, so that its ack keeps the record.
         self._current = threading.local()
 
-    def _unique(self, broker: dramatiq.Broker, message: Any) -> tuple[str, str, int, int] | None:
+    def _unique(self, broker: dramatiq.Broker, message: Any) -> tuple[Mode, str, int, int] | None:
         """(mode, key, limit, ttl) of a leased message with ``lock_unique``, else ``None``."""
         declarations = self.mw.declarations
         template = declarations.template(message.actor_name, message.options)
@@ -65,27 +69,29 @@ class Uniqueness:
         if opts.unique is None:
             return None
         key = template.render(tuple(message.args), message.kwargs)
-        return opts.unique, key, declarations.limit(opts, message), opts.unique_ttl
+        return cast(Mode, opts.unique), key, declarations.limit(opts, message), opts.unique_ttl
 
     def before_enqueue(self, broker: dramatiq.Broker, message: Any, delay: int | None) -> None:
-        """A new send takes its record (or raises :class:`DuplicateMessage`); a later enqueue keeps it."""
+        """A new send takes its record (or raises :class:`DuplicateMessage`); a later enqueue of a message already
+        sent (a retry, a parked copy, a delayed copy moving on, a re-drive) is never refused: see
+        :meth:`after_enqueue`."""
         self._taken.key = None
+        if message.options.get(UNIQUE_OPTION):
+            return
         found = self._unique(broker, message)
         if found is None:
             return
         mode, key, limit, ttl = found
-        if message.options.get(UNIQUE_OPTION):
-            # A retry, a parked copy, a delayed copy moving on, a re-drive: the same message, not a new send.
-            # The delivery is marked as enqueued again only once the broker has the copy (after_enqueue): an
-            # enqueue the broker refuses (Retries' retry, a park) leaves nothing of the message, and its
-            # acknowledgement or dead-lettering must then end the record, not leave it for lock_unique_ttl.
-            try:
-                self.records.keep(key, message.message_id, (delay or 0) + ttl, retake=mode, limit=limit)  # type: ignore[arg-type]
-            except LeaseUnavailableError as e:
-                logger.warning("Could not keep the unique record of message %s on %r: %s.", message.message_id, key, e)
-            return
         try:
-            holder = self.records.take(key, message.message_id, mode=mode, limit=limit, grace=min(GRACE_MS, ttl))  # type: ignore[arg-type]
+            holder = self.records.take(
+                key,
+                message.message_id,
+                mode=mode,
+                limit=limit,
+                grace=min(GRACE_MS, ttl),
+                attempt=_attempt(message),
+                actor=message.actor_name,
+            )
         except LeaseUnavailableError as e:
             raise LeaseSendUnavailableError(
                 f"actor {message.actor_name!r}: message {message.message_id} not sent: its unique record on "
@@ -121,15 +127,18 @@ class Uniqueness:
         except LeaseUnavailableError as e:
             logger.warning("Could not release the lease handed to refused message %s: %s.", message.message_id, e)
 
-    def after_enqueue(self, message: Any) -> None:
-        """The broker has the message: its record lives ``lock_unique_ttl`` (plus its delay) from now; a copy of
-        the delivery this thread processes marks it, so that its acknowledgement keeps the record."""
-        if message.options.get(UNIQUE_OPTION):
-            delivery = getattr(self._current, "delivery", None)
-            if delivery is not None and delivery.message_id == message.message_id:
-                delivery.lease_unique_requeued = True  # one attribute store: whole under interruption
+    def after_enqueue(self, broker: dramatiq.Broker, message: Any, delay: int | None) -> None:
+        """The broker has the message: its record lives ``lock_unique_ttl`` (plus its delay) from now.
+
+        A message enqueued again is kept only now, once the broker has the copy: an enqueue the broker refused
+        (a retry, a park) leaves nothing of the message, and the acknowledgement of its delivery must then end
+        the record (neither a newer attempt nor a mark may keep it). A copy of the delivery this thread
+        processes marks that delivery, so that its acknowledgement keeps the record.
+        """
         taken, self._taken.key = getattr(self._taken, "key", None), None
         if taken is None or taken[0] != message.message_id:
+            if message.options.get(UNIQUE_OPTION):
+                self._enqueued_again(broker, message, delay)
             return
         _, key, ms = taken
         try:
@@ -142,6 +151,26 @@ class Uniqueness:
                 e,
                 GRACE_MS // 1000,
             )
+
+    def _enqueued_again(self, broker: dramatiq.Broker, message: Any, delay: int | None) -> None:
+        delivery = getattr(self._current, "delivery", None)
+        if delivery is not None and delivery.message_id == message.message_id:
+            delivery.lease_unique_requeued = True  # one attribute store: whole under interruption
+        try:
+            found = self._unique(broker, message)
+            if found is None:
+                return
+            mode, key, limit, ttl = found
+            self.records.keep(
+                key,
+                message.message_id,
+                (delay or 0) + ttl,
+                retake=mode,
+                limit=limit,
+                attempt=_attempt(message),
+            )
+        except Exception as e:  # an after-hook: the message is enqueued; never fail its sender for this
+            logger.warning("Could not keep the unique record of message %s: %s.", message.message_id, e)
 
     def granted(self, broker: dramatiq.Broker, message: Any, key: str, mode: str, ttl: int) -> None:
         """The message holds its lease: a "queued" record of an adopted lease ends; an "until_done" one is kept
@@ -160,13 +189,24 @@ class Uniqueness:
                 hold = self.mw.declarations.max_hold(
                     self.mw.declarations.message_options(message, actor), message, actor
                 )
-                self.records.keep(key, message.message_id, min(MAX_MS, ttl + (MAX_DELAY if hold is None else hold)))
+                ms = min(MAX_MS, ttl + (MAX_DELAY if hold is None else hold))
+                self.records.keep(key, message.message_id, ms, attempt=_attempt(message))
         except LeaseUnavailableError as e:
             logger.warning("Could not update the unique record of message %s on %r: %s.", message.message_id, key, e)
 
     def delivered(self, message: Any) -> None:
         """A worker thread starts on ``message`` (before anything can enqueue it again)."""
         self._current.delivery = message
+
+    def seen(self, message: Any, key: str, ttl: int) -> None:
+        """A delivery of a unique message, about to ask for its lease: a sign of life. Its record lives ``ttl``
+        past the longest it may wait in place (then it is granted, or parked: kept again)."""
+        if not message.options.get(UNIQUE_OPTION):
+            return
+        try:
+            self.records.keep(key, message.message_id, min(MAX_MS, ttl + IN_PLACE_MS), attempt=_attempt(message))
+        except LeaseUnavailableError as e:  # the acquisition that follows meets the same outage
+            logger.warning("Could not keep the unique record of message %s on %r: %s.", message.message_id, key, e)
 
     def settled(self, broker: dramatiq.Broker, message: Any) -> None:
         """Acknowledged or dead-lettered: the record ends, unless a copy of the message lives on."""
@@ -177,9 +217,15 @@ class Uniqueness:
         try:
             found = self._unique(broker, message)
             if found is not None:
-                self.records.end(found[1], message.message_id)
+                self.records.end(found[1], message.message_id, attempt=_attempt(message))
         except Exception as e:  # an after-hook: never let it break the worker's acks
             logger.warning("Could not end the unique record of message %s: %s.", message.message_id, e)
+
+
+def _attempt(message: Any) -> int:
+    """The message's attempt: Dramatiq's retry count (a bad value, from whoever wrote the message, is 0)."""
+    retries = message.options.get("retries", 0)
+    return retries if isinstance(retries, int) and not isinstance(retries, bool) and 0 <= retries <= 2**31 else 0
 
 
 class Sent(NamedTuple):

@@ -34,7 +34,7 @@
 -- `released` and `expired`; once it was (the counter has a `width`: how many slots may be held), each slot s
 -- keeps its own: `g:s` granted, `r:s` released, `e:s` expired, and each grant's hash names its `slot` and
 -- the `limit` it was granted under.
--- A grant ends its message's "queued" unique record (`q:<message id>` in the key's `unique` sorted set).
+-- A grant ends its message's "queued" unique record (`q:<attempt>:<message id>` in the key's `unique` set).
 -- With a history, a grant appends 'expired' (the previous grant was found ended by TTL) and 'granted', a copy
 -- that already ran 'duplicate', a waiter a newer one replaced 'superseded'.
 -- The uncontended path (free key, no line) comes first and creates no closure it does not call.
@@ -178,8 +178,8 @@ local function grant(s, top)
   end
   -- lock_unique="queued": the message's record ends as its lease begins, in this step (never neither held).
   if waiter ~= '' then
-    local mid = string.match(waiter, '^(.*):%d+$')
-    if mid then redis.call('ZREM', sibling(KEYS[1], 'unique'), 'q:' .. mid) end
+    local mid, attempt = string.match(waiter, '^(.*):(%d+)$')
+    if mid then redis.call('ZREM', sibling(KEYS[1], 'unique'), 'q:' .. attempt .. ':' .. mid) end
   end
   return fence, expired, released_ms
 end
