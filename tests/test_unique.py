@@ -7,6 +7,7 @@ it. Each test sends, then asks: is a new send of the key accepted, or refused na
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -320,3 +321,24 @@ def test_a_refused_send_is_in_the_keys_history_naming_the_holder(redis_server: E
         assert (event.reason, event.by, event.actor) == ("unique", first.message_id, "export")
     finally:
         stack.stop()
+
+
+def test_show_names_the_message_holding_a_keys_unique_record(
+    make_stack: MakeStack, redis_server: EmbeddedRedis, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from dramatiq_leases.cli import main
+
+    stack = make_stack()
+
+    @stack.actor(lock_key="export:{report}", lock_unique="until_done")
+    def export(report: int) -> None:
+        pass
+
+    queued = export.send(9)  # no worker: queued, no lease, no line
+    assert main(["--redis-url", redis_server.url(1), "show", "export:9"]) == 0
+    text = capsys.readouterr().out
+    assert f"message {queued.message_id}" in text and "refused until it is done for good" in text
+    assert main(["--redis-url", redis_server.url(1), "show", "export:9", "--json"]) == 0
+    [record] = json.loads(capsys.readouterr().out)["unique"]
+    assert record["message_id"] == queued.message_id and record["mode"] == "until_done"
+    assert 0 < record["ends_in"] <= 3_600

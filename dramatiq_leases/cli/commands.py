@@ -14,8 +14,9 @@ import redis
 
 from ..core import LeaseInfo, Leases
 from ..core.errors import LeaseConfigError, LeaseUnavailableError
-from ..core.keys import DEFAULT_PREFIX, validate_key
+from ..core.keys import DEFAULT_PREFIX, unique_name, validate_key
 from ..core.reading import ReadGaps
+from ..core.unique import UniqueRecords
 from ..urls import redact_url
 from .history import operator, write_history
 from .render import (
@@ -163,10 +164,13 @@ def _show(leases: Leases, args: argparse.Namespace, key: str, out: TextIO) -> in
     fences = leases.fence_state(key, gaps=gaps)
     line = leases.inspect_line(key, gaps=gaps)
     unreadable = {name: bad.problem for name, bad in sorted(gaps.keys.items())}
-    if not holders and not line.length and not unreadable:
+    unique = _unique_records(leases, key, unreadable)
+    if not holders and not line.length and not unreadable and not unique:
         last = f" (the last grant had fence {fences['fence']})" if fences.get("fence") else ""
         raise NotFoundError(f"no lease on {key!r} under prefix {leases.prefix!r}{last}")
     extra: dict[str, Any] = {"unreadable": unreadable} if unreadable else {}
+    if unique:
+        extra["unique"] = unique
     limit = key_limit(holders, fences)
     if not holders:
         # Free for a moment (its line's head is on its way to take it), or its keys cannot be read.
@@ -176,6 +180,7 @@ def _show(leases: Leases, args: argparse.Namespace, key: str, out: TextIO) -> in
             out.write("\n")
         else:
             out.write(f"no lease on {key!r} right now; line: {describe_line(line)}\n")
+            _unique_notes(unique, out)
             _unreadable_notes(key, gaps, out)
         return EXIT_OK
     shown = [(info, info.token if args.show_token else None, _problem(info, gaps)) for info in holders]
@@ -195,8 +200,40 @@ def _show(leases: Leases, args: argparse.Namespace, key: str, out: TextIO) -> in
             out.write(f"{info.redis_key} is {problem} (TTL left: {ttl_left(info)}).\n")
         else:
             write_show(info, token, fences, line, out, limit=limit)
+    _unique_notes(unique, out)
     _unreadable_notes(key, gaps, out)
     return EXIT_OK
+
+
+def _unique_records(leases: Leases, key: str, unreadable: dict[str, str]) -> list[dict[str, Any]]:
+    """The key's unique records (``lock_unique``), each with the seconds left before it ends by itself; a key
+    of another type in their place is noted in ``unreadable``."""
+    try:
+        records = UniqueRecords(leases).records(key)
+        now_ms = int(leases.client.time()[0]) * 1000 if records else 0
+    except LeaseUnavailableError:
+        unreadable[unique_name(leases.prefix, key)] = "not a sorted set of unique records"
+        return []
+    return [
+        {
+            "message_id": r.message_id,
+            "mode": r.mode,
+            "attempt": r.attempt,
+            "ends_in": max(0, (r.ends_ms - now_ms) // 1000),
+        }
+        for r in records
+    ]
+
+
+def _unique_notes(unique: list[dict[str, Any]], out: TextIO) -> None:
+    """Why a send of the key is refused: each message holding a unique record."""
+    for r in unique:
+        until = "it starts" if r["mode"] == "queued" else "it is done for good"
+        out.write(
+            f"unique record: message {printable(r['message_id'])} (lock_unique={r['mode']!r}, attempt "
+            f"{r['attempt']}): a send of this key is refused until {until} (the record ends by itself in "
+            f"{r['ends_in']} s without a sign of life of its message)\n"
+        )
 
 
 def _holders_named(holders: Sequence[LeaseInfo]) -> str:
