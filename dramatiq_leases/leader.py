@@ -76,7 +76,8 @@ class Leader:
     Entering the ``with`` stands by until this process is granted the key (every ``poll`` ms at most, and as
     soon as the holder's TTL runs out: a SIGKILLed leader is replaced within its TTL), then returns with the
     key held and renewed every ``ttl // 3`` ms on a heartbeat of its own. Leaving it releases the key
-    (owner-checked), so a standby takes over at once.
+    (owner-checked; a ``with`` nested in another of the same Leader leaves it to the outer one), so a standby
+    takes over at once.
 
     Losing the key (found gone or taken by another owner, or Redis unreachable until the lease's local
     deadline) is told no later than that deadline, ``ttl - margin`` after the last confirmed renewal, while
@@ -155,6 +156,9 @@ class Leader:
         self._pending: list[LeaderLost] = []  # for the signal handler: list.pop/clear are atomic
         self._saved: Any = _NO_HANDLER  # the SIGURG handler ours replaced
         self._closing = threading.Event()
+        # Open `with` blocks on this Leader: a nested one (a helper entering it again) leaves the key to the
+        # outermost, which still acts as leader; releasing at the inner exit would let another process lead too.
+        self._entered = 0
 
     # State -------------------------------------------------------------------
 
@@ -256,12 +260,15 @@ class Leader:
     def __enter__(self) -> Leader:
         if not self.wait():
             raise LeaseStateError(f"Leader {self.key!r} was released while it stood by")
+        self._entered += 1
         return self
 
     def __exit__(
         self, kind: type[BaseException] | None, value: BaseException | None, traceback: TracebackType | None
     ) -> None:
-        self.release()
+        self._entered = max(0, self._entered - 1)
+        if self._entered == 0 or self._lease is None:  # the outermost block, or a loss to clean up after
+            self.release()
 
     def __repr__(self) -> str:
         state = "leader" if self.is_leader else f"lost ({self._reason})" if self._reason else "not leader"

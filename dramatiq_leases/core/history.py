@@ -35,7 +35,8 @@ class HistoryEvent:
     """One change of a key's lease, as its history recorded it (oldest first in :meth:`Leases.history`).
 
     Events about a grant that no longer knows its holder (``expired``, ``lost``) name the holder of their
-    fence's ``granted`` event, if the history still has it.
+    fence's ``granted`` event, if the history still has it. :attr:`message_id`, :attr:`actor` and :attr:`holder`
+    are cut to their first 512 bytes (``scripts.MAX_ID_LENGTH``, at a UTF-8 boundary): each event is bounded.
     """
 
     #: What happened: ``granted``; ``released`` (by its holder); ``force_released`` (by an operator:

@@ -162,6 +162,17 @@ local function history_append(lease, cap, now, ev, meta)
       end
     end
   end
+  -- Bounded events, not only a bounded count: a huge metadata value (or a unique send's actor) is cut to
+  -- MAX_ID_LENGTH bytes, at a UTF-8 boundary (a cut character is dropped whole, so the event still decodes).
+  for _, f in ipairs({'m', 'a', 'h'}) do
+    local v = ev[f]
+    if type(v) == 'string' and #v > MAX_ID_LENGTH then
+      local next_byte = string.byte(v, MAX_ID_LENGTH + 1)
+      v = string.sub(v, 1, MAX_ID_LENGTH)
+      if next_byte >= 128 and next_byte < 192 then v = string.gsub(v, '[\192-\255][\128-\191]*$', '') end
+      ev[f] = v
+    end
+  end
   ev.t = now
   local json = cjson.encode(ev)
   local pushed = redis.pcall('LPUSH', name, json)
