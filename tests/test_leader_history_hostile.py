@@ -489,3 +489,17 @@ def test_on_a_cluster_each_keys_history_lives_in_its_leases_slot(cluster: RedisC
         events = leases.history(k)
         assert [e.event for e in events] == ["granted", "granted", "skipped", "released", "released"], (k, events)
         assert events[0].message_id == f"m-{i}" and events[1].slot == 1
+
+
+def test_an_operator_name_too_long_in_bytes_is_refused_as_bad_input_not_by_the_script(
+    redis_server: EmbeddedRedis,
+) -> None:
+    """300 two-byte characters are 600 bytes: refused in Python (the scripts count bytes), nothing released."""
+    from dramatiq_leases import LeaseConfigError
+
+    leases = Leases.from_url(redis_server.url(0), history=10)
+    lease = leases.try_acquire("k", 10_000)
+    assert isinstance(lease, Lease)
+    with pytest.raises(LeaseConfigError, match="512 bytes"):
+        leases.release_token("k", lease.token, by="é" * 300)
+    assert leases.inspect("k") is not None

@@ -556,7 +556,7 @@ class Leases:
         also from a store without ``history`` if the key has a history.
 
         Raises:
-          LeaseConfigError: ``by`` is not a string of at most 512 characters.
+          LeaseConfigError: ``by`` is not a string of at most 512 bytes (UTF-8).
           LeaseUnavailableError: Redis could not be asked; the lease expires by its TTL.
         """
         return self._release_token(key, token, fence=fence, slot=slot, by=_by(by)) == 1
@@ -737,7 +737,7 @@ class Leases:
           LeaseStateError: no ``fence``, and the key has several holders (named with their fences): which to
             release is never guessed.
           LeaseConfigError: ``fence`` is not a whole number from 0 (a hash without one) to 2**53, or ``by``
-            is not a string of at most 512 characters.
+            is not a string of at most 512 bytes (UTF-8).
           LeaseUnavailableError: Redis could not be asked.
         """
         who = _by(by)
@@ -791,7 +791,7 @@ class Leases:
 
         Raises:
           LeaseConfigError: an unknown ``event``, a ``fence`` or ``waited_ms`` that is not a whole number, a
-            ``reason`` over 512 characters, or ``meta`` that is not strings.
+            ``reason`` over 512 bytes (UTF-8), or ``meta`` that is not strings.
           LeaseUnavailableError: Redis could not be asked.
         """
         if not self.history_cap:
@@ -800,8 +800,8 @@ class Leases:
         if event not in ("skipped", "failed", "gave_up"):
             raise LeaseConfigError(f"record_history: event must be 'skipped', 'failed' or 'gave_up', got {event!r}")
         fence = whole_count(fence, "fence", maximum=2**53, owner="record_history")
-        if not isinstance(reason, str) or len(reason) > MAX_ID_LENGTH:
-            raise LeaseConfigError(f"record_history: reason must be a string of at most {MAX_ID_LENGTH} characters")
+        if not isinstance(reason, str) or len(reason.encode()) > MAX_ID_LENGTH:  # the scripts count bytes
+            raise LeaseConfigError(f"record_history: reason must be a string of at most {MAX_ID_LENGTH} bytes")
         waited_ms = whole_ms(waited_ms, "waited_ms", minimum=0, owner="record_history")
         packed = meta_args(key, dict(meta or {}))  # checked as a lease's metadata is
         args = [self.history_cap, event, fence, reason, packed[3] if len(packed) > 2 else "", waited_ms]
@@ -813,8 +813,8 @@ def _by(by: str | None) -> str:
     """An operator's name for the history (``""``: none), checked before Redis is asked."""
     if by is None:
         return ""
-    if not isinstance(by, str) or len(by) > MAX_ID_LENGTH:
-        raise LeaseConfigError(f"by must be a string of at most {MAX_ID_LENGTH} characters, got {by!r}")
+    if not isinstance(by, str) or len(by.encode()) > MAX_ID_LENGTH:  # the scripts count bytes
+        raise LeaseConfigError(f"by must be a string of at most {MAX_ID_LENGTH} bytes (UTF-8), got {by[:64]!r}")
     return by
 
 
