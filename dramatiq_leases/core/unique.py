@@ -102,21 +102,31 @@ class UniqueRecords:
         return holder.decode() if isinstance(holder, bytes) else str(holder)
 
     def keep(
-        self, key: str, message_id: str, ms: int, *, retake: Mode | None = None, limit: int = 1, attempt: int = 0
+        self,
+        key: str,
+        message_id: str,
+        ms: int,
+        *,
+        retake: Mode | None = None,
+        limit: int = 1,
+        attempt: int = 0,
+        exact: bool = False,
     ) -> bool:
         """Push the end of ``message_id``'s record on ``key`` to ``ms`` from now (never earlier), as of
         ``attempt`` (a newer attempt is remembered); ``False`` if it has none (ended, or never taken).
 
         ``retake``: a message with no record takes one of this mode again if the key has room under
         ``limit`` (a message re-driven from its dead letters, a retry of a started "queued" message: queued
-        again), and is never refused.
+        again), and is never refused. ``exact``: the end is set to ``ms`` from now, earlier too (a delivery
+        that enqueued its own message again: the longest hold its run was kept for no longer counts).
         """
         ms = whole_ms(ms, "ms", owner="UniqueRecords.keep")
         code = "-" if retake is None else _MODE_CODES.get(retake)
         if code is None:
             raise LeaseConfigError(f"UniqueRecords.keep: retake must be None or one of {UNIQUE_MODES}, got {retake!r}")
         limit = whole_limit(limit, "limit", maximum=scripts.MAX_LIMIT, owner="UniqueRecords.keep")
-        return self._run("keep", key, ["keep", message_id, code, limit, ms, _attempt(attempt, "keep")])[0] == 1
+        op = "renew" if exact else "keep"
+        return self._run("keep", key, [op, message_id, code, limit, ms, _attempt(attempt, "keep")])[0] == 1
 
     def end(self, key: str, message_id: str, *, attempt: int = 2**31) -> bool:
         """End ``message_id``'s record on ``key`` (its message is done for good), unless the record was kept for

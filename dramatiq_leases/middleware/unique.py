@@ -15,6 +15,8 @@ copy of another message never touches it.
 from __future__ import annotations
 
 import logging
+import math
+import sys
 import threading
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
@@ -77,6 +79,11 @@ class Uniqueness:
         :meth:`after_enqueue`."""
         self._taken.key = None
         if message.options.get(UNIQUE_OPTION):
+            delivery = getattr(self._current, "delivery", None)
+            if delivery is not None and delivery.message_id == message.message_id:
+                # Its own message enqueued again (a retry): if an interruption cuts the enqueue short, the broker
+                # may have the copy all the same, and the ack must not end its record (see settled).
+                delivery.lease_unique_enqueuing = delay  # one attribute store: whole under interruption
             return
         found = self._unique(broker, message)
         if found is None:
@@ -114,7 +121,7 @@ class Uniqueness:
                 key=key, message_id=holder, actor=message.actor_name, refused_id=message.message_id, mode=mode
             )
         message.options[UNIQUE_OPTION] = _MODE_CODES[mode]
-        self._taken.key = (message.message_id, key, (delay or 0) + ttl)
+        self._taken.key = (message.message_id, key, _lives(delay, ttl))
 
     def _release_handed(self, message: Any, key: str) -> None:
         """A refused message handed a lease (``lease=``, a web request's) will never adopt it: released now
@@ -154,8 +161,17 @@ class Uniqueness:
 
     def _enqueued_again(self, broker: dramatiq.Broker, message: Any, delay: int | None) -> None:
         delivery = getattr(self._current, "delivery", None)
-        if delivery is not None and delivery.message_id == message.message_id:
+        mine = delivery is not None and delivery.message_id == message.message_id
+        self._keep_again(broker, message, delay, exact=mine)
+        # Marked once kept: an interruption before this leaves it unmarked, and its ack keeps it (see settled).
+        if mine and delivery is not None:
             delivery.lease_unique_requeued = True  # one attribute store: whole under interruption
+
+    def _keep_again(self, broker: dramatiq.Broker, message: Any, delay: int | None, *, exact: bool) -> None:
+        """The record of a message enqueued again lives ``lock_unique_ttl`` past its delay (taken again if it has
+        none and the key has room: a re-drive, a retry of a started "queued" message). ``exact``: enqueued by
+        its own delivery, whose run is over: the run's longest hold no longer counts (a purged retry frees the
+        key ``lock_unique_ttl`` past its delay, not past the run's hold)."""
         try:
             found = self._unique(broker, message)
             if found is None:
@@ -164,10 +180,11 @@ class Uniqueness:
             self.records.keep(
                 key,
                 message.message_id,
-                (delay or 0) + ttl,
+                _lives(delay, ttl),
                 retake=mode,
                 limit=limit,
                 attempt=_attempt(message),
+                exact=exact,
             )
         except Exception as e:  # an after-hook: the message is enqueued; never fail its sender for this
             logger.warning("Could not keep the unique record of message %s: %s.", message.message_id, e)
@@ -214,12 +231,28 @@ class Uniqueness:
             return
         if getattr(message, "lease_unique_requeued", False) or message.queue_name.endswith(".DQ"):
             return  # enqueued again while processed, or a delayed copy moved on to its queue
+        enqueuing = getattr(message, "lease_unique_enqueuing", False)
+        cut = sys.exc_info()[1]  # what propagates through this ack (it runs in the worker's `finally`)
+        if enqueuing is not False and cut is not None and not isinstance(cut, Exception):
+            # An interruption (TimeLimit, Shutdown) cut this delivery's own re-enqueue short, Retries' retry: the
+            # broker may have the copy (the reply was being read), so the record is kept as if it had, bounded by
+            # the copy's delay plus lock_unique_ttl. (A refusal by the broker is an Exception, caught by Dramatiq
+            # before this ack: the record then ends.)
+            self._keep_again(broker, message, enqueuing, exact=True)
+            return
         try:
             found = self._unique(broker, message)
             if found is not None:
                 self.records.end(found[1], message.message_id, attempt=_attempt(message))
         except Exception as e:  # an after-hook: never let it break the worker's acks
             logger.warning("Could not end the unique record of message %s: %s.", message.message_id, e)
+
+
+def _lives(delay: Any, ttl: int) -> int:
+    """How long (ms) the record of a message enqueued with ``delay`` lives: the delay, rounded up (Dramatiq takes
+    a float as well, ``seconds * 1000``), plus ``ttl``; within what a script accepts."""
+    ms = math.ceil(delay) if isinstance(delay, (int, float)) and math.isfinite(delay) and delay > 0 else 0
+    return min(MAX_MS, ms + ttl)
 
 
 def _attempt(message: Any) -> int:

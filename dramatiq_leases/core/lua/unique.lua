@@ -2,8 +2,10 @@
 --   1 lease: the key's lease hash (holder slot 0; the unique records and slots are derived from its name)
 --   2 fence: the fence counter (its `width`: how many holder slots to look at)
 -- ARGV:
---   1 op: 'take' (a send asks for a record), 'keep' (its message lives on: delivered, parked, retried) or
---     'end' (its message is done for good)
+--   1 op: 'take' (a send asks for a record), 'keep' (its message lives on: delivered, parked, retried),
+--     'renew' (a 'keep' that sets the end to `ms` from now exactly, earlier too: a delivery enqueued its own
+--     message again, its run is over, and the run's longest hold no longer counts) or 'end' (its message is
+--     done for good)
 --   2 message_id: the message whose record it is
 --   3 mode: 'q' (lock_unique="queued": refused while `limit` messages of the key are queued, not started)
 --     or 'd' ("until_done": refused while `limit` are queued or running); for 'keep', the record to take
@@ -32,7 +34,9 @@ local ms = whole(ARGV[5], 1, MAX_MS)
 local attempt = whole(ARGV[6], 0, 2 ^ 31)
 local history = whole(ARGV[7] or '0', -1, MAX_HISTORY)
 local actor = ARGV[8]
-if op ~= 'take' and op ~= 'keep' and op ~= 'end' then return bad('op', op) end
+if op ~= 'take' and op ~= 'keep' and op ~= 'renew' and op ~= 'end' then return bad('op', op) end
+local exact = op == 'renew'
+if exact then op = 'keep' end
 if mid == nil or mid == '' or #mid > MAX_ID_LENGTH then return bad('message_id', mid) end
 if op ~= 'end' and mode ~= 'q' and mode ~= 'd' and not (op == 'keep' and mode == '-') then
   return bad('mode', mode)
@@ -81,10 +85,11 @@ local function keep_own(all)
     if r[4] == mid then
       kept = 1
       local score = math.max(r[5], now + ms)
+      if exact and attempt >= r[3] then score = now + ms end  -- never by a stray older attempt
       if attempt > r[3] then
         redis.call('ZREM', UNIQUE, r[1])
         redis.call('ZADD', UNIQUE, score, r[2] .. ':' .. attempt .. ':' .. mid)
-      elseif score > r[5] then
+      elseif score ~= r[5] then
         redis.call('ZADD', UNIQUE, score, r[1])
       end
     end

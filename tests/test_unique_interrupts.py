@@ -1,0 +1,333 @@
+"""``lock_unique`` under Dramatiq's asynchronous interruptions, worker stops, long delays and racing producers.
+
+The promises attacked (docs/guide.md, "Unique messages: refused at send time"): no record ends while its
+message is still queued, parked, delayed or running; none outlives its message past its stated bounds (a
+new send is accepted within 5 s of the final ack or dead-lettering); never more records than the limit.
+Interruptions are injected as tests/test_interrupts.py does (``raise_thread_exception``, or raised at a
+chosen point of a hook). Real Redis, a real broker and worker in process, and real ``dramatiq`` worker
+processes for the stops (tests/apps/limit_app.py, on both brokers).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import dramatiq
+import pytest
+from dramatiq.middleware import Middleware
+from dramatiq.middleware.time_limit import TimeLimitExceeded
+from dramatiq.threading import raise_thread_exception
+
+from dramatiq_leases import Busy, DuplicateMessage
+from dramatiq_leases.core.unique import UniqueRecords
+
+from .support.stack import MakeStack
+from .support.waiting import wait_for
+from .test_interrupts import survivable_worker_threads
+from .test_limit_workers import LimitWorkers, call, workers
+
+__all__ = ["survivable_worker_threads", "workers"]  # fixtures, imported
+
+
+def accepted(actor: Any, *args: Any, **options: Any) -> str | None:
+    """The id of a new message of ``actor`` if its send is accepted, else ``None`` (refused as a duplicate)."""
+    try:
+        return str(actor.send_with_options(args=args, **options).message_id)
+    except DuplicateMessage:
+        return None
+
+
+def refused_until(actor: Any, *args: Any, done: Any, timeout: float = 20.0) -> int:
+    """Every send of ``actor(*args)`` is refused until ``done()`` is true (polled); how many were tried."""
+    deadline = time.monotonic() + timeout
+    tried = 0
+    while not done():
+        assert time.monotonic() < deadline, "the first message never finished"
+        sent = accepted(actor, *args)
+        assert sent is None, f"a send was accepted ({sent}) while the first message was still live"
+        tried += 1
+        time.sleep(0.05)
+    return tried
+
+
+def freed_within(actor: Any, *args: Any, seconds: float = 5.0) -> str:
+    """A send of ``actor(*args)`` is accepted within ``seconds`` (the stated bound after a final ack)."""
+    sent = wait_for(lambda: accepted(actor, *args), timeout=seconds, what="a send accepted after the final ack")
+    assert sent is not None
+    return sent
+
+
+class InterruptAfterEnqueue(Middleware):
+    """An asynchronous exception landing just after the broker took a copy, before the hooks learn of it.
+
+    Added after LeaseMiddleware, its ``after_enqueue`` runs before LeaseMiddleware's (Dramatiq runs after-hooks
+    in reverse): raising there is what ``raise_thread_exception`` does when it lands between ``do_enqueue``'s
+    reply (redis-py's parsing is Python) and the hooks. Fires once, for an enqueue ``which`` accepts.
+    """
+
+    def __init__(self, which: Any, error: type[BaseException] = TimeLimitExceeded) -> None:
+        self.which = which
+        self.error = error
+        self.fired: list[str] = []
+
+    def after_enqueue(self, broker: dramatiq.Broker, message: Any, delay: int | None) -> None:
+        if not self.fired and self.which(message, delay):
+            self.fired.append(message.message_id)
+            raise self.error
+
+
+def _retry_stack(make_stack: MakeStack, mode: str, error: type[BaseException] = TimeLimitExceeded) -> tuple[Any, ...]:
+    stack = make_stack()
+    injector = InterruptAfterEnqueue(lambda m, d: d is not None and m.options.get("retries") == 1, error)
+    stack.broker.add_middleware(injector)
+    runs: list[int] = []
+
+    @stack.actor(lock_key="r:{n}", lock_unique=mode, max_retries=1, min_backoff=1_500, max_backoff=1_500)
+    def job(n: int) -> None:
+        runs.append(n)
+        if len(runs) == 1:
+            raise RuntimeError("fails once")
+
+    return stack, injector, job, runs
+
+
+@pytest.mark.usefixtures("survivable_worker_threads")
+@pytest.mark.parametrize("mode", ["until_done", "queued"])
+def test_an_interruption_after_the_broker_took_the_retry_keeps_the_record(make_stack: MakeStack, mode: str) -> None:
+    """The first attempt fails; Retries' enqueue of the retry reaches the broker, and an interruption lands before
+    the hooks hear of it (the worker thread then acks the delivery): the retry waits in the delay queue, the same
+    unique message, and its record must hold until the retry is done."""
+    stack, injector, job, runs = _retry_stack(make_stack, mode)
+    first = job.send(1)
+    stack.start()
+    wait_for(lambda: injector.fired, what="the interruption after the retry's enqueue")
+    wait_for(lambda: first.message_id in stack.recorder.acked, what="the failed attempt acknowledged")
+    assert len(runs) == 1  # the retry is in the delay queue
+    refused_until(job, 1, done=lambda: len(runs) == 2)
+    assert stack.recorder.wait_settled(first.message_id) == "acked"
+    freed_within(job, 1)
+
+
+@pytest.mark.usefixtures("survivable_worker_threads")
+def test_an_interruption_before_the_broker_took_the_retry_ends_the_record_by_its_bound(make_stack: MakeStack) -> None:
+    """The other side of the same instant: the interruption lands before the retry reached the broker (raised in
+    a before-hook). Nothing of the message is left, but no hook can tell this from the instant above: the record
+    is kept as if the copy were there, and ends by that bound, the retry's delay (1.5 s) plus lock_unique_ttl
+    (1 s), never later."""
+    stack = make_stack()
+
+    class InterruptBeforeEnqueue(Middleware):
+        def __init__(self) -> None:
+            self.fired: list[str] = []
+
+        def before_enqueue(self, broker: dramatiq.Broker, message: Any, delay: int | None) -> None:
+            if not self.fired and delay is not None and message.options.get("retries") == 1:
+                self.fired.append(message.message_id)
+                raise TimeLimitExceeded
+
+    injector = InterruptBeforeEnqueue()
+    stack.broker.add_middleware(injector)
+
+    @stack.actor(
+        lock_key="b:{n}",
+        lock_unique="until_done",
+        lock_unique_ttl=1_000,
+        max_retries=1,
+        min_backoff=1_500,
+        max_backoff=1_500,
+    )
+    def job(n: int) -> None:
+        raise RuntimeError("fails")
+
+    first = job.send(1)
+    stack.start()
+    wait_for(lambda: first.message_id in stack.recorder.acked, what="the failed attempt acknowledged")
+    acked = time.monotonic()
+    assert injector.fired
+    assert stack.broker.client.hlen("dramatiq:default.DQ.msgs") == 0
+    freed_within(job, 1, seconds=4.0)
+    assert time.monotonic() - acked < 1.5 + 1.0 + 1.0
+
+
+# Delays longer than lock_unique_ttl -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("mode", "delay"), [("until_done", 2_500), ("queued", 2_500), ("until_done", 2_500.5)])
+def test_a_delay_longer_than_the_unique_ttl_is_covered_by_the_record(
+    make_stack: MakeStack, mode: str, delay: float
+) -> None:
+    """``send_with_options(delay=...)`` longer than ``lock_unique_ttl`` (1 s): refused for the whole delay and
+    until the message starts (queued) or is done (until_done); then accepted within 5 s. A delay in whole
+    milliseconds as a float with a fraction (what ``seconds * 1000`` gives) is a delay too."""
+    stack = make_stack()
+    started = threading.Event()
+
+    @stack.actor(lock_key="d:{n}", lock_unique=mode, lock_unique_ttl=1_000)
+    def job(n: int) -> None:
+        started.set()
+
+    first = job.send_with_options(args=(1,), delay=delay)  # type: ignore[arg-type]  # typed int; brokers take a float
+    stack.start()
+    refused_until(job, 1, done=started.is_set)
+    assert stack.recorder.wait_settled(first.message_id) == "acked"
+    freed_within(job, 1)
+
+
+# Producers racing ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("mode", "limit"), [("queued", 1), ("until_done", 2)])
+def test_producers_racing_never_take_more_records_than_the_limit(make_stack: MakeStack, mode: str, limit: int) -> None:
+    """Eight threads send the same key at once (a barrier), over many rounds: exactly ``limit`` sends are
+    accepted each round, the key holds that many records, and the broker that many messages."""
+    stack = make_stack()
+
+    @stack.actor(lock_key="p:{n}", lock_unique=mode, lock_limit=limit)
+    def job(n: int) -> None:
+        pass
+
+    records = UniqueRecords(stack.leases)
+    producers, rounds = 8, 30
+    for r in range(rounds):
+        barrier = threading.Barrier(producers)
+        results: list[str | None] = []
+        lock = threading.Lock()
+
+        def send(
+            n: int = r,
+            barrier: threading.Barrier = barrier,
+            results: list[str | None] = results,
+            lock: threading.Lock = lock,
+        ) -> None:
+            barrier.wait()
+            sent = accepted(job, n)
+            with lock:
+                results.append(sent)
+
+        threads = [threading.Thread(target=send) for _ in range(producers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        taken = [s for s in results if s is not None]
+        assert len(results) == producers
+        assert len(taken) == limit, f"round {r}: {len(taken)} sends accepted for a limit of {limit}"
+        assert sorted(x.message_id for x in records.records(f"p:{r}")) == sorted(taken)
+    assert stack.broker.client.llen("dramatiq:default") == rounds * limit
+
+
+def test_a_purged_retry_frees_the_key_its_delay_plus_the_unique_ttl_later(make_stack: MakeStack) -> None:
+    """Promise: a message deleted by hand ends its record ``lock_unique_ttl`` past its last sign of life. An
+    "until_done" run is kept for its longest hold (10 min with TimeLimit's default); once it failed and its retry
+    is in the delay queue, that hold no longer counts: the retry purged, the key frees by its delay plus ttl."""
+    stack = make_stack()
+
+    @stack.actor(lock_key="g:{n}", lock_unique="until_done", lock_unique_ttl=1_000, max_retries=1)
+    def job(n: int) -> None:
+        raise dramatiq.Retry(delay=2_000)
+
+    first = job.send(1)
+    stack.start()
+    wait_for(lambda: first.message_id in stack.recorder.acked, what="the failed attempt acknowledged")
+    acked = time.monotonic()
+    assert stack.worker is not None
+    stack.worker.stop(timeout=5_000)  # its prefetched retry goes back to the delay queue
+    client = stack.broker.client
+    client.delete("dramatiq:default.DQ.msgs", "dramatiq:default.DQ")  # the retry, deleted by hand
+    stack.worker = None
+    freed_within(job, 1, seconds=5.0)
+    assert time.monotonic() - acked < 2.0 + 1.0 + 1.5, "the record outlived the purged retry's delay plus ttl"
+
+
+# Waiting in place ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("survivable_worker_threads")
+@pytest.mark.parametrize("mode", ["queued", "until_done"])
+def test_an_interruption_while_waiting_in_place_keeps_the_record(make_stack: MakeStack, mode: str) -> None:
+    """A unique message waits in place for its busy key; TimeLimitExceeded is raised into its thread (it lands as
+    the wait returns, at the key's release): the message is sent back, still the same unique message, refused
+    against until it starts (queued) or is done (until_done), run once, and its key frees within 5 s of the ack."""
+    stack = make_stack(threads=4)
+    threads: dict[str, int] = {}
+
+    class Where(Middleware):
+        def before_process_message(self, broker: dramatiq.Broker, message: Any) -> None:
+            threads[message.message_id] = threading.get_ident()
+
+    stack.broker.middleware.insert(0, Where())
+    runs: list[int] = []
+
+    @stack.actor(lock_key="w:{n}", lock_unique=mode, lock_unique_ttl=1_000)
+    def job(n: int) -> None:
+        runs.append(n)
+
+    lease = stack.leases.try_acquire("w:1", 30_000)
+    assert not isinstance(lease, Busy) and lease is not None
+    first = job.send(1)
+    stack.start()
+    wait_for(lambda: stack.leases_mw.waiting.in_place == 1, what="the message waiting in place")
+    raise_thread_exception(threads[first.message_id], TimeLimitExceeded)  # type: ignore[no-untyped-call]
+    held_until = time.monotonic() + 1.5  # longer than lock_unique_ttl
+    refused_until(job, 1, done=lambda: time.monotonic() > held_until)
+    stack.leases.release(lease)
+    refused_until(job, 1, done=lambda: bool(runs) and (mode == "queued" or first.message_id in stack.recorder.acked))
+    assert stack.recorder.wait_settled(first.message_id) == "acked"
+    assert runs == [1]
+    assert sum(1 for m, _, _ in stack.recorder.enqueues if m == first.message_id) >= 1, "never sent back"
+    if mode == "until_done":
+        freed_within(job, 1)
+
+
+# Worker stops (real processes, both brokers) -------------------------------------------------------------
+
+
+@pytest.mark.system
+def test_a_worker_stop_keeps_the_records_of_a_parked_and_a_waiting_message(workers: LimitWorkers) -> None:
+    """Two unique messages of two busy keys in a worker of 2 threads: one waits in place (half the threads), the
+    other is parked in the delay queue. The worker is stopped (SIGTERM) and started again: both records hold
+    throughout, each message runs once when its key frees, and each key frees within 5 s of its message's ack."""
+    records = UniqueRecords(workers.leases)
+
+    def holder(key: str) -> str | None:
+        """The message a new send of ``key`` would be refused for, or ``None`` if it would be accepted."""
+        found = records.take(key, "probe", mode="until_done", grace=1_000)
+        if found is None:
+            records.end(key, "probe")
+        return found
+
+    for i in (0, 1):
+        workers.start(threads=1, holder=i)
+    workers.send([call("hold0", "ua", 60.0), call("hold1", "ub", 60.0)])
+    workers.wait_runs(2, "holding")
+    first = workers.start(threads=2)
+    workers.send([call("job", "ua", 1, 0.1, lock_unique="until_done"), call("job", "ub", 2, 0.1, lock_unique="queued")])
+    ids = [s["message_id"] for s in workers.sent()[-2:]]
+    workers.wait(
+        lambda: (
+            all(workers.leases.inspect_line(k).length == 1 for k in ("ua", "ub"))
+            and any(n >= 2 for m, n in workers.enqueues().items() if m in ids)
+        ),
+        timeout=20,
+        what="one message waiting in place, the other parked",
+        about=ids,
+    )
+    os.killpg(first.pid, signal.SIGTERM)
+    first.wait(30)
+    assert [holder("ua"), holder("ub")] == ids, "a record ended at the worker's stop"
+    workers.start(threads=2)
+    assert [holder("ua"), holder("ub")] == ids
+    for key in ("ua", "ub"):
+        workers.release(key)
+    runs = workers.wait_runs(2, where=lambda r: r["n"] in (1, 2), timeout=40)
+    assert sorted(r["message_id"] for r in runs) == sorted(ids)
+    for key, mid in zip(("ua", "ub"), ids):
+        workers.wait(lambda m=mid: workers.settled([m]), timeout=20, what="the message acknowledged", about=[mid])  # type: ignore[misc]
+        settled = time.monotonic()
+        workers.wait(lambda k=key: holder(k) is None, timeout=5, what=f"{key} free after the ack", about=[mid])  # type: ignore[misc]
+        assert time.monotonic() - settled < 5
+    assert len([r for r in workers.runs() if r["n"] in (1, 2)]) == 2, "a message ran twice"
