@@ -53,11 +53,12 @@ demo: $(VENV)/.demo
 # needs root).
 tools:
 	@if ! command -v promtool >/dev/null || ! command -v prometheus-alertmanager >/dev/null \
-	    || ! command -v supervisord >/dev/null; then \
+	    || ! command -v supervisord >/dev/null || ! command -v chromium >/dev/null \
+	    || ! command -v chromedriver >/dev/null; then \
 	  if [ "$$(id -u)" = 0 ]; then \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-	      prometheus prometheus-alertmanager redis-server supervisor >/dev/null; \
-	  else echo "note: promtool, alertmanager or supervisord missing; their tests will be skipped (run 'make tools' as root)"; fi; \
+	      prometheus prometheus-alertmanager redis-server supervisor chromium chromium-driver >/dev/null; \
+	  else echo "note: promtool, alertmanager, supervisord or chromium missing; their tests will be skipped (run 'make tools' as root)"; fi; \
 	fi
 
 lint: $(VENV)/.dev

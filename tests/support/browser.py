@@ -1,0 +1,74 @@
+"""A real browser for the page tests: Debian's ``chromium``, headless, driven through its ``chromedriver``.
+
+Both come from the Debian packages ``chromium`` and ``chromium-driver`` (``make tools`` installs them, as the
+Prometheus binaries). Outside CI a missing binary skips the test; in CI (``CI=true``) it fails it, so the
+browser tests cannot quietly stop running. Selenium is pointed at those binaries: it never downloads one.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+from .promtool import in_ci
+
+T = TypeVar("T")
+
+#: Where the tests save their screenshots (test artefacts; the README's pictures are copied from here).
+ARTEFACTS = Path(__file__).parents[2] / "build" / "screenshots"
+
+
+def _binary(*names: str) -> str:
+    for name in names:
+        path = shutil.which(name)
+        if path is not None:
+            return path
+    problem = f"{names[0]} is not on PATH (apt-get install chromium chromium-driver, or make tools as root)"
+    if in_ci():
+        pytest.fail(problem)
+    pytest.skip(problem)
+
+
+@contextmanager
+def chromium(width: int = 1100, height: int = 800) -> Iterator[Any]:
+    """A headless chromium WebDriver (``selenium.webdriver.Chrome``), quit at the end."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = _binary("chromium", "chromium-browser")
+    for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
+        options.add_argument(argument)
+    options.add_argument(f"--window-size={width},{height}")
+    driver = webdriver.Chrome(service=Service(executable_path=_binary("chromedriver")), options=options)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def screenshot(driver: Any, name: str) -> Path:
+    """Save what the browser shows as ``build/screenshots/<name>.png``; its path."""
+    ARTEFACTS.mkdir(parents=True, exist_ok=True)
+    path = ARTEFACTS / f"{name}.png"
+    driver.save_screenshot(str(path))
+    return path
+
+
+def until(driver: Any, condition: Callable[[Any], T], *, timeout: float = 10.0, what: str = "the page") -> T:
+    """Wait until ``condition(driver)`` is truthy (polled by Selenium), failing the test at the deadline."""
+    from selenium.common.exceptions import TimeoutException
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    try:
+        result: T = WebDriverWait(driver, timeout, poll_frequency=0.05).until(condition)
+    except TimeoutException:
+        pytest.fail(
+            f"timed out after {timeout}s waiting for {what}; the page says: {driver.find_element('tag name', 'body').text!r}"
+        )
+    return result
