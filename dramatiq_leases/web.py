@@ -46,7 +46,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from .core import Busy, Lease, LeaseError, Leases
+from .core import Busy, Lease, LeaseError, LeaseInfo, Leases
 from .core.lease import Wait
 
 #: ``423 Locked`` (RFC 4918): the resource is locked; here, a job for it is running.
@@ -229,6 +229,77 @@ def accepted_body(lease: Lease, message_id: str) -> dict[str, Any]:
     return {"key": lease.key, "fence": lease.fence, "message_id": message_id}
 
 
+def _ends_last(info: LeaseInfo) -> float:
+    return float("inf") if info.ttl_left < 0 else info.ttl_left
+
+
+def status(leases: Leases, key: str) -> dict[str, Any]:
+    """A JSON-ready answer to "may a job for ``key`` start now, and if not, when?", for a page to poll.
+
+    A page that got ``423 Locked`` counts down from ``Retry-After``; polling
+    this (a status endpoint) tells it that the key is free before the count
+    ends (the job finished early) or not yet when it ends (a heartbeat
+    renewed the lease), whether the holder still shows signs of life or its
+    lease only waits out its TTL, and, for the job it queued, whether it
+    ended or its worker vanished. Four reads, no write.
+
+    Fields:
+
+    * ``key``; ``free``: nobody holds the key and nobody waits in its line (a request without a
+      ticket gets it now); ``held``: someone holds it; ``holders``: how many (more than one only
+      for a key held by several at once);
+    * of the holder whose lease ends last (each ``None`` when nobody holds the key): ``fence``;
+      ``state``, its health (a :class:`~dramatiq_leases.core.State` value: ``"alive"``,
+      ``"heartbeat_overdue"``, ...); ``running``: a worker holds it and renews it (it adopted the
+      request's lease, or acquired the key itself), where ``False`` is a request's lease whose
+      message is still queued; ``heartbeat_age``: seconds since its last renewal;
+    * ``ttl_left``: seconds until the key is free by the TTLs alone (to the millisecond; 0 when
+      nobody holds it, ``None`` for a key without TTL);
+    * ``retry_after``: as :func:`retry_after` for a caller without a place: 0 when free, 1 when
+      waiters are in the line (come back with the ticket to take a place), else ``ttl_left``
+      rounded up;
+    * ``line_length``: waiters in the key's line;
+    * ``last_fence``: the key's last grant (0: none, or its fence counter is gone) and ``last``,
+      what became of it: ``"held"``, ``"released"`` (its holder let go: the job ended),
+      ``"expired"`` (nobody released it: it ran out its TTL, its holder gone) or ``None``. A page
+      that queued fence *F* tells a job that ended from one whose worker vanished by these.
+
+    Raises:
+      LeaseUnavailableError: Redis could not be asked (answer 503).
+    """
+    counter = leases.fence_state(key)
+    holders = leases.holders(key)
+    line = leases.inspect_line(key).length
+    holder = max(holders, key=_ends_last) if holders else None
+    last_fence = counter.get("fence", 0)
+    last: str | None = None
+    if any(info.fence == last_fence for info in holders):
+        last = "held"
+    elif last_fence and not counter.get("width"):  # per slot (a key once held by several), no one record says
+        last = "released" if counter.get("released", 0) >= last_fence else "expired"
+    if holder is None:
+        ttl_left: float | None = 0.0
+        seconds = 1 if line else 0
+    else:
+        ttl_left = holder.ttl_left / 1000 if holder.ttl_left >= 0 else None
+        seconds = retry_after(Busy(key, holder.ttl_left, holder.fence, line=line))
+    return {
+        "key": key,
+        "free": holder is None and line == 0,
+        "held": holder is not None,
+        "holders": len(holders),
+        "fence": holder.fence if holder else None,
+        "state": holder.state.value if holder else None,
+        "running": bool(holder.interval or holder.adopted_ms) if holder else None,
+        "heartbeat_age": holder.heartbeat_age if holder else None,
+        "ttl_left": ttl_left,
+        "retry_after": seconds,
+        "line_length": line,
+        "last_fence": last_fence,
+        "last": last,
+    }
+
+
 class LockedError(LeaseError):
     """Raise from a handler when the key is busy; turn it into a 423 in one error handler.
 
@@ -270,6 +341,7 @@ __all__ = [
     "locked_response_headers",
     "new_ticket",
     "retry_after",
+    "status",
     "try_acquire",
     "valid_ticket",
 ]
