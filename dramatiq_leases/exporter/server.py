@@ -47,6 +47,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
 from ..core.errors import LeaseError, LeaseUnavailableError
+from . import busy_html
 
 if TYPE_CHECKING:
     from _typeshed.wsgi import StartResponse, WSGIEnvironment
@@ -224,7 +225,7 @@ class ExporterApp:
         path = environ.get("PATH_INFO", "/").rstrip("/")
         if path == HISTORY_PATH:
             return self._history(environ, start_response)
-        if path != LEASES_PATH:
+        if path not in (LEASES_PATH, busy_html.BUSY_PAGE_PATH):  # the page: same rules as its JSON
             return self.metrics(environ, start_response)  # type: ignore[no-any-return]
         if self.busy_json is None:
             return _json(start_response, "404 Not Found", {"error": "the Busy page is off (--top 0)"})
@@ -235,6 +236,8 @@ class ExporterApp:
             return [] if head else body
         if environ.get("REQUEST_METHOD", "GET") not in ("GET", "HEAD"):
             return _json(start_response, "405 Method Not Allowed", {"error": "use GET"}, [("Allow", "GET, HEAD")])
+        if path == busy_html.BUSY_PAGE_PATH:  # no data in it: its script fetches /leases
+            return busy_html.respond(start_response, head)
         values = parse_qs(environ.get("QUERY_STRING", "")).get("limit")
         limit = None
         if values:
