@@ -24,7 +24,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,7 @@ from dramatiq_leases.exporter import Exporter
 from dramatiq_leases.exporter.busy_html import BUSY_PAGE, BUSY_PAGE_PATH
 
 from .support.browser import chromium, screenshot, until
+from .support.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 README_IMAGE = ROOT / "docs" / "images" / "busy-page.png"
@@ -182,10 +183,10 @@ def test_the_busy_page_shows_a_running_systems_leases_worst_first_and_keeps_itse
         def leak_first(d: Any) -> list[dict[str, Any]]:
             found = rows(d, "leases")
             # (A heartbeat held up on this loaded machine would make the running lease overdue for a while.)
-            return found if len(found) == 3 and found[0]["cls"] == "leaked" and found[2]["cls"] == "alive" else []
+            return found if len(found) == 3 and [r["cls"] for r in found] == ["leaked", "alive", "alive"] else []
 
         leased = until(driver, leak_first, timeout=15, what="three leases, the leak first, the others alive")
-        assert [row["key"] for row in leased] == [LEAKED, OLD, RUNNING], "leaked first, then the oldest grants"
+        assert [row["key"] for row in leased] == [LEAKED, OLD, RUNNING], leased
         leak, old, running = leased
         assert leak["cells"][0] == "leaked: no_ttl" and leak["cells"][6] == "no TTL"
         assert (old["cells"][0], running["cells"][0]) == ("alive", "alive")
@@ -241,12 +242,27 @@ def test_the_busy_page_shows_a_running_systems_leases_worst_first_and_keeps_itse
         assert driver.execute_script("return window.pwned") is None
         assert [row["key"] for row in leased][:1] == [LEAKED], "the leak stays first"
 
+        # While the reader selects text in the rows, they stay as they are (a refresh would drop the selection).
+        driver.execute_script("getSelection().selectAllChildren(document.querySelector('#leases tbody td.key code'))")
+        acquire(leases, "export:report:44", 60_000, EXPORTS, "m-44")
+        wait_for(lambda: json.loads(request(port, "/leases")[2])["leases_total"] == 6, what="a scan that saw it")
+
+        def refreshed_since(before: str) -> Callable[[Any], bool]:
+            return lambda d: bool(d.find_element("id", "status").text != before)
+
+        for _ in range(2):  # two refreshes since: the page has read the sixth lease, and keeps it waiting
+            until(driver, refreshed_since(driver.find_element("id", "status").text), what="a refresh")
+        assert "the rows wait while you select text" in driver.find_element("id", "status").text
+        assert len(rows(driver, "leases")) == 5
+        driver.execute_script("getSelection().removeAllRanges()")
+        until(driver, lambda d: len(rows(d, "leases")) == 6, what="the rows once the selection is gone")
+
         # A refresh that fails says so, keeps the rows, and the page recovers by itself when the exporter is back.
         exporter.close()
         until(driver, lambda d: d.find_element("id", "error").is_displayed(), what="the error banner")
         banner = driver.find_element("id", "error").text
         assert banner.startswith("Refresh failed at ") and "Showing what was read at " in banner, banner
-        assert len(rows(driver, "leases")) == 5
+        assert len(rows(driver, "leases")) == 6
         screenshot(driver, "busy-page-refresh-failed")
         stack.enter_context(exporting(leases, port=port))
         until(driver, lambda d: not d.find_element("id", "error").is_displayed(), timeout=15, what="the recovery")

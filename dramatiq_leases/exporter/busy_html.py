@@ -242,6 +242,8 @@ _SCRIPT = """
   function show(doc) {
     if (selecting()) {
       pending = doc;
+      document.getElementById("status").textContent = "Read " + clock(lastOk) +
+        " \u00b7 the rows wait while you select text";
       return;
     }
     pending = null;
