@@ -252,7 +252,8 @@ def status(leases: Leases, key: str) -> dict[str, Any]:
       ``state``, its health (a :class:`~dramatiq_leases.core.State` value: ``"alive"``,
       ``"heartbeat_overdue"``, ...); ``running``: a worker holds it and renews it (it adopted the
       request's lease, or acquired the key itself), where ``False`` is a request's lease whose
-      message is still queued; ``heartbeat_age``: seconds since its last renewal;
+      message is still queued; ``message_id``: the message it runs, from its metadata (a worker's
+      lease names it; ``None`` for a request's); ``heartbeat_age``: seconds since its last renewal;
     * ``ttl_left``: seconds until the key is free by the TTLs alone (to the millisecond; 0 when
       nobody holds it, ``None`` for a key without TTL);
     * ``retry_after``: as :func:`retry_after` for a caller without a place: 0 when free, 1 when
@@ -291,6 +292,7 @@ def status(leases: Leases, key: str) -> dict[str, Any]:
         "fence": holder.fence if holder else None,
         "state": holder.state.value if holder else None,
         "running": bool(holder.interval or holder.adopted_ms) if holder else None,
+        "message_id": holder.meta.get("message_id") if holder else None,
         "heartbeat_age": holder.heartbeat_age if holder else None,
         "ttl_left": ttl_left,
         "retry_after": seconds,

@@ -43,6 +43,7 @@ def test_a_key_never_held_is_free_and_reading_it_writes_nothing(leases: Leases) 
         "fence": None,
         "state": None,
         "running": None,
+        "message_id": None,
         "heartbeat_age": None,
         "ttl_left": 0.0,
         "retry_after": 0,
@@ -61,15 +62,17 @@ def test_a_request_lease_then_its_worker_held_then_released(leases: Leases) -> N
     assert queued["free"] is False and queued["held"] is True and queued["holders"] == 1
     assert queued["fence"] == lease.fence == queued["last_fence"] and queued["last"] == "held"
     assert queued["running"] is False, "nobody renews a request's lease: its message is still queued"
+    assert queued["message_id"] is None
     assert queued["state"] == "alive"
     assert TTL / 1000 - 1 < queued["ttl_left"] <= TTL / 1000
     # The countdown the page shows after polling is the one a 423 would have started.
     assert queued["retry_after"] == math.ceil(queued["ttl_left"]) == web.retry_after(locked)
 
-    adopted = leases.adopt(KEY, lease.token, 5_000, interval=1_000)
+    adopted = leases.adopt(KEY, lease.token, 5_000, interval=1_000, meta={"message_id": "m-1"})
     assert isinstance(adopted, Lease)
     running = web.status(leases, KEY)
     assert running["running"] is True and running["fence"] == lease.fence, "adopting keeps the grant's fence"
+    assert running["message_id"] == "m-1", "the worker's metadata names the message it runs"
     assert 4 < running["ttl_left"] <= 5 and running["retry_after"] == 5
     assert 0 <= running["heartbeat_age"] < 1
 
