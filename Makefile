@@ -22,7 +22,7 @@ COMPAT_TESTS := tests/test_core.py tests/test_line.py tests/test_middleware.py t
 COMPAT_ARGS  := $(PYTEST) -q -m "not system" $(COMPAT_TESTS)
 COMPAT_LANES := compat-redis-6.2 compat-valkey compat-py3.10 compat-py3.13
 
-.PHONY: demo test fast lint suite tools bench compat $(COMPAT_LANES)
+.PHONY: demo export-page test fast lint suite tools bench compat $(COMPAT_LANES)
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +48,15 @@ $(VENV)/.dev: $(BIN)/python pyproject.toml
 
 demo: $(VENV)/.demo
 	$(BIN)/dramatiq-leases demo
+
+# The export page (examples/export_page): its own Redis, a worker and the page on http://127.0.0.1:8000.
+$(VENV)/.web: $(BIN)/python pyproject.toml
+	if command -v redis-server >/dev/null; then $(BIN)/pip install --quiet -e '.[web]'; \
+	else $(BIN)/pip install --quiet -e '.[web,embedded]'; fi
+	touch $@
+
+export-page: $(VENV)/.web
+	$(BIN)/python -m examples.export_page
 
 # promtool, amtool, prometheus, alertmanager and supervisord for the bundle and deploy tests (Debian packages,
 # needs root).
