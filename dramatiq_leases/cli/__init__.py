@@ -6,7 +6,8 @@ Commands::
   dramatiq-leases show KEY [--json] [--show-token] [--history]
   dramatiq-leases release KEY (--owner TOKEN | --if-dead [--fence N])
   dramatiq-leases exporter [--host HOST] [--port PORT] [--interval SECONDS] [--top N]
-                           [--busy-view {local,open} | --busy-token-file FILE] [--busy-keys {plain,hashed}]
+                           [--busy-view {local,open} | --busy-token-file FILE]
+                           [--busy-keys {plain,hashed} | --mask-keys] [--web.config.file FILE]
   dramatiq-leases demo [--invoices N] [--per-invoice N] [--job-seconds S]
 
 Global flags, accepted before or after the command: ``--redis-url`` (default:
@@ -37,9 +38,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from collections.abc import Sequence
-from typing import TextIO, cast
+from typing import TYPE_CHECKING, NoReturn, TextIO, cast
 
 from ..core import Leases
 from ..core.errors import LeaseError, LeaseUnavailableError, LeaseURLError
@@ -63,6 +65,9 @@ from .commands import (
     cmd_show,
 )
 from .render import PrintableWriter, format_duration, printable
+
+if TYPE_CHECKING:
+    from ..exporter.webconfig import WebConfig
 
 # What `dramatiq_leases.cli` offered as one module, still importable from here.
 __all__ = [
@@ -110,6 +115,23 @@ exit codes:
 """
 
 # Parser ----------------------------------------------------------------------
+
+# What looks like a URL in a message: each one is shown through redact_url.
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"]+")
+
+
+def _redact_urls(text: str) -> str:
+    """``text`` with the password of every URL in it shown as ``***`` (:func:`redact_url`): what reaches the
+    terminal never carries a Redis password, even one typed in a misspelt flag or quoted by redis-py."""
+    return _URL.sub(lambda m: redact_url(m.group(0)), text)
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose usage errors never echo a password (``--redis_url=redis://:pw@...``)."""
+
+    def error(self, message: str) -> NoReturn:
+        """Print the usage and ``message``, its URLs redacted, and exit 2."""
+        super().error(_redact_urls(message))
 
 
 def _positive_float(text: str) -> float:
@@ -161,11 +183,22 @@ def _token_file(path: str) -> str:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _web_config(path: str) -> WebConfig:
+    """The web configuration in the file ``path``, loaded at parse time: a bad file is a usage error before
+    anything starts, naming the file and the field."""
+    from ..exporter.webconfig import WebConfigError, load_web_config  # imports no optional package at import
+
+    try:
+        return load_web_config(path)
+    except WebConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``dramatiq-leases``."""
     # The global flags work before or after the command; SUPPRESS keeps a
     # subcommand's absent flag from overwriting one given before it.
-    common = argparse.ArgumentParser(add_help=False)
+    common = _Parser(add_help=False)
     common.add_argument(
         "--redis-url",
         default=argparse.SUPPRESS,
@@ -178,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument(
         "--prefix", default=argparse.SUPPRESS, help=f"prefix of the lease keys in Redis (default: {DEFAULT_PREFIX})"
     )
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="dramatiq-leases",
         description="Inspect and release Dramatiq leases in Redis, export their metrics, or run the demo.",
         epilog=EXIT_CODES_HELP,
@@ -257,14 +290,15 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EXIT_CODES_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    # Every interface by default, as Prometheus exporters do: /metrics carries no lease key; the Busy view is
-    # what needs guarding, and --busy-view / --busy-token-file guard it.
+    # The loopback by default: what the exporter serves is reachable from elsewhere only when the operator
+    # says so (--host 0.0.0.0), and --web.config.file then guards every path.
     p.add_argument(
         "--host",
         type=_host,
-        default="0.0.0.0",
-        help="address to listen on (default: 0.0.0.0; /leases is then refused unless --busy-view open "
-        "or --busy-token-file)",
+        default="127.0.0.1",
+        help="address to listen on (default: 127.0.0.1, this host only; 0.0.0.0 for Prometheus on another "
+        "host: /leases is then refused unless --busy-view open, --busy-token-file or --web.config.file "
+        "basic auth)",
     )
     p.add_argument("--port", type=_port, default=9808, help="port to listen on, 0 to 65535 (default: 9808)")
     p.add_argument(
@@ -300,11 +334,30 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve /leases only to requests sending 'Authorization: Bearer TOKEN', TOKEN being the "
         "content of FILE (at least 16 visible characters; read at start), on any bind",
     )
-    p.add_argument(
+    keys = p.add_mutually_exclusive_group()
+    keys.add_argument(
         "--busy-keys",
         choices=("plain", "hashed"),
         default="plain",
-        help="hashed shows each key of /leases as sha256:<16 hex digits> and no inspect command (default: plain)",
+        help="hashed shows each key of /leases as sha256:<16 hex digits> and no inspect command, and "
+        "/leases/history takes that digest (default: plain)",
+    )
+    keys.add_argument(
+        "--mask-keys",
+        action="store_const",
+        const="hashed",
+        dest="busy_keys",
+        default=argparse.SUPPRESS,
+        help="the same as --busy-keys hashed, for keys that carry personal data",
+    )
+    p.add_argument(
+        "--web.config.file",
+        type=_web_config,
+        metavar="FILE",
+        dest="web_config",
+        help="TLS and basic auth on every path, /metrics included, in the web configuration format of "
+        "Prometheus exporters (exporter-toolkit): tls_server_config, basic_auth_users (bcrypt), "
+        "http_server_config.headers; read at start (needs: pip install 'dramatiq-leases[exporter]')",
     )
 
     p = sub.add_parser(
@@ -325,13 +378,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _fail(err: TextIO, text: str) -> None:
     # One line (newlines and tabs folded), its control characters escaped: messages quote keys and holders.
-    err.write("dramatiq-leases: " + printable(" ".join(text.split())) + "\n")
+    err.write("dramatiq-leases: " + printable(_redact_urls(" ".join(text.split()))) + "\n")
 
 
 def _exporter(leases: Leases, args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    """``exporter``: its ``--busy-*`` flags reach the exporter's HTTP app; a bind that fails ends in one line."""
+    """``exporter``: its ``--busy-*`` and ``--web.config.file`` flags reach the exporter's HTTP app; a bind that
+    fails ends in one line."""
     from ..exporter.server import ListenError  # prometheus_client: only for the exporter
 
+    config = getattr(args, "web_config", None)
+    if config is not None and config.users and args.busy_token:  # before any Redis call
+        _fail(
+            err,
+            "exporter: --busy-token-file and the basic_auth_users of --web.config.file both need the "
+            "Authorization header: choose one",
+        )
+        return EXIT_USAGE
     try:
         return cmd_exporter(leases, args, out)
     except ListenError as e:  # an environment error, not a usage one: the same flags may work elsewhere

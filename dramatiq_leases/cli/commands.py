@@ -320,6 +320,7 @@ def cmd_exporter(leases: Leases, args: argparse.Namespace, out: TextIO) -> int:
         busy_access=BusyAccess(
             open=args.busy_view == "open", token=args.busy_token, hash_keys=args.busy_keys == "hashed"
         ),
+        web_config=getattr(args, "web_config", None),
     )
     return EXIT_OK
 

@@ -85,10 +85,12 @@ in metric labels; they may carry user ids, so the page is safe by default
 (:mod:`.server` has the rules): without a token it is served on a loopback
 bind only, and answers 403 on any other unless ``--busy-view open``;
 ``--busy-token-file FILE`` serves it only to requests sending ``Authorization:
-Bearer <token>``, on any bind; ``--busy-keys hashed`` shows keys as
+Bearer <token>``, on any bind; ``--mask-keys`` (``--busy-keys hashed``) shows keys as
 ``sha256:<16 hex digits>`` with a null ``inspect_command``; ``/metrics`` is
-served to all. Served from the last scan (no Redis call per request); ages
-are as of ``scanned_at``. Each table holds at most ``--top`` rows (default
+served to all who reach the port (127.0.0.1 by default), unless
+``--web.config.file`` asks for basic auth or client certificates. Served
+from the last scan (no Redis call per request); ages are as of
+``scanned_at``. Each table holds at most ``--top`` rows (default
 50; ``--top 0`` turns the page off, 404); ``?limit=N`` asks for fewer
 (capped by ``--top``; anything but a non-negative integer is a 400). The
 field names are an API::
@@ -123,7 +125,7 @@ field names are an API::
       {"node": "10.0.0.7:6379", "error": "TimeoutError: Timeout reading from socket"}
     ],
     "unreadable_keys": {"lease": 0, "line": 1, "waiters": 0, "fence": 0},  # as the gauge; names in the log
-    "history_path": "/leases/history?key="   # + a row's key, URL-encoded: its history (null: keys hashed)
+    "history_path": "/leases/history?key="   # + a row's key (its digest, keys masked), URL-encoded: its history
   }
 
 ``GET /leases/history?key=KEY``, under the same rules, reads the key's history
@@ -159,6 +161,7 @@ from ..core.errors import LeaseUnavailableError
 from .busy_page import DEFAULT_TOP, BusyPage, HotKeyRow, LeaseRow, inspect_command
 from .observer import LEAK_REASONS, LeaseObserver, Snapshot, ended_by_ttl
 from .server import LEASES_PATH, BusyAccess, ExporterApp, start_server
+from .webconfig import WebConfig
 
 __all__ = [
     "DEFAULT_PORT",
@@ -173,6 +176,7 @@ __all__ = [
     "LeaseObserver",
     "LeaseRow",
     "Snapshot",
+    "WebConfig",
     "ended_by_ttl",
     "inspect_command",
     "serve",
@@ -195,13 +199,14 @@ class Exporter:
         self,
         leases: Leases,
         *,
-        host: str = "0.0.0.0",
+        host: str = "127.0.0.1",
         port: int = DEFAULT_PORT,
         match: str = "*",
         top: int = DEFAULT_TOP,
         cli_options: Sequence[str] = (),
         interval: float = 5.0,
         busy_access: BusyAccess | None = None,
+        web_config: WebConfig | None = None,
     ) -> None:
         self.observer = LeaseObserver(
             leases, match=match, top=top, cli_options=cli_options, stale_after=max(3 * interval, 30.0)
@@ -215,7 +220,7 @@ class Exporter:
             busy_access,
             history_json=self.observer.history_json if top > 0 else None,
         )
-        self.server, self._thread = start_server(app, host, port)
+        self.server, self._thread = start_server(app, host, port, web_config)
 
     @property
     def port(self) -> int:
@@ -243,10 +248,10 @@ class Exporter:
         self._thread.join(5)
 
 
-def serve(
+def serve(  # noqa: PLR0913 (keyword-only: the exporter command's documented flags)
     leases: Leases,
     *,
-    host: str = "0.0.0.0",
+    host: str = "127.0.0.1",
     port: int = DEFAULT_PORT,
     interval: float = 5.0,
     match: str = "*",
@@ -254,12 +259,15 @@ def serve(
     cli_options: Sequence[str] = (),
     stop: threading.Event | None = None,
     busy_access: BusyAccess | None = None,
+    web_config: WebConfig | None = None,
 ) -> None:
     """Scan every ``interval`` seconds and serve the figures on ``host:port`` until ``stop`` is set or SIGTERM.
 
     ``top``: rows per table of ``/leases`` (0 turns it off); ``cli_options``:
     global ``dramatiq-leases`` arguments for its ``show`` commands; ``busy_access``: who may read
-    ``/leases`` (default :class:`BusyAccess()`: a loopback bind only).
+    ``/leases`` (default :class:`BusyAccess()`: a loopback bind only); ``web_config``: TLS and basic auth
+    on every path (``--web.config.file``, :func:`.webconfig.load_web_config`). ``host`` is the loopback
+    by default: pass ``"0.0.0.0"`` (or ``"::"``) for Prometheus on another host to reach it.
     """
     exporter = Exporter(
         leases,
@@ -270,12 +278,14 @@ def serve(
         cli_options=cli_options,
         interval=interval,
         busy_access=busy_access,
+        web_config=web_config,
     )
     stop = stop or threading.Event()
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
     logger.info(
-        "Serving lease metrics on http://%s:%d/metrics%s, scanning every %.1fs.",
+        "Serving lease metrics on %s://%s:%d/metrics%s, scanning every %.1fs.",
+        "https" if web_config is not None and web_config.ssl_context is not None else "http",
         host,
         exporter.port,
         f" and the Busy page on {LEASES_PATH}" if top > 0 else "",

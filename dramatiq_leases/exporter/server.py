@@ -21,11 +21,27 @@ default (:class:`BusyAccess`):
 * else (``0.0.0.0``, ``::``, any other address) only if the operator opts in
   with ``--busy-view open``; 403 otherwise, with a body saying how.
 
-``--busy-keys hashed`` shows each key as ``sha256:`` and the first 16 hex
-digits of its SHA-256 (``printf %s KEY | sha256sum`` gives it) and leaves
-``inspect_command`` null: a pseudonym that still tells rows apart, not
-anonymity (whoever can guess a key can confirm it), so it adds to the rules
-above and replaces none.
+* a request the web configuration authenticated (``--web.config.file`` with
+  ``basic_auth_users``, or a verified TLS client certificate) may read it on
+  any bind (a token, if set, is still required: certificates do not use the
+  ``Authorization`` header; basic auth does, so it excludes a token).
+
+``--mask-keys`` (``--busy-keys hashed``) shows each key as ``sha256:`` and
+the first 16 hex digits of its SHA-256 (``printf %s KEY | sha256sum`` gives
+it) and leaves ``inspect_command`` null: a pseudonym that still tells rows
+apart, not anonymity (whoever can guess a key can confirm it), so it adds to
+the rules above and replaces none. ``/leases/history`` then takes a row's
+digest (``?key=sha256:...``, of a key the last scan showed), never a plain
+key, and answers with the digest for a key.
+
+Protecting the whole endpoint
+-----------------------------
+
+``--web.config.file`` (:mod:`.webconfig`: exporter-toolkit's format) adds
+TLS (1.2 at least, optionally client certificates) and basic auth in front of
+every path, ``/metrics`` included: :func:`start_server` wraps the whole WSGI
+app, so a route added to :class:`ExporterApp` is covered without a check of
+its own.
 """
 
 from __future__ import annotations
@@ -36,6 +52,8 @@ import ipaddress
 import json
 import logging
 import socket
+import ssl
+import sys
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -48,6 +66,7 @@ from prometheus_client import CollectorRegistry, make_wsgi_app
 
 from ..core.errors import LeaseError, LeaseUnavailableError
 from . import busy_html
+from .webconfig import AUTHENTICATED, WebConfig
 
 if TYPE_CHECKING:
     from _typeshed.wsgi import StartResponse, WSGIEnvironment
@@ -64,6 +83,9 @@ MIN_TOKEN_LENGTH = 16
 
 #: The realm of the ``WWW-Authenticate`` challenge of a 401.
 REALM = "dramatiq-leases"
+
+#: Seconds a TLS client has to complete its handshake and each read of its request.
+TLS_TIMEOUT = 30.0
 
 #: Hex digits of the SHA-256 shown for a key with ``--busy-keys hashed`` (64 bits: rows never collide).
 HASH_DIGITS = 16
@@ -103,10 +125,15 @@ class BusyAccess:
         if self.token is not None:
             check_token(self.token)
 
-    def describe(self, bound: str, loopback: bool) -> str:
-        """Who gets the Busy view on the address ``bound``, in words (for the start-up log line)."""
+    def describe(self, bound: str, loopback: bool, authenticated: str | None = None) -> str:
+        """Who gets the Busy view on the address ``bound``, in words (for the start-up log line);
+        ``authenticated``: whom the web configuration authenticates, if anyone."""
         if self.token is not None:
             rule = "served only to requests bearing the token of --busy-token-file"
+        elif authenticated is not None and not self.open:
+            rule = f"served to requests authenticated by {authenticated}" + (
+                "" if not loopback else " (or from this host)"
+            )
         elif self.open:
             rule = f"served to anyone who reaches {bound} (--busy-view open)"
         elif loopback:
@@ -114,9 +141,9 @@ class BusyAccess:
         else:
             rule = (
                 f"refused (403) on the non-loopback bind {bound}: start the exporter with --busy-token-file "
-                "FILE or --busy-view open to serve it there"
+                "FILE, --web.config.file FILE (basic_auth_users) or --busy-view open to serve it there"
             )
-        return rule + (", keys hashed" if self.hash_keys else "")
+        return rule + (", keys masked" if self.hash_keys else "")
 
 
 def check_token(token: str) -> str:
@@ -181,6 +208,40 @@ class _QuietHandler(WSGIRequestHandler):
 
     def log_message(self, format: str, *args: Any) -> None:
         pass
+
+
+class _TLSHandler(_QuietHandler):
+    """A request on a TLS connection: the handshake in this request's thread (never in the accepting one, which
+    a slow client would block), under a timeout."""
+
+    timeout = TLS_TIMEOUT
+    connection: ssl.SSLSocket
+
+    def setup(self) -> None:
+        self.request.settimeout(self.timeout)
+        self.request.do_handshake()
+        super().setup()
+
+    def get_environ(self) -> dict[str, str]:
+        env = super().get_environ()
+        env["HTTPS"] = "on"  # wsgi.url_scheme: https
+        cert = self.connection.getpeercert()  # empty unless verified against client_ca_file
+        if cert:
+            names = [pair[1] for rdn in cert.get("subject", ()) for pair in rdn if pair[0] == "commonName"]
+            env[AUTHENTICATED] = "cert:" + str(names[0] if names else "")
+        return env
+
+
+class _TLSServer(_ThreadingServer):
+    """A failed handshake (a plain HTTP request, an untrusted client certificate, a timeout) is the client's
+    problem: logged at debug, not printed as a traceback."""
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        error = sys.exc_info()[1]
+        if isinstance(error, OSError):  # ssl.SSLError, a reset, a timeout
+            logger.debug("TLS connection from %s failed: %s", client_address, error)
+            return
+        super().handle_error(request, client_address)
 
 
 Refusal = tuple[str, dict[str, Any], list[tuple[str, str]]]
@@ -272,14 +333,39 @@ class ExporterApp:
         keys = parse_qs(environ.get("QUERY_STRING", "")).get("key")
         if not keys:
             return _json(start_response, "400 Bad Request", {"error": "name the key: /leases/history?key=KEY"})
+        key = keys[-1]
+        if self.access.hash_keys:
+            found = self._unmask(key)
+            if isinstance(found, tuple):
+                return _json(start_response, *found)
+            key = found
         try:
-            doc = self.history_json(keys[-1])
+            doc = self.history_json(key)
         except LeaseUnavailableError as e:
             return _json(start_response, "503 Service Unavailable", {"error": str(e)})
         except LeaseError as e:  # an invalid key, a history that is not a list
             return _json(start_response, "400 Bad Request", {"error": str(e)})
+        if self.access.hash_keys:
+            doc = {**doc, "key": hashed_key(key)}
         body = _json(start_response, "200 OK", doc)
         return [] if head else body
+
+    def _unmask(self, digest: str) -> str | tuple[str, dict[str, Any]]:
+        """The key of the last scan's rows whose digest is ``digest`` (keys masked), or the refusal (status, body).
+
+        Only a digest is taken: a plain key would travel in URLs and logs, which masking keeps keys out of.
+        """
+        if not (digest.startswith("sha256:") and len(digest) == len("sha256:") + HASH_DIGITS):
+            return (
+                "400 Bad Request",
+                {"error": "keys are masked (--mask-keys): ask by a digest /leases shows, ?key=sha256:<16 hex digits>"},
+            )
+        doc = self.busy_json(None) if self.busy_json is not None else {}
+        for table in ("leases", "hot_keys"):
+            for row in doc.get(table) or ():
+                if hashed_key(str(row["key"])) == digest:
+                    return str(row["key"])
+        return "404 Not Found", {"error": f"no key of the last scan's /leases rows has the digest {digest}"}
 
     def _refusal(self, environ: WSGIEnvironment) -> Refusal | None:
         """Why this request may not read the Busy view (status, body, headers), or ``None`` if it may."""
@@ -305,7 +391,7 @@ class ExporterApp:
                     [("WWW-Authenticate", f'Bearer realm="{REALM}", error="invalid_token"')],
                 )
             return None
-        if self.access.open or self.loopback:
+        if self.access.open or self.loopback or environ.get(AUTHENTICATED):
             return None
         return (
             "403 Forbidden",
@@ -314,8 +400,9 @@ class ExporterApp:
                 "detail": f"The Busy view shows lease keys, which may carry personal data, so without a token it "
                 f"is served only on a loopback bind, and this exporter listens on {self.bound}. To serve "
                 "it here, start the exporter with --busy-token-file FILE (clients then send "
-                "'Authorization: Bearer <token>') or, on a network only trusted readers reach, "
-                "--busy-view open. --busy-keys hashed shows keys as digests. /metrics needs neither.",
+                "'Authorization: Bearer <token>'), with --web.config.file FILE (basic_auth_users: basic "
+                "auth on every path) or, on a network only trusted readers reach, --busy-view open. "
+                "--mask-keys shows keys as digests. /metrics needs neither.",
             },
             [],
         )
@@ -326,11 +413,9 @@ def _digest(token: str) -> bytes:
 
 
 def _hash_keys(doc: dict[str, Any]) -> dict[str, Any]:
-    """``doc`` with every row's key replaced by its digest and no ``inspect_command`` (which would name it), nor
-    ``history_path`` (a digest does not name a history)."""
+    """``doc`` with every row's key replaced by its digest and no ``inspect_command`` (which would name it);
+    ``history_path`` stays: ``/leases/history`` takes a row's digest."""
     out = dict(doc)
-    if "history_path" in out:
-        out["history_path"] = None
     for table in ("leases", "hot_keys"):
         if isinstance(doc.get(table), list):
             out[table] = [{**row, "key": hashed_key(str(row["key"])), "inspect_command": None} for row in doc[table]]
@@ -353,35 +438,62 @@ def _json(
     return [body]
 
 
-def start_server(app: ExporterApp, host: str, port: int) -> tuple[WSGIServer, threading.Thread]:
+def start_server(
+    app: ExporterApp, host: str, port: int, web_config: WebConfig | None = None
+) -> tuple[WSGIServer, threading.Thread]:
     """Serve ``app`` on ``host:port`` (``port`` 0: any free port) from a daemon thread, as prometheus_client does.
 
     Sets ``app.bound`` and ``app.loopback`` from the address actually bound,
-    which the Busy view's access rule reads, and logs that rule.
+    which the Busy view's access rule reads, and logs that rule. ``web_config``
+    (``--web.config.file``) wraps the whole app, every path: basic auth and
+    headers in front of it, TLS around the socket.
 
     Raises:
-      ValueError: ``port`` is not from 0 to 65535.
+      ValueError: ``port`` is not from 0 to 65535; basic auth and a Busy view token both configured (both
+        would need the ``Authorization`` header).
       ListenError: ``host`` does not resolve, or the address cannot be bound (in use, not permitted).
     """
     if not 0 <= port <= 65535:
         raise ValueError(f"port must be from 0 to 65535, got {port}")
+    if web_config is not None and web_config.users and app.access.token is not None:
+        raise ValueError(
+            "--busy-token-file and the basic_auth_users of --web.config.file both need the Authorization header: "
+            "choose one"
+        )
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
     except (OSError, UnicodeError) as e:  # socket.gaierror is an OSError; an IDNA-invalid name a UnicodeError
         raise ListenError(host, port, _reason(e)) from e
 
-    class Server(_ThreadingServer):
+    tls = web_config.ssl_context if web_config is not None else None
+
+    class Server(_TLSServer if tls is not None else _ThreadingServer):  # type: ignore[misc]
         address_family = family  # "::" listens on IPv6, "0.0.0.0" on IPv4
 
+    served = web_config.wrap(app) if web_config is not None else app
     try:
-        server = make_server(host, port, app, Server, handler_class=_QuietHandler)
+        server = make_server(
+            host, port, served, Server, handler_class=_TLSHandler if tls is not None else _QuietHandler
+        )
     except OSError as e:
         raise ListenError(host, port, _reason(e)) from e
+    if tls is not None:  # each connection's handshake runs in its request's thread (_TLSHandler)
+        server.socket = tls.wrap_socket(server.socket, server_side=True, do_handshake_on_connect=False)
     address = str(server.server_address[0])
     app.bound, app.loopback = host_port(address, int(server.server_address[1])), is_loopback(address)
+    authenticated = None
+    if web_config is not None:
+        logger.info("The endpoint is protected by %s.", web_config.describe())
+        if web_config.users or web_config.verifies_clients:
+            authenticated = "--web.config.file"
     if app.busy_json is not None:
-        level = logging.INFO if app.loopback or app.access.token is not None else logging.WARNING
-        logger.log(level, "The Busy view (%s) is %s.", LEASES_PATH, app.access.describe(app.bound, app.loopback))
+        guarded = app.loopback or app.access.token is not None or authenticated is not None
+        logger.log(
+            logging.INFO if guarded else logging.WARNING,
+            "The Busy view (%s) is %s.",
+            LEASES_PATH,
+            app.access.describe(app.bound, app.loopback, authenticated),
+        )
     thread = threading.Thread(target=server.serve_forever, name="lease-exporter-http", daemon=True)
     thread.start()
     return server, thread
