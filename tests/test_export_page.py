@@ -83,10 +83,15 @@ def system(tmp_path_factory: pytest.TempPathFactory) -> Iterator[System]:
             return page and bool(client.zcard("dramatiq:__heartbeats__"))  # the worker asked for work
 
         wait_until(up, timeout=30, what="the page and its worker", procs=procs)
+        system = System(server, procs, url, client)
         try:
-            yield System(server, procs, url, client)
+            yield system
         finally:
             client.close()
+            procs.stop("page")  # it stops its worker; a worker left by a launcher that hung is ended here
+            for pid in system.worker_pids():
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)
     server.close()
 
 
@@ -153,7 +158,7 @@ def test_a_worker_killed_mid_export_locks_the_button_for_the_rest_of_the_ttl_the
     click_export(driver)
     fence, message_id = fence_and_message(in_state(driver, "running", timeout=15))
     screenshot(driver, "chaos-1-running")
-    assert "started" in system.runs(message_id)
+    wait_until(lambda: "started" in system.runs(message_id), timeout=5, what="the export to start")
     [*_, killed] = system.worker_pids()
     os.killpg(killed, signal.SIGKILL)  # mid-export: no release, no goodbye
     killed_at = time.monotonic()
@@ -189,7 +194,7 @@ def test_a_worker_killed_mid_export_locks_the_button_for_the_rest_of_the_ttl_the
         assert now - killed_at < TTL_MS / 1000 + 5, f"the button never came back: {status_text(driver)!r}"
         time.sleep(0.05)
     assert gone_at is None or now - gone_at < 2.5, "the button came back late after the lease expired"
-    assert time.monotonic() - killed_at <= TTL_MS / 1000 + 2.5
+    assert time.monotonic() - killed_at <= TTL_MS / 1000 + 3, "the lock outlived its TTL"
     ready = in_state(driver, "ready")
     screenshot(driver, "chaos-3-ready")
     assert f"fence {fence}" in ready and "expired" in ready, (
