@@ -101,7 +101,7 @@ def test_the_middleware_parameters_are_the_options_and_the_store_wide_table() ->
 # --- (b) the CLI --------------------------------------------------------------------------------------
 
 #: A long flag as the synopsis writes it: ``--name``, not a metavar nor a choice.
-FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
+FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*(?:\.[a-z][a-z0-9-]*)*")  # --web.config.file, as Prometheus writes it
 
 
 def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
