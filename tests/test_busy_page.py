@@ -15,15 +15,12 @@ which a digest kept in the PNG itself tells.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
-import struct
 import threading
 import urllib.error
 import urllib.parse
 import urllib.request
-import zlib
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -37,7 +34,7 @@ from dramatiq_leases.embedded import EmbeddedRedis
 from dramatiq_leases.exporter import Exporter
 from dramatiq_leases.exporter.busy_html import BUSY_PAGE, BUSY_PAGE_PATH
 
-from .support.browser import chromium, screenshot, until
+from .support.browser import chromium, content_digest, publish, screenshot, until
 from .support.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -112,42 +109,10 @@ def rows(driver: Any, table: str) -> list[dict[str, Any]]:
 
 # --- the README's picture --------------------------------------------------------------------------------
 
-DIGEST_KEYWORD = b"dramatiq-leases-content"
-
-
-def content_digest(driver: Any) -> str:
-    """What the picture shows, numbers aside: the page's source, its text with each number as ``#``, the size."""
-    text = re.sub(r"\d+(\.\d+)?", "#", driver.find_element("tag name", "body").text)
-    size = driver.get_window_size()
-    return hashlib.sha256(BUSY_PAGE + text.encode() + f"{size['width']}x{size['height']}".encode()).hexdigest()
-
-
-def png_text(png: bytes, keyword: bytes) -> bytes | None:
-    """The value of a PNG ``tEXt`` chunk named ``keyword``, or ``None``."""
-    at = 8  # after the signature
-    while at + 8 <= len(png):
-        (length,) = struct.unpack(">I", png[at : at + 4])
-        kind, data = png[at + 4 : at + 8], png[at + 8 : at + 8 + length]
-        if kind == b"tEXt" and data.partition(b"\0")[0] == keyword:
-            return data.partition(b"\0")[2]
-        at += 12 + length
-    return None
-
-
-def with_png_text(png: bytes, keyword: bytes, value: bytes) -> bytes:
-    """``png`` with a ``tEXt`` chunk ``keyword`` = ``value`` right after its header (IHDR)."""
-    data = keyword + b"\0" + value
-    chunk = struct.pack(">I", len(data)) + b"tEXt" + data + struct.pack(">I", zlib.crc32(b"tEXt" + data))
-    end_of_header = 8 + 12 + 13  # the signature, then IHDR: length, type, 13 bytes, CRC
-    return png[:end_of_header] + chunk + png[end_of_header:]
-
 
 def save_readme_image(shot: Path, digest: str) -> None:
     """Copy the screenshot to docs/images/busy-page.png unless the one there shows the same content."""
-    if README_IMAGE.exists() and png_text(README_IMAGE.read_bytes(), DIGEST_KEYWORD) == digest.encode():
-        return
-    README_IMAGE.parent.mkdir(parents=True, exist_ok=True)
-    README_IMAGE.write_bytes(with_png_text(shot.read_bytes(), DIGEST_KEYWORD, digest.encode()))
+    publish(shot, README_IMAGE, digest)
 
 
 # --- the page in a browser ---------------------------------------------------------------------------------
@@ -212,7 +177,7 @@ def test_the_busy_page_shows_a_running_systems_leases_worst_first_and_keeps_itse
             1280, driver.execute_script("return document.body.scrollHeight + window.outerHeight - window.innerHeight")
         )
         shot = screenshot(driver, "busy-page")
-        save_readme_image(shot, content_digest(driver))
+        save_readme_image(shot, content_digest(driver, BUSY_PAGE))
 
         # The copy button puts the command on the clipboard.
         driver.execute_cdp_cmd(

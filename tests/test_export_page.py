@@ -17,7 +17,6 @@ import contextlib
 import json
 import os
 import re
-import shutil
 import signal
 import sys
 import time
@@ -33,13 +32,15 @@ from selenium.common.exceptions import NoSuchElementException, StaleElementRefer
 
 from dramatiq_leases.embedded import EmbeddedRedis, free_port
 
-from .support.browser import chromium, screenshot, until
+from .support.browser import chromium, content_digest, publish, screenshot, until
 from .support.processes import Processes, clean_env, listening, wait_until
 
 pytestmark = pytest.mark.system
 
 ROOT = Path(__file__).resolve().parents[1]
 README_PICTURE = ROOT / "docs" / "images" / "export-locked.png"
+#: The page's own files: the README's picture is made again when they (or what the page says) change.
+PAGE_SOURCES = [ROOT / "examples" / "export_page" / name for name in ("page.html", "app.py")]
 TTL_MS = 3000
 RUNS_KEY = "examples:export_report:runs"  # where examples.web_tasks records each export's start and end
 PREFIX = "dramatiq-leases"
@@ -170,8 +171,7 @@ def test_a_worker_killed_mid_export_locks_the_button_for_the_rest_of_the_ttl_the
     assert 1 <= countdown <= TTL_MS // 1000, "counts down from Retry-After: the lease's TTL left, at most its TTL"
     assert not export_enabled(driver), "the button waits for the lock"
     path = screenshot(driver, "export-locked")
-    README_PICTURE.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(path, README_PICTURE)
+    publish(path, README_PICTURE, content_digest(driver, *(p.read_bytes() for p in PAGE_SOURCES)))
     until(
         driver,
         lambda d: int(d.find_element("id", "countdown").text) < countdown,

@@ -7,7 +7,11 @@ browser tests cannot quietly stop running. Selenium is pointed at those binaries
 
 from __future__ import annotations
 
+import hashlib
+import re
 import shutil
+import struct
+import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -21,6 +25,9 @@ T = TypeVar("T")
 
 #: Where the tests save their screenshots (test artefacts; the README's pictures are copied from here).
 ARTEFACTS = Path(__file__).parents[2] / "build" / "screenshots"
+
+#: The PNG ``tEXt`` keyword under which a published picture keeps the digest of what it shows.
+DIGEST_KEYWORD = b"dramatiq-leases-content"
 
 
 def _binary(*names: str) -> str:
@@ -72,3 +79,41 @@ def until(driver: Any, condition: Callable[[Any], T], *, timeout: float = 10.0, 
             f"timed out after {timeout}s waiting for {what}; the page says: {driver.find_element('tag name', 'body').text!r}"
         )
     return result
+
+
+def content_digest(driver: Any, *sources: bytes) -> str:
+    """What a picture of the page shows, numbers aside: ``sources`` (the page's own files), its text with each
+    number as ``#``, and the window's size."""
+    text = re.sub(r"\d+(\.\d+)?", "#", driver.find_element("tag name", "body").text)
+    size = driver.get_window_size()
+    return hashlib.sha256(b"".join(sources) + text.encode() + f"{size['width']}x{size['height']}".encode()).hexdigest()
+
+
+def png_text(png: bytes, keyword: bytes) -> bytes | None:
+    """The value of a PNG ``tEXt`` chunk named ``keyword``, or ``None``."""
+    at = 8  # after the signature
+    while at + 8 <= len(png):
+        (length,) = struct.unpack(">I", png[at : at + 4])
+        kind, data = png[at + 4 : at + 8], png[at + 8 : at + 8 + length]
+        if kind == b"tEXt" and data.partition(b"\0")[0] == keyword:
+            return data.partition(b"\0")[2]
+        at += 12 + length
+    return None
+
+
+def with_png_text(png: bytes, keyword: bytes, value: bytes) -> bytes:
+    """``png`` with a ``tEXt`` chunk ``keyword`` = ``value`` right after its header (IHDR)."""
+    data = keyword + b"\0" + value
+    chunk = struct.pack(">I", len(data)) + b"tEXt" + data + struct.pack(">I", zlib.crc32(b"tEXt" + data))
+    end_of_header = 8 + 12 + 13  # the signature, then IHDR: length, type, 13 bytes, CRC
+    return png[:end_of_header] + chunk + png[end_of_header:]
+
+
+def publish(shot: Path, picture: Path, digest: str) -> None:
+    """Copy the screenshot ``shot`` to ``picture`` (a picture the docs show) unless the one there shows the same
+    content (its digest): a run changes the file only when what it shows changed, so the pictures stay true
+    without every test run rewriting them."""
+    if picture.exists() and png_text(picture.read_bytes(), DIGEST_KEYWORD) == digest.encode():
+        return
+    picture.parent.mkdir(parents=True, exist_ok=True)
+    picture.write_bytes(with_png_text(shot.read_bytes(), DIGEST_KEYWORD, digest.encode()))
