@@ -40,6 +40,7 @@ from dramatiq_leases.cli import build_parser, main
 from dramatiq_leases.core import Lease, Leases
 from dramatiq_leases.embedded import EmbeddedRedis, free_port
 from dramatiq_leases.exporter import Exporter
+from dramatiq_leases.exporter.busy_html import BUSY_PAGE_PATH
 from dramatiq_leases.exporter.server import BusyAccess
 from dramatiq_leases.exporter.webconfig import load_web_config
 
@@ -170,10 +171,10 @@ def test_basic_auth_answers_401_without_credentials_and_200_with_them_on_every_p
             "http_server_config": {"headers": {"X-Content-Type-Options": "nosniff", "X-Frame-Options": "deny"}},
         },
     )
-    digest_free_history = "/leases/history?key=" + PERSONAL.replace("@", "%40")
+    history = "/leases/history?key=" + urllib.parse.quote(PERSONAL)
     with serving(leases, config) as exporter:  # on every interface: authenticated readers get /leases there
         base = f"http://127.0.0.1:{exporter.port}"
-        for path in ("/metrics", "/leases", digest_free_history, "/", "/any/other/path"):
+        for path in ("/metrics", "/leases", history, BUSY_PAGE_PATH, "/", "/any/other/path"):
             for headers in (
                 {},
                 basic(USER, PASSWORD + "x"),
