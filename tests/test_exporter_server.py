@@ -197,7 +197,7 @@ def test_on_every_interface_metrics_are_served_and_the_busy_view_is_refused_sayi
 
 
 def test_the_library_exporter_on_every_interface_refuses_the_busy_view_too(leases: Leases) -> None:
-    exporter = Exporter(leases, host="0.0.0.0", port=0)  # its default host
+    exporter = Exporter(leases, host="0.0.0.0", port=0)  # every interface, as a scrape by another host needs
     try:
         status, _, body = get(exporter.port, "/leases")
         assert status == 403 and json.loads(body)["error"] == "forbidden"
