@@ -12,6 +12,13 @@ def redact_url(url: str) -> str:
     ``password`` (redis-py's ``?password=``, a Sentinel URL's ``?sentinel_password=``). The hosts are
     kept as written, so a URL naming several (``redis+sentinel://h1:26379,h2:26379/...``) stays whole.
     """
+    scheme, sep, rest = url.partition("://")
+    userinfo = rest.rpartition("@")[0]
+    if sep and any(c in userinfo for c in "/?#"):
+        # An unencoded "/", "?" or "#" in a password (base64 ones have "/") ends urlsplit's netloc early, and
+        # redis-py's error then quotes the whole URL: all up to the last "@" is hidden, the rest redacted as usual.
+        tail = redact_url(f"{scheme}://{rest.rpartition('@')[2]}")
+        return tail if tail == "<unparsable URL>" else f"{scheme}://***@{tail[len(scheme) + 3 :]}"
     try:
         parts = urlsplit(url)
         userinfo, at, hosts = parts.netloc.rpartition("@")

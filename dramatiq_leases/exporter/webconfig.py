@@ -190,7 +190,10 @@ class _Guard:
         if hashed is not None and digest in self._good:
             return user
         assert self.config._bcrypt is not None  # loaded with the users
-        ok = bool(self.config._bcrypt.checkpw(secret, hashed if hashed is not None else self._decoy))
+        try:
+            ok = bool(self.config._bcrypt.checkpw(secret, hashed if hashed is not None else self._decoy))
+        except ValueError:  # bcrypt 5 refuses a password over 72 bytes: a 401 for the client, not a 500
+            return None
         if not ok or hashed is None:
             return None
         with self._lock:
@@ -231,9 +234,26 @@ def _read_yaml(path: str) -> dict[str, Any]:
         import yaml
     except ImportError:
         raise WebConfigError(path, "", f"reading it needs PyYAML: pip install '{EXTRA}'") from None
+
+    class StrictLoader(yaml.SafeLoader):
+        """safe_load, but a key given twice is an error (as exporter-toolkit's UnmarshalStrict): a second
+        ``basic_auth_users:`` or ``tls_server_config:`` block would otherwise drop the first one silently."""
+
+    def no_duplicates(loader: StrictLoader, node: yaml.MappingNode) -> Any:
+        seen: set[object] = set()
+        for key_node, _ in node.value:
+            key = loader.construct_object(key_node)
+            if not isinstance(key, (str, int, float, bool)):
+                continue  # an unhashable key: construct_mapping refuses it
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} given twice", key_node.start_mark)
+            seen.add(key)
+        return loader.construct_mapping(node)
+
+    StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, no_duplicates)
     try:
         with open(path, encoding="utf-8") as f:
-            doc = yaml.safe_load(f)
+            doc = yaml.load(f, Loader=StrictLoader)  # a SafeLoader: no arbitrary objects
     except (OSError, UnicodeDecodeError) as e:
         raise WebConfigError(path, "", f"cannot read it: {getattr(e, 'strerror', None) or e}") from None
     except yaml.YAMLError as e:
