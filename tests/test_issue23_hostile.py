@@ -265,7 +265,7 @@ def test_status_of_a_key_without_ttl_never_promises_that_it_ends(redis_server: E
 
 @pytest.mark.system
 def test_the_export_button_comes_back_when_the_countdown_ends_even_with_redis_away(tmp_path: Path) -> None:
-    """A lock counts down; Redis goes away meanwhile, so the status endpoint answers 503. When the countdown
+    """A lock without TTL is told as one (first part). Then a lock counts down; Redis goes away meanwhile, so the status endpoint answers 503. When the countdown
     reaches 0 the lock has run out its TTL whatever Redis says: the button must be usable again (a click then
     says Redis is unreachable and offers a retry), not stay disabled under "retry in 0 s" until Redis is back."""
     from .support.browser import chromium, screenshot, until
@@ -288,18 +288,36 @@ def test_the_export_button_comes_back_when_the_countdown_ends_even_with_redis_aw
                     return False
 
             wait_until(up, timeout=30, what="the page", procs=procs)
-            # Someone else's export holds the user's key (a request's lease, 3 s): the click is answered 423.
-            assert isinstance(web.try_acquire(store, "export:report:9", 3000), Lease)
-            driver.get(url)
-            field = driver.find_element("id", "user")
-            field.clear()
-            field.send_keys("9")
-            driver.find_element("id", "export").click()
 
             def state(d: Any) -> str:
                 return str(d.find_element("id", "status").get_attribute("data-state"))
 
-            until(driver, lambda d: state(d) == "locked", what="the locked state")
+            def click_for(user: int) -> None:
+                driver.get(url)
+                field = driver.find_element("id", "user")
+                field.clear()
+                field.send_keys(str(user))
+                driver.find_element("id", "export").click()
+                until(driver, lambda d: state(d) == "locked", what="the locked state")
+
+            # A lock without TTL (debris) never ends by itself: the page must say so, not count down to
+            # "retry in 0 s" under a dead button and promise that "the lock ends by itself"; and it must
+            # still give the button back once an operator frees the key.
+            assert isinstance(store.try_acquire("export:report:8", 30_000), Lease)
+            client.persist("dramatiq-leases:lease:{export:report:8}")
+            click_for(8)
+            until(driver, lambda d: "no TTL" in d.find_element("id", "status").text, timeout=5, what="'no TTL'")
+            text = driver.find_element("id", "status").text
+            screenshot(driver, "hostile-no-ttl")
+            assert "ends by itself" not in text and "retry in" not in text, text
+            assert not driver.find_element("id", "export").is_enabled()
+            client.delete("dramatiq-leases:lease:{export:report:8}")  # the operator's release
+            until(driver, lambda d: state(d) == "ready", what="the button back once the key is freed")
+            assert driver.find_element("id", "export").is_enabled()
+
+            # Someone else's export holds the user's key (a request's lease, 3 s): the click is answered 423.
+            assert isinstance(web.try_acquire(store, "export:report:9", 3000), Lease)
+            click_for(9)
             server.stop()
             try:
                 until(
