@@ -195,12 +195,6 @@ def test_an_unreadable_web_config_names_the_file(tmp_path: Path) -> None:
 # --- --mask-keys -------------------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the observer logs 'Lease %r ... ended by TTL' (and wrong-type keys) by their plain name whatever "
-    "--mask-keys says: the exporter's own log, shipped to log storage, carries the personal data the Busy view "
-    "masks. The fix is in observer.py (it would need to know the access's hash_keys), outside this review's files",
-)
 def test_mask_keys_keeps_a_key_out_of_the_exporters_log(
     redis_server: EmbeddedRedis, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -209,7 +209,12 @@ class Exporter:
         web_config: WebConfig | None = None,
     ) -> None:
         self.observer = LeaseObserver(
-            leases, match=match, top=top, cli_options=cli_options, stale_after=max(3 * interval, 30.0)
+            leases,
+            match=match,
+            top=top,
+            cli_options=cli_options,
+            stale_after=max(3 * interval, 30.0),
+            hash_keys=busy_access is not None and busy_access.hash_keys,
         )
         self.interval = interval
         self.registry = CollectorRegistry()

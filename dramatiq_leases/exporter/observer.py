@@ -21,7 +21,7 @@ from ..core.keys import fence_name
 from ..core.reading import LineInfo, ReadGaps
 from . import busy_page
 from .busy_page import DEFAULT_TOP, BusyPage
-from .server import HISTORY_PATH
+from .server import HISTORY_PATH, hashed_key
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +125,9 @@ class LeaseObserver(Collector):
       top: how many rows each table of the Busy page keeps (:mod:`.busy_page`).
       cli_options: global ``dramatiq-leases`` arguments for the Busy page's
         ``show`` commands (the exporter's non-default ``--redis-url``, ``--prefix``).
+      stale_after: seconds after which the last scan no longer describes Redis.
+      hash_keys: name keys in the log by their pseudonym (``--mask-keys``), as the Busy view shows them:
+        a log shipped to storage must not carry the personal data the page masks.
     """
 
     def __init__(
@@ -135,8 +138,10 @@ class LeaseObserver(Collector):
         top: int = DEFAULT_TOP,
         cli_options: Sequence[str] = (),
         stale_after: float | None = None,
+        hash_keys: bool = False,
     ) -> None:
         self.leases = leases
+        self.hash_keys = hash_keys
         #: Seconds after which the last scan no longer describes Redis: its lease gauges are then not served
         #: (they go stale in Prometheus) rather than keep a resolved leak paging, or hide a new one.
         self.stale_after = stale_after
@@ -185,7 +190,10 @@ class LeaseObserver(Collector):
                 if ending is Ending.EXPIRED:
                     self.expired[labels] += 1
                     logger.warning(
-                        "Lease %r (fence %d) of %s ended by TTL, not released.", info.key, info.fence, labels[0]
+                        "Lease %s (fence %d) of %s ended by TTL, not released.",
+                        self._named(info.key),
+                        info.fence,
+                        labels[0],
                     )
                 elif ending is Ending.UNKNOWN:
                     self.ended_unknown[labels] += 1
@@ -198,10 +206,10 @@ class LeaseObserver(Collector):
         if unknown is not None and not self._told_unknown:
             self._told_unknown = True  # every release may be one, with a short retention: said once
             logger.warning(
-                "Lease %r (fence %d) ended, but its fence counter no longer says whether by release or by TTL "
+                "Lease %s (fence %d) ended, but its fence counter no longer says whether by release or by TTL "
                 "(gone: a fence_retention shorter than the scan interval?, or rewritten by later grants): counted "
                 "in dramatiq_lease_ended_unknown_total, not as an expiry. Said once.",
-                unknown.key,
+                self._named(unknown.key),
                 unknown.fence,
             )
         return snap
@@ -292,8 +300,8 @@ class LeaseObserver(Collector):
                 else "left out of the scan"
             )
             logger.warning(
-                "Key %r is %s: %s (dramatiq_lease_exporter_unreadable_keys); no dramatiq-leases code wrote it.",
-                name,
+                "Key %s is %s: %s (dramatiq_lease_exporter_unreadable_keys); no dramatiq-leases code wrote it.",
+                self._named(name),
                 bad.problem,
                 what,
             )
@@ -302,6 +310,10 @@ class LeaseObserver(Collector):
         # Only the keys still there are remembered: the memory is bounded by the keys, and one that comes back
         # after a fix is told again.
         self._unreadable_logged = set(gaps.keys)
+
+    def _named(self, key: str) -> str:
+        """``key`` as the log names it: quoted, or its pseudonym when keys are masked."""
+        return hashed_key(key) if self.hash_keys else repr(key)
 
     def busy_json(self, limit: int | None = None) -> dict[str, Any]:
         """The Busy page of the last scan as the JSON document of ``GET /leases`` (no Redis call)."""
