@@ -190,6 +190,8 @@ class Acquisition:
             block_ms = min(result.block_ms, max(1, int((self.budget - self.in_place) * 1000)))
             if opts.max_wait is not None:  # wake up in time to give up
                 block_ms = max(1, min(block_ms, self.first + opts.max_wait - result.now_ms))
+            if opts.unique is not None:  # its unique record outlives the wait (a grant or a park is kept again)
+                mw.unique.waiting(message, self.key, opts.unique_ttl, block_ms)
             started = time.monotonic()
             try:
                 mw.waiting.wait_in_place(self.key, self.waiter, block_ms)

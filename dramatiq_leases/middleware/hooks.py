@@ -379,8 +379,6 @@ class LeaseMiddleware(Middleware):
             limit = self.declarations.limit(opts, message)
         except (LeaseConfigError, LeaseKeyError) as e:
             refuse(message, e)
-        if opts.unique is not None:
-            self.unique.seen(message, key, opts.unique_ttl)
         attempt = Acquisition(
             self, broker, message, actor=actor, key=key, opts=opts, limit=limit, hook_started=hook_started
         )

@@ -27,7 +27,6 @@ from ..core.scripts import MAX_MS
 from ..core.unique import Mode, UniqueRecords
 from .errors import DuplicateMessage, LeaseSendUnavailableError
 from .options import LEASE_OPTION, MAX_DELAY, UNIQUE_OPTION
-from .waiting import MAX_IN_PLACE
 
 if TYPE_CHECKING:
     from .hooks import LeaseMiddleware
@@ -41,9 +40,6 @@ logger = logging.getLogger(__name__)
 GRACE_MS = 30_000
 
 _MODE_CODES = {"queued": "q", "until_done": "d"}
-
-#: The longest a delivery waits in place for its lease (ms), past which it is parked (a sign of life again).
-IN_PLACE_MS = int(MAX_IN_PLACE * 1000)
 
 
 class Uniqueness:
@@ -215,13 +211,13 @@ class Uniqueness:
         """A worker thread starts on ``message`` (before anything can enqueue it again)."""
         self._current.delivery = message
 
-    def seen(self, message: Any, key: str, ttl: int) -> None:
-        """A delivery of a unique message, about to ask for its lease: a sign of life. Its record lives ``ttl``
-        past the longest it may wait in place (then it is granted, or parked: kept again)."""
+    def waiting(self, message: Any, key: str, ttl: int, wait_ms: int) -> None:
+        """A delivery of a unique message about to wait in place ``wait_ms`` for its lease: a sign of life. Its
+        record lives ``ttl`` past the wait (then it is granted, parked or sent back: kept again, or ended)."""
         if not message.options.get(UNIQUE_OPTION):
             return
         try:
-            self.records.keep(key, message.message_id, min(MAX_MS, ttl + IN_PLACE_MS), attempt=_attempt(message))
+            self.records.keep(key, message.message_id, min(MAX_MS, ttl + wait_ms), attempt=_attempt(message))
         except LeaseUnavailableError as e:  # the acquisition that follows meets the same outage
             logger.warning("Could not keep the unique record of message %s on %r: %s.", message.message_id, key, e)
 
