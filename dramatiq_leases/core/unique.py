@@ -27,8 +27,9 @@ UNIQUE_MODES = ("queued", "until_done")
 
 Mode = Literal["queued", "until_done"]
 
-_MODE_CODES = {"queued": "q", "until_done": "d"}
-_MODE_NAMES = {code: mode for mode, code in _MODE_CODES.items()}
+#: Each mode's code in the records (and in the mark a sent message carries).
+MODE_CODES = {"queued": "q", "until_done": "d"}
+_MODE_NAMES = {code: mode for mode, code in MODE_CODES.items()}
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,7 @@ class UniqueRecords:
           LeaseConfigError: a bad ``mode``, ``limit``, ``grace`` or ``attempt``.
           LeaseUnavailableError: Redis could not be asked (nothing is known: the caller must not send).
         """
-        code = _MODE_CODES.get(mode)
+        code = MODE_CODES.get(mode)
         if code is None:
             raise LeaseConfigError(f"UniqueRecords.take: mode must be one of {UNIQUE_MODES}, got {mode!r}")
         limit = whole_limit(limit, "limit", maximum=scripts.MAX_LIMIT, owner="UniqueRecords.take")
@@ -121,7 +122,7 @@ class UniqueRecords:
         that enqueued its own message again: the longest hold its run was kept for no longer counts).
         """
         ms = whole_ms(ms, "ms", owner="UniqueRecords.keep")
-        code = "-" if retake is None else _MODE_CODES.get(retake)
+        code = "-" if retake is None else MODE_CODES.get(retake)
         if code is None:
             raise LeaseConfigError(f"UniqueRecords.keep: retake must be None or one of {UNIQUE_MODES}, got {retake!r}")
         limit = whole_limit(limit, "limit", maximum=scripts.MAX_LIMIT, owner="UniqueRecords.keep")

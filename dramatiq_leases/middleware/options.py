@@ -11,6 +11,7 @@ from ..core.errors import LeaseConfigError
 from ..core.lease import default_interval
 from ..core.numbers import whole_limit, whole_ms
 from ..core.scripts import MAX_LIMIT, MAX_MS
+from ..core.unique import UNIQUE_MODES as CORE_UNIQUE_MODES
 from .errors import LeaseOptionError
 
 #: Actor options, each also accepted as a message option (``send_with_options``).
@@ -56,7 +57,7 @@ ON_BUSY_POLICIES = ("wait", "skip", "fail", "latest")
 #: What ``lock_unique`` may be (besides ``None``, the default: no uniqueness): while a message of the key is
 #: queued (sent, not started) another send of it is refused (``"queued"``), or until it is done for good
 #: (``"until_done"``).
-UNIQUE_MODES = ("queued", "until_done")
+UNIQUE_MODES = CORE_UNIQUE_MODES
 
 #: Default ``lock_unique_ttl`` (ms): how long a unique record outlives its message's last sign of life (its
 #: send, a delivery, a park, a retry), so that a message purged or deleted by hand frees its key: an hour.

@@ -24,7 +24,7 @@ import dramatiq
 
 from ..core.errors import LeaseUnavailableError
 from ..core.scripts import MAX_MS
-from ..core.unique import Mode, UniqueRecords
+from ..core.unique import MODE_CODES, Mode, UniqueRecords
 from .errors import DuplicateMessage, LeaseSendUnavailableError
 from .options import LEASE_OPTION, MAX_DELAY, UNIQUE_OPTION
 
@@ -38,8 +38,6 @@ logger = logging.getLogger(__name__)
 #: How long (ms) a record taken at send time lives before the broker is known to have its message, at most
 #: (never longer than ``lock_unique_ttl``): a send whose broker call fails leaves a record that ends this soon.
 GRACE_MS = 30_000
-
-_MODE_CODES = {"queued": "q", "until_done": "d"}
 
 
 class Uniqueness:
@@ -116,7 +114,7 @@ class Uniqueness:
             raise DuplicateMessage(
                 key=key, message_id=holder, actor=message.actor_name, refused_id=message.message_id, mode=mode
             )
-        message.options[UNIQUE_OPTION] = _MODE_CODES[mode]
+        message.options[UNIQUE_OPTION] = MODE_CODES[mode]
         self._taken.key = (message.message_id, key, _lives(delay, ttl))
 
     def _release_handed(self, message: Any, key: str) -> None:
