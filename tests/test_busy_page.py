@@ -125,6 +125,9 @@ def test_the_busy_page_shows_a_running_systems_leases_worst_first_and_keeps_itse
     with ExitStack() as stack:
         # The oldest grant, a handed-over lease nobody renews (alive until its TTL).
         acquire(leases, OLD, 120_000, INVOICES, "7f3e9a10-0c41-4c8e-9d52-2b1f6f0e1a07")
+        # Older by the server's clock, not only by the order of the calls: grants in one millisecond tie.
+        old_ms = leases.inspect(OLD).acquired_ms  # type: ignore[union-attr]
+        wait_for(lambda: leases.inspect(OLD).now_ms > old_ms, what="the server's clock past the oldest grant")  # type: ignore[union-attr]
         # A running job: renewed by a heartbeat every second, with two messages of its key waiting in its line.
         heartbeat = Heartbeat(leases)
         heartbeat.start()
