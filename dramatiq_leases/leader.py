@@ -3,8 +3,9 @@
 :class:`Leader` stands by until it holds its key, renews it with a heartbeat of its own, and tells the
 process when it loses it, in time: no later than the lease's local deadline (``ttl - margin`` after the
 last renewal Redis confirmed), while the key still has ``margin`` ms to live on the server, so a
-deposed leader has stopped before any other process can be granted the key. It sits on the lease core
-alone (no Dramatiq, no middleware).
+deposed leader has stopped before any other process can be granted the key: unless it was paused past that
+deadline, or Redis forgot the grant (a restart without persistence, a failover); docs/guarantees.md says
+what holds then. It sits on the lease core alone (no Dramatiq, no middleware).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from collections.abc import Callable, Mapping
 from types import FrameType, TracebackType
 from typing import Any, Literal
 
+from ._descendants import kill_descendants
 from .core.errors import LeaseConfigError, LeaseStateError, LeaseUnavailableError
 from .core.heartbeat import Heartbeat
 from .core.info import meta_args
@@ -43,6 +45,10 @@ MIN_TTL = 100
 #: The signal that wakes the main thread to raise :class:`LeaderLost` in it. SIGURG: its default action is to
 #: be ignored, so one arriving after the handler was put back harms nothing, and programs rarely use it.
 _SIGNAL: int | None = getattr(signal, "SIGURG", None)
+
+#: How long the SIGURG handler has to take a LeaderLost before it is raised asynchronously instead: the signal
+#: reaches a running main thread within a switch interval (5 ms), one blocked in a call at once.
+_SIGNAL_GRACE_S = 0.05
 
 #: What to do when leadership is lost: ``"raise"``, ``"exit"`` or a function called with the lease and the reason.
 OnLost = Literal["raise", "exit"] | Callable[[Lease, LostReason], None]
@@ -91,8 +97,10 @@ class Leader:
       (The handler calls a previous Python handler for SIGURGs that are not its own.) In another thread it is
       an asynchronous exception (``PyThreadState_SetAsyncExc``, as Dramatiq's time limits): it lands at that
       thread's next Python instruction, so such a thread should not block for long.
-    * ``"exit"``: the process ends at once with ``os._exit(exit_code)`` (default :data:`EXIT_CODE`, 75):
-      nothing of it runs on, for a supervisor (Docker, Kubernetes, systemd) to restart into standby.
+    * ``"exit"``: every process this one started (and theirs) is killed, then the process ends at once with
+      ``os._exit(exit_code)`` (default :data:`EXIT_CODE`, 75): nothing of it runs on, for a supervisor
+      (Docker, Kubernetes, systemd) to restart into standby. ``kill_children=False`` leaves the children
+      running; a process that left the tree before (a double-forked daemon) is out of reach either way.
     * a function ``on_lost(lease, reason)``: called on the heartbeat's thread; the process must stop acting
       as leader itself (:attr:`is_leader` is already ``False``).
 
@@ -104,6 +112,8 @@ class Leader:
       poll: the longest a standby waits between two asks, in whole ms (default ``ttl // 3``).
       meta: holder metadata stored with the lease (strings), besides ``host`` and ``pid``.
       exit_code: the exit code of ``on_lost="exit"`` (1 to 255; default 75).
+      kill_children: with ``on_lost="exit"``, SIGKILL this process's descendants before it exits (Linux,
+        found in ``/proc``; default ``True``).
 
     Raises:
       LeaseConfigError: an argument that cannot work, named with its value (checked here, before Redis).
@@ -127,6 +137,7 @@ class Leader:
         poll: int | None = None,
         meta: Mapping[str, str] | None = None,
         exit_code: int = EXIT_CODE,
+        kill_children: bool = True,
     ) -> None:
         if not isinstance(leases, Leases):
             raise LeaseConfigError(f"Leader: leases must be a dramatiq_leases.Leases, got {type(leases).__name__}")
@@ -138,11 +149,14 @@ class Leader:
             raise LeaseConfigError(f"{owner}: on_lost must be 'raise', 'exit' or a function, got {on_lost!r}")
         if isinstance(exit_code, bool) or not isinstance(exit_code, int) or not 1 <= exit_code <= 255:
             raise LeaseConfigError(f"{owner}: exit_code must be a whole number from 1 to 255, got {exit_code!r}")
+        if not isinstance(kill_children, bool):
+            raise LeaseConfigError(f"{owner}: kill_children must be True or False, got {kill_children!r}")
         self._meta = dict(meta or {})
         meta_args(key, self._meta)  # refused here rather than at the first grant
         self._leases = leases
         self._on_lost = on_lost
         self._exit_code = exit_code
+        self._kill_children = kill_children
         self._heartbeat = Heartbeat(leases)
         # Between the heartbeat's thread (a loss) and the holding thread (release): who is told, once.
         self._lock = threading.Lock()
@@ -154,6 +168,7 @@ class Leader:
         self._armed = False
         self._injected = False  # an asynchronous LeaderLost set on the target thread, perhaps not yet raised
         self._pending: list[LeaderLost] = []  # for the signal handler: list.pop/clear are atomic
+        self._spent: list[LeaderLost] = []  # signals whose exception went asynchronously (see _escalate)
         self._saved: Any = _NO_HANDLER  # the SIGURG handler ours replaced
         self._closing = threading.Event()
         # Open `with` blocks on this Leader: a nested one (a helper entering it again) leaves the key to the
@@ -315,6 +330,7 @@ class Leader:
             self._by_signal = main and self._saved is not _NO_HANDLER
             self._armed = self._on_lost == "raise"
             self._injected = False
+            self._spent.clear()
         self._heartbeat.track(lease, self._lost)
         logger.info("Leader %r: this process leads (fence %d).", self.key, lease.fence)
 
@@ -329,11 +345,14 @@ class Leader:
             if armed:
                 self._raise_in_target(lease, reason)
         if self._on_lost == "exit":
+            # The children first: they may act on the old fence, and the log write below may block.
+            killed = kill_descendants() if self._kill_children else 0
             logger.critical(
-                "Leader %r (fence %d) lost: %s; exiting with code %d.",
+                "Leader %r (fence %d) lost: %s; killed %d child processes; exiting with code %d.",
                 self.key,
                 lease.fence,
                 reason.description,
+                killed,
                 self._exit_code,
             )
             for stream in (sys.stdout, sys.stderr):
@@ -346,15 +365,64 @@ class Leader:
     def _raise_in_target(self, lease: Lease, reason: LostReason) -> None:
         """Raise LeaderLost in the target thread (the caller holds ``_lock``)."""
         detail = f"leader lease {self.key!r} (fence {lease.fence}) was lost: {reason.value} ({reason.description})"
-        if self._by_signal and _SIGNAL is not None and callable(signal.getsignal(_SIGNAL)):
-            self._pending.append(LeaderLost(detail, key=self.key, fence=lease.fence, reason=reason))
+        if self._by_signal and _SIGNAL is not None:
+            if self._handler_reaches_us():
+                lost = LeaderLost(detail, key=self.key, fence=lease.fence, reason=reason)
+                self._pending.append(lost)
+                signal.pthread_kill(self._target, _SIGNAL)
+                # The handler may be replaced between the check and the signal's arrival: if ours has not
+                # taken the exception by then, it is raised asynchronously instead (one of the two, never both).
+                timer = threading.Timer(_SIGNAL_GRACE_S, self._escalate, (lost, detail, lease.fence, reason))
+                timer.daemon = True
+                timer.start()
+                return
+            logger.warning(
+                "Leader %r: the app replaced the SIGURG handler while it led (%r); LeaderLost is raised as an "
+                "asynchronous exception instead.",
+                self.key,
+                signal.getsignal(_SIGNAL),
+            )
+            self._inject(detail, lease.fence, reason)
+            # The app's handler, run by the signal, is where the exception lands if the thread is blocked in a
+            # sleep or a read: the signal interrupts the call, the handler's first instruction raises it.
             signal.pthread_kill(self._target, _SIGNAL)
             return
-        lost = _leader_lost_with(detail, self.key, lease.fence, reason)
+        self._inject(detail, lease.fence, reason)
+
+    def _inject(self, detail: str, fence: int, reason: LostReason) -> None:
+        """Set LeaderLost as an asynchronous exception of the target thread (the caller holds ``_lock``)."""
+        lost = _leader_lost_with(detail, self.key, fence, reason)
         done = ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._target), ctypes.py_object(lost))
         self._injected = done == 1
         if not self._injected:
             logger.error("Leader %r: the thread that held the key is gone; LeaderLost was not raised.", self.key)
+
+    def _escalate(self, lost: LeaderLost, detail: str, fence: int, reason: LostReason) -> None:
+        """The signal's LeaderLost still not taken after a grace: raise it asynchronously (a Timer's thread)."""
+        with self._lock:
+            try:
+                self._pending.remove(lost)  # atomic, as the handler's pop: exactly one of the two takes it
+            except ValueError:
+                return  # raised by the handler, or cancelled by release
+            self._spent.append(lost)  # the signal, if it still arrives, is ours: not passed on
+            logger.warning(
+                "Leader %r: the SIGURG handler did not take LeaderLost within %d ms; raised asynchronously.",
+                self.key,
+                _SIGNAL_GRACE_S * 1000,
+            )
+            self._inject(detail, fence, reason)
+
+    def _handler_reaches_us(self) -> bool:
+        """Whether a SIGURG now runs our handler: ours is installed, or a later Leader's that chains to ours."""
+        handler: Any = signal.getsignal(_SIGNAL) if _SIGNAL is not None else None
+        for _ in range(64):  # a chain of Leaders entered one inside another; bounded against a cycle
+            owner = getattr(handler, "__self__", None)
+            if not isinstance(owner, Leader) or getattr(handler, "__func__", None) is not Leader._on_signal:
+                return False
+            if owner is self:
+                return True
+            handler = owner._saved
+        return False
 
     def _install_signal(self) -> None:
         """Handle SIGURG in the main thread while the key is held (called on the main thread)."""
@@ -378,6 +446,11 @@ class Leader:
         try:
             lost = self._pending.pop()
         except IndexError:
+            try:
+                self._spent.pop()
+                return  # a signal of ours whose exception was raised asynchronously after the grace
+            except IndexError:
+                pass
             saved = self._saved
             if callable(saved):
                 saved(signum, frame)  # not ours (or ours, cancelled by release)

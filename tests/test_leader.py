@@ -194,6 +194,48 @@ def test_in_the_main_thread_leaderlost_interrupts_a_blocking_sleep(redis_client:
     assert signal.getsignal(signal.SIGURG) == before  # put back
 
 
+def test_leaderlost_reaches_a_blocked_main_thread_whose_app_replaced_the_sigurg_handler(
+    redis_client: redis.Redis,
+) -> None:
+    """An app (or a library) that installs a SIGURG handler of its own while leading does not swallow the
+    loss: LeaderLost still interrupts the main thread's blocking sleep (issue 27, item 1)."""
+    assert threading.current_thread() is threading.main_thread()
+    leases = Leases(redis_client)
+    before = signal.getsignal(signal.SIGURG)
+    app_signals: list[int] = []
+    timer = threading.Timer(0.2, lambda: redis_client.delete(leases.lease_name(KEY)))
+    started = time.monotonic()
+    try:
+        with pytest.raises(LeaderLost) as lost, Leader(leases, KEY, ttl=600):
+            signal.signal(signal.SIGURG, lambda signum, frame: app_signals.append(signum))
+            timer.start()
+            time.sleep(30)
+        assert time.monotonic() - started < 3
+        assert lost.value.reason is LostReason.GONE
+    finally:
+        signal.signal(signal.SIGURG, before)
+
+
+def test_leaderlost_reaches_a_main_thread_that_blocks_sigurg(redis_client: redis.Redis) -> None:
+    """A main thread with SIGURG blocked (a library's pthread_sigmask) never runs the handler: after a short
+    grace the loss is raised as an asynchronous exception instead, once, not twice when the signal is let in."""
+    assert threading.current_thread() is threading.main_thread()
+    leases = Leases(redis_client)
+    timer = threading.Timer(0.2, lambda: redis_client.delete(leases.lease_name(KEY)))
+    started = time.monotonic()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGURG})
+    try:
+        with pytest.raises(LeaderLost) as lost, Leader(leases, KEY, ttl=600):
+            timer.start()
+            while time.monotonic() - started < 30:
+                time.sleep(0.01)  # Python instructions between the sleeps: where the exception lands
+        assert time.monotonic() - started < 3
+        assert lost.value.reason is LostReason.GONE
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGURG})  # the pending signal, let in: no second raise
+    time.sleep(0.1)
+
+
 # --- real processes --------------------------------------------------------------------------------------
 
 
@@ -211,9 +253,18 @@ def _ticks(path: Path, fence: int) -> list[dict[str, Any]]:
     return [e for e in _events(path) if e["event"] == "tick" and e["fence"] == fence]
 
 
-def _start(procs: Processes, name: str, url: str, events: Path, *, ttl: int, on_lost: str = "raise") -> None:
+def _start(
+    procs: Processes,
+    name: str,
+    url: str,
+    events: Path,
+    *,
+    ttl: int,
+    on_lost: str = "raise",
+    flags: tuple[str, ...] = (),
+) -> None:
     argv = [sys.executable, "-m", "tests.apps.leader_app", url, KEY, str(events), "--ttl", str(ttl)]
-    procs.start(name, [*argv, "--on-lost", on_lost], env=clean_env())
+    procs.start(name, [*argv, "--on-lost", on_lost, *flags], env=clean_env())
 
 
 @pytest.mark.system
@@ -246,14 +297,23 @@ def test_a_standby_process_takes_over_within_ttl_and_a_second_of_a_sigkill(
 
 
 @pytest.mark.system
-@pytest.mark.parametrize("on_lost", ["raise", "exit"])
+@pytest.mark.parametrize(
+    ("on_lost", "flags"),
+    [
+        ("raise", ()),
+        ("exit", ()),
+        # A loop that relies on LeaderLost alone, in an app that put a SIGURG handler of its own over ours.
+        ("raise", ("--trust-raise", "--app-sigurg")),
+    ],
+    ids=["raise", "exit", "raise-app-sigurg-handler"],
+)
 def test_a_partitioned_leader_is_told_by_its_deadline_and_never_overlaps_the_next(
-    redis_server: EmbeddedRedis, tmp_path: Path, on_lost: str
+    redis_server: EmbeddedRedis, tmp_path: Path, on_lost: str, flags: tuple[str, ...]
 ) -> None:
     ttl = 3_000  # margin 300 ms: the time between the deposed leader's deadline and the key's end on the server
     a_events, b_events = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     with Blackhole(redis_server.port) as hole, Processes(tmp_path / "logs") as procs:
-        _start(procs, "a", f"redis://127.0.0.1:{hole.port}/0", a_events, ttl=ttl, on_lost=on_lost)
+        _start(procs, "a", f"redis://127.0.0.1:{hole.port}/0", a_events, ttl=ttl, on_lost=on_lost, flags=flags)
         a_lead = wait_until(lambda: _first(a_events, "leader"), timeout=30, what="a to lead", procs=procs)
         _start(procs, "b", redis_server.url(0), b_events, ttl=ttl)
         b_standby = wait_until(lambda: _first(b_events, "standby"), timeout=30, what="b to stand by", procs=procs)
@@ -285,8 +345,76 @@ def test_a_partitioned_leader_is_told_by_its_deadline_and_never_overlaps_the_nex
             wait_until(lambda: "Redis answers again" in procs.log("a"), timeout=10, what="a to ask again", procs=procs)
             assert _first(a_events, "leader", after=told) is None
     ticks = _ticks(a_events, a_lead["fence"])
-    deadline = max(e["deadline"] for e in ticks)  # the local deadline, from the last renewal confirmed
+    deadline = max(e["deadline"] for e in ticks if e["deadline"])  # the local deadline, from the last renewal
     assert cut_at < deadline <= cut_at + (ttl - ttl // 10) / 1000 + 0.05
     assert told <= deadline + LATENESS_S, f"told {told - deadline:.3f} s after its deadline"
     assert max(e["t"] for e in ticks) <= told < b_lead["t"]
     assert b_lead["fence"] > a_lead["fence"]
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, killed but not yet reaped by init, does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2] != "Z"
+
+
+@pytest.mark.system
+@pytest.mark.parametrize("keep", [False, True], ids=["children-killed", "kill_children-false"])
+def test_exit_mode_ends_the_leaders_children_before_the_next_leader_starts(
+    redis_server: EmbeddedRedis, tmp_path: Path, keep: bool
+) -> None:
+    """``on_lost="exit"`` kills the processes the leader started (they may act on its fence) before it exits;
+    ``kill_children=False`` leaves them running beside the next leader: the limit a user opts into."""
+    ttl = 2_000
+    a_events, b_events = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    flags = ("--child", "--keep-children") if keep else ("--child",)
+    with Blackhole(redis_server.port) as hole, Processes(tmp_path / "logs") as procs:
+        _start(procs, "a", f"redis://127.0.0.1:{hole.port}/0", a_events, ttl=ttl, on_lost="exit", flags=flags)
+        child = wait_until(lambda: _first(a_events, "child"), timeout=30, what="a to start its child", procs=procs)
+        wait_until(lambda: _first(a_events, "child_tick"), timeout=10, what="the child's ticks", procs=procs)
+        _start(procs, "b", redis_server.url(0), b_events, ttl=ttl)
+        wait_until(lambda: _first(b_events, "standby"), timeout=30, what="b to stand by", procs=procs)
+        procs.may_exit.add("a")
+        hole.cut()
+        assert procs.procs["a"].wait(ttl / 1000 + 10) == EXIT_CODE
+        b_lead = wait_until(lambda: _first(b_events, "leader"), timeout=10, what="b to lead", procs=procs)
+        if keep:
+            wait_until(
+                lambda: _first(a_events, "child_tick", after=b_lead["t"]), timeout=10, what="the child to run on"
+            )
+            return
+        wait_until(lambda: not _alive(child["child_pid"]), timeout=5, what="the child to end")
+    child_ticks = [e["t"] for e in _events(a_events) if e["event"] == "child_tick"]
+    assert max(child_ticks) < b_lead["t"], "the deposed leader's child worked beside the next leader"
+
+
+@pytest.mark.system
+def test_a_leader_paused_past_its_ttl_is_not_leader_when_it_resumes_and_is_told_within_a_second(
+    redis_server: EmbeddedRedis, tmp_path: Path
+) -> None:
+    """The stated exception to "before another can lead" (docs/guarantees.md): a process paused past its
+    deadline (SIGSTOP here; a VM freeze, a long stall) cannot be told while paused, so the next leader is
+    granted the key meanwhile. On resuming, ``is_leader`` is already False at every tick, LeaderLost lands
+    within a second, and the fence it worked with is smaller than the next leader's (a fence check refuses
+    it)."""
+    ttl = 1_000
+    a_events, b_events = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    with Processes(tmp_path / "logs") as procs:
+        _start(procs, "a", redis_server.url(0), a_events, ttl=ttl, flags=("--trust-raise",))
+        a_lead = wait_until(lambda: _first(a_events, "leader"), timeout=30, what="a to lead", procs=procs)
+        _start(procs, "b", redis_server.url(0), b_events, ttl=ttl)
+        wait_until(lambda: _first(b_events, "standby"), timeout=30, what="b to stand by", procs=procs)
+        os.killpg(procs.procs["a"].pid, signal.SIGSTOP)
+        try:
+            b_lead = wait_until(lambda: _first(b_events, "leader"), timeout=10, what="b to lead", procs=procs)
+        finally:
+            resumed = time.time()
+            os.killpg(procs.procs["a"].pid, signal.SIGCONT)
+        a_lost = wait_until(lambda: _first(a_events, "lost", after=resumed), timeout=10, what="a told", procs=procs)
+    assert b_lead["fence"] > a_lead["fence"] == a_lost["fence"]
+    assert a_lost["t"] - resumed < 1.0, f"told {a_lost['t'] - resumed:.3f} s after it resumed"
+    late = [e for e in _ticks(a_events, a_lead["fence"]) if e["t"] >= resumed]
+    assert all(not e["is_leader"] for e in late), late
