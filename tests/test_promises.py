@@ -23,7 +23,6 @@ from typing import Any
 
 import pytest
 import redis
-from dramatiq.brokers.redis import MAINTENANCE_SCALE, RedisBroker
 from dramatiq.middleware import AsyncIO
 from dramatiq.results import Results
 from dramatiq.results.backends import RedisBackend
@@ -42,7 +41,7 @@ from dramatiq_leases.core import Lease, State
 from dramatiq_leases.embedded import EmbeddedRedis
 
 from .support.runs import Runs
-from .support.stack import MakeStack, Stack
+from .support.stack import MakeStack, Stack, taking_over_broker
 from .support.waiting import wait_for
 
 
@@ -618,12 +617,8 @@ def test_shutdown_wakes_the_threads_waiting_in_place_and_loses_no_message(
     assert time.monotonic() - started < 5, "the shutdown waited for the threads waiting in place"
     assert all(first.recorder.delays(m.message_id) for m in messages), "each waiter was parked on the way out"
 
-    # Another worker on the same broker and lease store: they run once the key is free, once each. A parked
-    # copy the stopping worker's delay-queue consumer had fetched but not yet handed out (two fetched at once)
-    # stays in that worker's acks until the broker's heartbeat_timeout (Dramatiq's RedisBroker requeues only
-    # what it handed out): a short one here, Dramatiq's 60 s by default (docs/guarantees.md says so).
-    broker = RedisBroker(url=redis_server.url(0), heartbeat_timeout=3_000, maintenance_chance=MAINTENANCE_SCALE)  # type: ignore[no-untyped-call]  # dramatiq leaves RedisBroker unannotated
-    second = make_stack(broker=broker)
+    # Another worker on the same broker and lease store: they run once the key is free, once each.
+    second = make_stack(broker=taking_over_broker(redis_server.url(0)))
     declare(second)
     second.start()
     assert second.leases.release(holder)

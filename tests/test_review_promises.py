@@ -28,7 +28,7 @@ from dramatiq_leases.middleware.declarations import MESSAGE_TEMPLATE_CACHE
 
 from .support.brokers import pending, redis_dead_letters
 from .support.runs import Runs
-from .support.stack import MakeStack, Stack
+from .support.stack import MakeStack, Stack, taking_over_broker
 from .support.waiting import wait_for
 
 # 1. A worker stop --------------------------------------------------------------------------------------------
@@ -83,7 +83,7 @@ def test_a_worker_stop_while_copies_are_sent_back_runs_each_message_once(
     first.stop()  # Dramatiq raises Shutdown into every thread running a notify_shutdown message
     assert runs.items == []
 
-    second = make_stack(threads=8)
+    second = make_stack(threads=8, broker=taking_over_broker(redis_server.url(0)))
     declare(second)
     second.start()
     assert second.leases.release(holder)
