@@ -11,9 +11,11 @@ import pytest
 import redis
 from prometheus_client import CollectorRegistry
 
-from dramatiq_leases import LeaseOptionError, PrometheusMetrics
+from dramatiq_leases import DuplicateMessage, LeaseLimitError, LeaseOptionError, PrometheusMetrics, current_lease
+from dramatiq_leases.core.unique import UniqueRecords
 from dramatiq_leases.embedded import EmbeddedRedis
 
+from .support.brokers import redis_dead_letters
 from .support.runs import Runs
 from .support.stack import MakeStack, Stack
 from .support.waiting import wait_for
@@ -21,10 +23,12 @@ from .support.waiting import wait_for
 
 @pytest.fixture
 def make_stack(make_stack: MakeStack) -> MakeStack:
-    """conftest's stacks (leases on database 1 of the test's server), each with a metrics registry of its own."""
+    """conftest's stacks (leases on database 1 of the test's server), each with a metrics registry of its own
+    (and no endpoint of its own, whose multiprocess mode would share values between the tests' registries)."""
 
     def make(**options: Any) -> Stack:
         options.setdefault("metrics", PrometheusMetrics(registry=CollectorRegistry()))
+        options.setdefault("metrics_endpoint", False)
         return make_stack(**options)
 
     return make
@@ -229,3 +233,166 @@ def test_latest_runs_only_the_newest_waiting_message(make_stack: MakeStack, capl
     wait_for(lambda: runs.count(kind="run") == 2, timeout=10, what="the newest to run")
     assert [r["n"] for r in runs.where(kind="run")] == [0, 5]
     assert runs.count(kind="start") == 2  # every older message was settled above, without running
+
+
+# A callable that fails on the worker ---------------------------------------------------
+
+
+class FlakyTiers:
+    """A ``lock_limit`` callable of ``tenant`` backed by a tier service that the worker may find down.
+
+    It answers 1 in the test's own thread (the producer's check at send time); in any other (the worker's
+    deliveries, Retries' enqueues, the consumers moving delayed messages) it raises ``ConnectionError`` for
+    its first ``failures`` calls, or while :attr:`down` is set, then answers ``answer``.
+    """
+
+    def __init__(self, *, failures: int = 0, answer: Any = 1) -> None:
+        self.producer = threading.current_thread()
+        self.failures = failures
+        self.answer = answer
+        self.down = threading.Event()
+        self.raised = 0
+
+    def __repr__(self) -> str:
+        return "tiers"
+
+    def __call__(self, tenant: str, *_: Any) -> Any:
+        if threading.current_thread() is self.producer:
+            return 1
+        if self.down.is_set() or self.raised < self.failures:
+            self.raised += 1
+            raise ConnectionError("tier service unreachable")
+        return self.answer
+
+
+def retries_of(stack: Stack, message_id: str) -> list[int]:
+    """The ``retries`` options of the enqueues of ``message_id`` (its send, then Retries' retries), each once."""
+    return sorted({int(options.get("retries", 0)) for mid, _, options in stack.recorder.enqueues if mid == message_id})
+
+
+def test_a_limit_callable_that_raises_on_the_worker_is_retried_by_retries_then_runs_under_its_lease(
+    make_stack: MakeStack, redis_server: EmbeddedRedis, caplog: pytest.LogCaptureFixture
+) -> None:
+    stack = make_stack()
+    tiers = FlakyTiers(failures=2)
+    held: list[tuple[str, int]] = []
+
+    @stack.actor(lock_key="tenant:{tenant}", lock_limit=tiers, max_retries=5, min_backoff=10, max_backoff=50)
+    def call_vendor(tenant: str) -> None:
+        lease = current_lease()
+        held.append((lease.key, lease.fence))
+
+    caplog.set_level(logging.INFO, logger="dramatiq_leases")
+    message = call_vendor.send("gold")  # the callable works at send time
+    stack.start()
+    assert stack.recorder.wait_settled(message.message_id, timeout=20) == "acked"
+    # Retried by Retries, as an actor's failure is: each failed delivery sent a retry with a growing count.
+    assert retries_of(stack, message.message_id) == [0, 1, 2]
+    assert tiers.raised == 2
+    # Ran once, under its lease: the key's only grant ever (fence 1); the failed deliveries took none.
+    assert held == [("tenant:gold", 1)]
+    assert stack.leases.fence_state("tenant:gold")["fence"] == 1
+    assert redis_dead_letters(redis_server) == []
+    # Each failed delivery is logged, naming the actor, its key and the callable's error, and counted.
+    lines = [r.getMessage() for r in caplog.records if "limit_error" in r.getMessage()]
+    assert len(lines) == 2, lines
+    for line in lines:
+        assert "'call_vendor'" in line and message.message_id in line and "'tenant:gold'" in line, line
+        assert "ConnectionError: tier service unreachable" in line and "Retries" in line, line
+    assert not_run(stack, "call_vendor", "limit_error") == 2
+
+
+def test_a_limit_callable_that_keeps_raising_is_dead_lettered_once_retries_gives_up(
+    make_stack: MakeStack, redis_server: EmbeddedRedis, caplog: pytest.LogCaptureFixture
+) -> None:
+    stack = make_stack()
+    tiers = FlakyTiers()
+    tiers.down.set()
+    ran: list[str] = []
+
+    @stack.actor(lock_key="tenant:{tenant}", lock_limit=tiers, max_retries=0)
+    def call_vendor(tenant: str) -> None:
+        ran.append(tenant)
+
+    caplog.set_level(logging.INFO)
+    message = call_vendor.send("gold")
+    stack.start()
+    assert stack.recorder.wait_settled(message.message_id, timeout=20) == "nacked"
+    assert ran == [] and tiers.raised == 1
+    assert retries_of(stack, message.message_id) == [0]  # max_retries=0: no retry sent
+    # Retries decided, as for an actor's failure: it gave up and failed the message.
+    assert any(
+        r.name.startswith("dramatiq.middleware.retries") and "Retries exceeded" in r.getMessage()
+        for r in caplog.records
+    ), [r.getMessage() for r in caplog.records]
+    [dead] = redis_dead_letters(redis_server)
+    assert dead.message_id == message.message_id
+    # Its failure, as Dramatiq logged it: the callable's error, the cause of the middleware's.
+    [failure] = [r.exc_info[1] for r in caplog.records if r.exc_info and r.name.startswith("dramatiq.worker")]
+    assert isinstance(failure, LeaseLimitError) and failure.actor == "call_vendor" and failure.key == "tenant:gold"
+    assert isinstance(failure.__cause__, ConnectionError) and failure.limit is tiers
+    assert stack.leases.fence_state("tenant:gold") == {}  # never granted
+    assert not_run(stack, "call_vendor", "limit_error") == 1
+
+
+def test_a_limit_callable_returning_a_bad_value_on_the_worker_is_dead_lettered_at_once(
+    make_stack: MakeStack, redis_server: EmbeddedRedis, caplog: pytest.LogCaptureFixture
+) -> None:
+    stack = make_stack()
+    tiers = FlakyTiers(answer=0)  # 2 at send time, 0 on the worker (a tier table changed in between)
+    ran: list[str] = []
+
+    @stack.actor(lock_key="tenant:{tenant}", lock_limit=tiers, max_retries=5, min_backoff=10, max_backoff=50)
+    def call_vendor(tenant: str) -> None:
+        ran.append(tenant)
+
+    caplog.set_level(logging.INFO, logger="dramatiq_leases")
+    message = call_vendor.send("gold")
+    stack.start()
+    assert stack.recorder.wait_settled(message.message_id, timeout=20) == "nacked"
+    assert ran == []
+    assert retries_of(stack, message.message_id) == [0]  # not retried: a bad setting, not a passing failure
+    [dead] = redis_dead_letters(redis_server)
+    assert dead.message_id == message.message_id
+    [line] = [r.getMessage() for r in caplog.records if "dead-letter" in r.getMessage()]
+    assert message.message_id in line and "actor 'call_vendor': lock_limit tiers returned 0" in line, line
+    assert stack.leases.fence_state("tenant:gold") == {}
+    assert not_run(stack, "call_vendor", "limit_error") == 1
+
+
+def test_a_unique_message_keeps_its_record_through_the_retries_of_a_failing_limit_callable(
+    make_stack: MakeStack,
+) -> None:
+    stack = make_stack()
+    tiers = FlakyTiers()
+    tiers.down.set()  # raises on the worker, in its deliveries and in Retries' enqueues, until cleared
+    ran: list[int] = []
+
+    @stack.actor(
+        lock_key="tenant:{tenant}",
+        lock_limit=tiers,
+        lock_unique="until_done",
+        max_retries=1000,
+        min_backoff=10,
+        max_backoff=100,
+    )
+    def call_vendor(tenant: str, n: int) -> None:
+        ran.append(n)
+
+    message = call_vendor.send("gold", 1)
+    stack.start()
+    wait_for(lambda: max(retries_of(stack, message.message_id)) >= 2, timeout=20, what="two retries")
+    # Still the key's unique message between its retries: its record lives on, as of its latest attempt.
+    [record] = UniqueRecords(stack.leases).records("tenant:gold")
+    assert record.message_id == message.message_id and record.attempt >= 2
+    with pytest.raises(DuplicateMessage) as refused:
+        call_vendor.send("gold", 2)
+    assert refused.value.message_id == message.message_id
+    tiers.down.clear()
+    assert stack.recorder.wait_settled(message.message_id, timeout=20) == "acked"
+    assert ran == [1]
+    # Done for good: the record ended with it, and the key takes a new message.
+    assert UniqueRecords(stack.leases).records("tenant:gold") == []
+    after = call_vendor.send("gold", 3)
+    assert stack.recorder.wait_settled(after.message_id, timeout=20) == "acked"
+    assert ran == [1, 3]

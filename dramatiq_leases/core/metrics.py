@@ -18,8 +18,10 @@ LOST_REASONS = tuple(reason.value for reason in LostReason)
 
 #: Why a message did not run (the ``reason`` label of ``dramatiq_lease_not_run_total``): its key was busy and
 #: its ``lock_on_busy`` said skip or fail, a newer message took its place (``latest``), it spent its wait
-#: budget (``lock_max_wait``), or it was a stray copy of a message that already ran.
-NOT_RUN_REASONS = ("skipped", "failed", "superseded", "gave_up", "duplicate")
+#: budget (``lock_max_wait``), it was a stray copy of a message that already ran, or its actor's ``lock_limit``
+#: callable failed on the worker (``limit_error``, per delivery: it raised, and Retries decides, or it
+#: returned a bad value, and the message is dead-lettered).
+NOT_RUN_REASONS = ("skipped", "failed", "superseded", "gave_up", "duplicate", "limit_error")
 
 #: Outcomes of one renewal (the ``outcome`` label of ``dramatiq_lease_renewals_total``).
 RENEWAL_OUTCOMES = ("ok", "lost", "error")

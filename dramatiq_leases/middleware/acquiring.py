@@ -21,7 +21,7 @@ from ..core.errors import LeaseUnavailableError
 from ..core.lease import Busy, Lease, Wait, new_token
 from ..core.scripts import MAX_LIMIT
 from .busy import SKIP_MARK, gives_up, mark_skipped, on_busy, record_history, send_back
-from .errors import LeaseBusyFailed
+from .errors import LeaseBusyFailed, LeaseLimitError
 from .guard import Run
 from .options import ATTEMPTS_OPTION, FIRST_ATTEMPT_OPTION, LEASE_OPTION, SENT_BACK_OPTION, Options
 from .waiting import LINE_OPTION, MAX_IN_PLACE, waiter_id
@@ -304,8 +304,46 @@ def skip(message: Any, reason: str) -> NoReturn:
 
 
 def refuse(message: Any, error: Exception) -> NoReturn:
-    """Fail a message whose lease options or key cannot work, to the dead-letter queue, and skip it."""
-    # Only reachable when the producer had no LeaseMiddleware to refuse it at send time.
+    """Fail a message whose lease options or key cannot work, to the dead-letter queue, and skip it.
+
+    Reached when the producer could not refuse it at send time: it had no LeaseMiddleware, or its actor's
+    ``lock_limit`` callable answered there but returns a bad value here. A callable that *raises* here is a
+    passing failure, not a refusal: see :func:`limit_failed`.
+    """
     logger.error("Message %s cannot run: %s. Moving it to the dead-letter queue.", message.message_id, error)
     message.fail()
     skip(message, str(error))
+
+
+def limit_failed(mw: LeaseMiddleware, message: Any, key: str, error: LeaseLimitError) -> NoReturn:
+    """The actor's ``lock_limit`` callable raised: the message fails as if its actor had raised, without its lease.
+
+    ``error`` is raised on, out of ``before_process_message``: a ``MiddlewareError``, so Dramatiq neither
+    swallows it nor calls the actor; it logs the failure and hands it to ``after_process_message``, where
+    Retries sends a retry with its backoff, or past ``max_retries`` fails the message (dead-lettered). The
+    message is not failed here: Retries does not look at ``message.failed``, and the delivery would be both
+    dead-lettered and retried. Its unique record, if any, lives on through the retry (see :mod:`.unique`).
+    """
+    error.key = key
+    meta = {"actor": message.actor_name, "queue": message.queue_name}
+    mw.metrics.not_run(meta, "limit_error")
+    if message.failed:  # already failed by an earlier middleware: dead-lettered, so never retried
+        refuse(message, error)
+    cause = error.__cause__
+    logger.warning(
+        "Message %s of actor %r did not run (limit_error): lock_limit %r raised %s for key %r; it fails as if its "
+        "actor had raised: Retries retries it, or dead-letters it past max_retries.",
+        message.message_id,
+        message.actor_name,
+        error.limit,
+        f"{type(cause).__name__}: {cause}" if cause is not None else error,
+        key,
+    )
+    if FIRST_ATTEMPT_OPTION in message.options or LINE_OPTION in message.options:
+        # It had a place in the key's line; the retry is a new waiter (a new retry count). Left now, or the
+        # key's next grant could wait for it until its place lapses.
+        try:
+            mw.leases._line.leave(key, [waiter_id(message)])
+        except Exception as e:
+            logger.warning("Could not take message %s out of the line of %r: %s", message.message_id, key, e)
+    raise error

@@ -14,7 +14,7 @@ from ..core.errors import LeaseConfigError, LeaseKeyError
 from ..core.keys import MAX_KEY_LENGTH, KeyTemplate
 from ..core.lease import Lease
 from ..core.scripts import MAX_MS
-from .errors import LeaseKeyRenderError, LeaseOptionError
+from .errors import LeaseKeyRenderError, LeaseLimitError, LeaseOptionError
 from .options import (
     ACTOR_OPTIONS,
     LEASE_MESSAGE_OPTIONS,
@@ -107,7 +107,8 @@ class Declarations:
         """The message's ``lock_limit``: the option's int, or what the actor's callable returns for its arguments.
 
         Raises:
-          LeaseOptionError: the callable raised, or returned anything but an int from 1 to 1 000.
+          LeaseLimitError: the callable raised (its exception is the cause): a passing failure, retried.
+          LeaseOptionError: the callable returned anything but an int from 1 to 1 000: a bad setting.
         """
         value = opts.limit
         if not callable(value):
@@ -116,16 +117,24 @@ class Declarations:
         try:
             result = value(*message.args, **message.kwargs)
         except Exception as e:
-            raise LeaseOptionError(
+            raise LeaseLimitError(
                 f"{owner}: lock_limit {value!r} raised {type(e).__name__}: {e} for args={tuple(message.args)!r} "
                 f"kwargs={message.kwargs!r}",
+                limit=value,
                 actor=message.actor_name,
-            ) from None
+            ) from e
         try:
             return check_limit(owner, result, returned_by=value)
         except LeaseOptionError as e:
             e.actor = message.actor_name
             raise
+
+    def send_limit(self, opts: Options, message: Any) -> int:
+        """:meth:`limit` at send time, where any failure refuses the send: :class:`LeaseOptionError`."""
+        try:
+            return self.limit(opts, message)
+        except LeaseLimitError as e:
+            raise LeaseOptionError(str(e), actor=message.actor_name) from None
 
     def time_limit(self, message: Any, actor: Any) -> float | None:
         """The message's time limit in ms (message option, actor option, TimeLimit's default), if any."""
@@ -193,11 +202,14 @@ class Declarations:
         self._fns[actor.actor_name] = actor.fn
         return True
 
-    def check_message(self, broker: dramatiq.Broker, message: dramatiq.Message[Any]) -> None:
+    def check_message(self, broker: dramatiq.Broker, message: dramatiq.Message[Any], *, resent: bool = False) -> None:
         """Refuse, at send time, a message whose options are invalid or whose key cannot be rendered.
 
         A lease handed over with the message (``lease=``) is reduced to what
-        the worker needs to prove ownership.
+        the worker needs to prove ownership. ``resent``: the message was sent before (a retry, a copy sent
+        back or parked, a delayed message moving to its queue): its actor's ``lock_limit`` callable is not
+        asked, since its answer may have changed since the send (a tier service briefly down); refused
+        here, the message would be lost. Each delivery asks it, and fails or refuses it there.
         """
         options = message.options
         owner = f"actor {message.actor_name!r}"
@@ -219,7 +231,8 @@ class Declarations:
             )
         actor = broker.get_actor(message.actor_name)
         opts = self.message_options(message, actor)
-        self.limit(opts, message)  # a callable's answer for these arguments, checked now
+        if not resent:
+            self.send_limit(opts, message)  # a callable's answer for these arguments, checked now
         self._check_time_limit(message.actor_name, options)  # the default lock_max_hold derives from it
         try:
             key = template.render(tuple(message.args), message.kwargs)

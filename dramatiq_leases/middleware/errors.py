@@ -17,6 +17,24 @@ class LeaseKeyRenderError(LeaseKeyError, MiddlewareError):
     """A message's arguments do not render its actor's ``lock_key``; raised to the producer."""
 
 
+class LeaseLimitError(LeaseError, MiddlewareError):
+    """Stored as the failure of a message whose actor's ``lock_limit`` callable raised on the worker (a tier
+    service or database briefly down): the message did not run and took no lease, and fails as if its actor
+    had raised, so Retries retries it (its backoff, ``max_retries``, ``retry_when``, ``throws``) and, once it
+    gives up, dead-letters it. The callable's own exception is its ``__cause__``. (At send time, the same
+    failure refuses the send with :class:`LeaseOptionError`.)
+
+    Attributes:
+      key: the message's lease key.
+      actor: the message's actor.
+      limit: the ``lock_limit`` callable that raised.
+    """
+
+    def __init__(self, *args: object, limit: object, key: str | None = None, actor: str | None = None) -> None:
+        super().__init__(*args, key=key, actor=actor)
+        self.limit = limit
+
+
 class LeaseBusyFailed(LeaseBusyError, SkipMessage):  # noqa: N818 (as LeaseWaitExceeded)
     """Stored as the failure of a message whose key was full with ``lock_on_busy="fail"``: it was
     dead-lettered at once, without running and without a retry.

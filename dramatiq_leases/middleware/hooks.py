@@ -6,6 +6,7 @@ import inspect
 import logging
 import math
 import socket
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, NoReturn
@@ -13,6 +14,7 @@ from typing import Any, NoReturn
 import dramatiq
 from dramatiq.asyncio import async_to_sync
 from dramatiq.middleware import Interrupt, Middleware
+from dramatiq.worker import ConsumerThread
 
 from ..core.client import client_from_url, connection_kwargs
 from ..core.errors import LeaseConfigError, LeaseKeyError
@@ -24,12 +26,12 @@ from ..core.store import Leases
 from ..exposition import WorkerExposition
 from ..otel_tracing import record_keys
 from ..prometheus import LeaseMetrics, PrometheusMetrics
-from .acquiring import Acquisition, refuse, skip
+from .acquiring import Acquisition, limit_failed, refuse, skip
 from .backoff import DEFAULT_MAX_BACKOFF, DEFAULT_MIN_BACKOFF
 from .busy import REQUEUED_MARK, RoutineSkipFilter, send_back
 from .declarations import Declarations
 from .dramatiq_metrics import DramatiqPrometheus
-from .errors import LeaseOptionError
+from .errors import LeaseLimitError, LeaseOptionError
 from .options import (
     ACTOR_OPTIONS,
     ATTEMPTS_OPTION,
@@ -294,8 +296,19 @@ class LeaseMiddleware(Middleware):
         if delay is None and "eta" not in message.options:
             # Maybe one of our delayed copies leaving this process's delay queue, before anyone can run it.
             self.dramatiq_prometheus.left_delay_queue(message)
-        self.declarations.check_message(broker, message)
-        self.unique.before_enqueue(broker, message, delay)
+        resent = self._resent(message)
+        self.declarations.check_message(broker, message, resent=resent)
+        self.unique.before_enqueue(broker, message, delay, resent=resent)
+
+    def _resent(self, message: Any) -> bool:
+        """Whether this enqueue is of a message sent before: a copy of the delivery this thread processes (a
+        Retries retry, a copy sent back or parked), a parked copy sent on, or a delayed message moving on to
+        its queue (Dramatiq's consumer thread enqueues it)."""
+        return (
+            self.unique.processing(message)
+            or LINE_OPTION in message.options
+            or isinstance(threading.current_thread(), ConsumerThread)
+        )
 
     def after_enqueue(self, broker: dramatiq.Broker, message: Any, delay: int | None) -> None:
         """The broker has the message: its unique record, if it took one, lives on past the send's grace."""
@@ -376,8 +389,14 @@ class LeaseMiddleware(Middleware):
         try:
             opts = self.declarations.message_options(message, actor)
             key = template.render(tuple(message.args), message.kwargs)
-            limit = self.declarations.limit(opts, message)
         except (LeaseConfigError, LeaseKeyError) as e:
+            refuse(message, e)
+        try:
+            limit = self.declarations.limit(opts, message)
+        except LeaseLimitError as e:  # the callable raised: a passing failure, for Retries
+            limit_failed(self, message, key, e)
+        except LeaseOptionError as e:  # it returned a bad value: a bad setting, dead-lettered
+            self.metrics.not_run({"actor": message.actor_name, "queue": message.queue_name}, "limit_error")
             refuse(message, e)
         attempt = Acquisition(
             self, broker, message, actor=actor, key=key, opts=opts, limit=limit, hook_started=hook_started

@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import dramatiq
 
-from ..core.errors import LeaseUnavailableError
+from ..core.errors import LeaseError, LeaseUnavailableError
 from ..core.scripts import MAX_MS
 from ..core.unique import MODE_CODES, Mode, UniqueRecords
 from .errors import DuplicateMessage, LeaseSendUnavailableError
-from .options import LEASE_OPTION, MAX_DELAY, UNIQUE_OPTION
+from .options import LEASE_OPTION, MAX_DELAY, UNIQUE_OPTION, Options
 
 if TYPE_CHECKING:
     from .hooks import LeaseMiddleware
@@ -55,8 +55,8 @@ class Uniqueness:
         # retry, a parked copy, a send-back) marks it, so that its ack keeps the record.
         self._current = threading.local()
 
-    def _unique(self, broker: dramatiq.Broker, message: Any) -> tuple[Mode, str, int, int] | None:
-        """(mode, key, limit, ttl) of a leased message with ``lock_unique``, else ``None``."""
+    def _unique(self, broker: dramatiq.Broker, message: Any) -> tuple[Mode, str, Options] | None:
+        """(mode, key, options) of a leased message with ``lock_unique``, else ``None``."""
         declarations = self.mw.declarations
         template = declarations.template(message.actor_name, message.options)
         if template is None:
@@ -65,12 +65,22 @@ class Uniqueness:
         if opts.unique is None:
             return None
         key = template.render(tuple(message.args), message.kwargs)
-        return cast(Mode, opts.unique), key, declarations.limit(opts, message), opts.unique_ttl
+        return cast(Mode, opts.unique), key, opts
 
-    def before_enqueue(self, broker: dramatiq.Broker, message: Any, delay: int | None) -> None:
+    def _limit(self, opts: Options, message: Any) -> int | None:
+        """The message's ``lock_limit``, or ``None`` if its actor's callable fails now (raises, or answers a bad
+        value): a message already sent is never refused for it (its delivery fails or refuses it)."""
+        try:
+            return self.mw.declarations.limit(opts, message)
+        except LeaseError as e:
+            logger.info("The lock_limit of message %s is unknown now: %s.", message.message_id, e)
+            return None
+
+    def before_enqueue(self, broker: dramatiq.Broker, message: Any, delay: int | None, *, resent: bool = False) -> None:
         """A new send takes its record (or raises :class:`DuplicateMessage`); a later enqueue of a message already
         sent (a retry, a parked copy, a delayed copy moving on, a re-drive) is never refused: see
-        :meth:`after_enqueue`."""
+        :meth:`after_enqueue`. ``resent``: sent before without a record (its producer had no LeaseMiddleware): it
+        takes one if its ``lock_limit`` is known now."""
         self._taken.key = None
         if message.options.get(UNIQUE_OPTION):
             delivery = getattr(self._current, "delivery", None)
@@ -82,7 +92,15 @@ class Uniqueness:
         found = self._unique(broker, message)
         if found is None:
             return
-        mode, key, limit, ttl = found
+        mode, key, opts = found
+        if resent:
+            known = self._limit(opts, message)
+            if known is None:
+                return
+            limit = known
+        else:
+            limit = self.mw.declarations.send_limit(opts, message)
+        ttl = opts.unique_ttl
         try:
             holder = self.records.take(
                 key,
@@ -170,13 +188,15 @@ class Uniqueness:
             found = self._unique(broker, message)
             if found is None:
                 return
-            mode, key, limit, ttl = found
+            mode, key, opts = found
+            # Taken again only if the key's room is known now; a record it still has is kept all the same.
+            limit = self._limit(opts, message)
             self.records.keep(
                 key,
                 message.message_id,
-                _lives(delay, ttl),
-                retake=mode,
-                limit=limit,
+                _lives(delay, opts.unique_ttl),
+                retake=None if limit is None else mode,
+                limit=limit or 1,
                 attempt=_attempt(message),
                 exact=exact,
             )
@@ -208,6 +228,11 @@ class Uniqueness:
     def delivered(self, message: Any) -> None:
         """A worker thread starts on ``message`` (before anything can enqueue it again)."""
         self._current.delivery = message
+
+    def processing(self, message: Any) -> bool:
+        """Whether ``message`` is (a copy of) the delivery this worker thread processes."""
+        delivery = getattr(self._current, "delivery", None)
+        return delivery is not None and delivery.message_id == message.message_id
 
     def waiting(self, message: Any, key: str, ttl: int, wait_ms: int) -> None:
         """A delivery of a unique message about to wait in place ``wait_ms`` for its lease: a sign of life. Its
