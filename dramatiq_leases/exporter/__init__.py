@@ -243,7 +243,7 @@ class Exporter:
                 snap = self.observer.scan()
                 logger.debug("Scanned %d lease(s) in %.3fs.", len(snap.leases), snap.duration)
             except LeaseUnavailableError as e:
-                logger.error("Scan failed: %s", e)
+                logger.error("Scan failed: %s", self.observer.mask(str(e)))  # masked: no key in the log
             stop.wait(interval)
 
     def close(self) -> None:

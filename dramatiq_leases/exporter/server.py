@@ -66,6 +66,7 @@ from prometheus_client import CollectorRegistry, make_wsgi_app
 
 from ..core.errors import LeaseError, LeaseUnavailableError
 from . import busy_html
+from ._masking import HASH_DIGITS, hashed_key, scrub
 from .webconfig import AUTHENTICATED, WebConfig
 
 if TYPE_CHECKING:
@@ -86,9 +87,6 @@ REALM = "dramatiq-leases"
 
 #: Seconds a TLS client has to complete its handshake and each read of its request.
 TLS_TIMEOUT = 30.0
-
-#: Hex digits of the SHA-256 shown for a key with ``--busy-keys hashed`` (64 bits: rows never collide).
-HASH_DIGITS = 16
 
 
 class ListenError(Exception):
@@ -174,11 +172,6 @@ def read_token_file(path: str) -> str:
         return check_token(text.strip())
     except ValueError as e:
         raise ValueError(f"{path!r}: {e}") from None
-
-
-def hashed_key(key: str) -> str:
-    """The pseudonym shown for ``key`` with ``--busy-keys hashed``: ``sha256:`` and 16 hex digits of its SHA-256."""
-    return "sha256:" + hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:HASH_DIGITS]
 
 
 def host_port(host: str, port: int) -> str:
@@ -341,10 +334,10 @@ class ExporterApp:
             key = found
         try:
             doc = self.history_json(key)
-        except LeaseUnavailableError as e:
-            return _json(start_response, "503 Service Unavailable", {"error": str(e)})
-        except LeaseError as e:  # an invalid key, a history that is not a list
-            return _json(start_response, "400 Bad Request", {"error": str(e)})
+        except LeaseError as e:  # an invalid key, a history that is not a list (400); Redis not answering (503)
+            status = "503 Service Unavailable" if isinstance(e, LeaseUnavailableError) else "400 Bad Request"
+            # The core's message quotes the key and its Redis names: masked, the digest asked by stands in.
+            return _json(start_response, status, {"error": scrub(str(e), [key]) if self.access.hash_keys else str(e)})
         if self.access.hash_keys:
             doc = {**doc, "key": hashed_key(key)}
         body = _json(start_response, "200 OK", doc)
