@@ -1,7 +1,8 @@
 """The exporter's HTTP endpoint: ``/leases`` (the Busy page, JSON) beside prometheus_client's exposition.
 
 A small WSGI app on a threading ``wsgiref`` server, as prometheus_client's own
-``start_http_server`` is: every path but ``/leases`` goes to its
+``start_http_server`` is, but bounded (:mod:`._http`: connections at once, a deadline to read each
+request's head, no spinning out of file descriptors): every path but ``/leases`` goes to its
 ``make_wsgi_app``, so ``/metrics`` answers exactly as before (content
 negotiation, gzip, ``name[]`` filters).
 
