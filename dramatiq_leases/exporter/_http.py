@@ -28,7 +28,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 from .webconfig import AUTHENTICATED
 
-logger = logging.getLogger(__name__.rsplit(".", 1)[0] + ".server")
+logger = logging.getLogger(__name__)
 
 #: Default of ``--web.max-connections``: connections served at once (half of them at most per client address).
 DEFAULT_MAX_CONNECTIONS = 64
