@@ -14,6 +14,7 @@ import hashlib
 import http.client
 import ipaddress
 import json
+import logging
 import socket
 import ssl
 import subprocess
@@ -38,6 +39,7 @@ from cryptography.x509.oid import NameOID
 
 from dramatiq_leases.cli import build_parser, main
 from dramatiq_leases.core import Lease, Leases
+from dramatiq_leases.core.keys import history_name
 from dramatiq_leases.embedded import EmbeddedRedis, free_port
 from dramatiq_leases.exporter import Exporter
 from dramatiq_leases.exporter.busy_html import BUSY_PAGE_PATH
@@ -424,6 +426,35 @@ def test_mask_keys_masks_the_busy_view_and_the_history(leases: Leases) -> None:
             assert status == expected, (query, body)
             assert PERSONAL.encode() not in body
         assert PERSONAL not in json.dumps(doc)
+
+
+def test_mask_keys_keeps_the_key_out_of_history_errors_and_logs(
+    leases: Leases, redis_server: EmbeddedRedis, caplog: pytest.LogCaptureFixture, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A history of the wrong type (400) and Redis gone with the last scan still cached (503): the digest
+    is mapped back to the key for Redis, but neither answer, nor a log line, nor stderr names the key."""
+    digest = "sha256:" + hashlib.sha256(PERSONAL.encode()).hexdigest()[:16]
+    url = "/leases/history?key=" + urllib.parse.quote(digest)
+    with (
+        caplog.at_level(logging.DEBUG),
+        serving(leases, None, host="127.0.0.1", busy_access=BusyAccess(hash_keys=True)) as exporter,
+    ):
+        base = f"http://127.0.0.1:{exporter.port}"
+        name = history_name(leases.prefix, PERSONAL)
+        leases.client.delete(name)
+        leases.client.set(name, "not a list")  # by hand: the core's error quotes the key and its Redis name
+        answers = [fetch(base + url)]
+        redis_server.stop()  # the scan stays cached: the digest still maps to the key
+        answers.append(fetch(base + url))
+        answers.append(fetch(base + "/leases"))
+        assert [status for status, _, _ in answers] == [400, 503, 200], answers
+        for status, headers, body in answers:
+            for secret in (PERSONAL, "alice"):
+                assert secret not in body.decode() and secret not in json.dumps(headers), (status, body)
+        assert digest in answers[0][2].decode() and digest in answers[1][2].decode()
+    out, err = capfd.readouterr()
+    for text in (caplog.text, out, err):
+        assert PERSONAL not in text and "alice" not in text, text
 
 
 # --- a bad configuration, refused at start ---------------------------------------------------------------------

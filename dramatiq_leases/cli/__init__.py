@@ -8,6 +8,7 @@ Commands::
   dramatiq-leases exporter [--host HOST] [--port PORT] [--interval SECONDS] [--top N]
                            [--busy-view {local,open} | --busy-token-file FILE]
                            [--busy-keys {plain,hashed} | --mask-keys] [--web.config.file FILE]
+                           [--web.max-connections N] [--web.read-timeout SECONDS]
   dramatiq-leases demo [--invoices N] [--per-invoice N] [--job-seconds S]
 
 Global flags, accepted before or after the command: ``--redis-url`` (default:
@@ -358,6 +359,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="TLS and basic auth on every path, /metrics included, in the web configuration format of "
         "Prometheus exporters (exporter-toolkit): tls_server_config, basic_auth_users (bcrypt), "
         "http_server_config.headers; read at start (needs: pip install 'dramatiq-leases[exporter]')",
+    )
+    # As Prometheus' own flags: one client holding idle connections must not starve the scrape.
+    p.add_argument(
+        "--web.max-connections",
+        type=_positive_int,
+        default=64,
+        metavar="N",
+        dest="max_connections",
+        help="connections served at once, half of them at most from one client address; more are refused "
+        "at once (default: 64; keep it below the open files limit, ulimit -n)",
+    )
+    p.add_argument(
+        "--web.read-timeout",
+        type=_positive_float,
+        default=10.0,
+        metavar="SECONDS",
+        dest="read_timeout",
+        help="seconds a connection has, in all, for its TLS handshake and request head, and then to take "
+        "the answer; closed past it (default: 10)",
     )
 
     p = sub.add_parser(

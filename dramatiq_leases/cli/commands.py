@@ -321,6 +321,8 @@ def cmd_exporter(leases: Leases, args: argparse.Namespace, out: TextIO) -> int:
             open=args.busy_view == "open", token=args.busy_token, hash_keys=args.busy_keys == "hashed"
         ),
         web_config=getattr(args, "web_config", None),
+        max_connections=args.max_connections,
+        read_timeout=args.read_timeout,
     )
     return EXIT_OK
 

@@ -168,7 +168,8 @@ class Reader:
             try:
                 node = client.get_node_from_key(name)
             except _NODE_ERRORS as e:
-                self._failed(gaps, self.node_name(name), e, "find the master of " + repr(name))
+                # The slot, not the name: a name holds its lease key, which a masked exporter must not show.
+                self._failed(gaps, self.node_name(name), e, f"find the master of slot {key_slot(name.encode())}")
                 continue
             if gaps is not None and node.name in gaps.nodes:
                 continue

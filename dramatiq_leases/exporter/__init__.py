@@ -158,13 +158,16 @@ from prometheus_client import CollectorRegistry
 
 from ..core import Leases
 from ..core.errors import LeaseUnavailableError
+from ._http import DEFAULT_MAX_CONNECTIONS, DEFAULT_READ_TIMEOUT
 from .busy_page import DEFAULT_TOP, BusyPage, HotKeyRow, LeaseRow, inspect_command
 from .observer import LEAK_REASONS, LeaseObserver, Snapshot, ended_by_ttl
 from .server import LEASES_PATH, BusyAccess, ExporterApp, start_server
 from .webconfig import WebConfig
 
 __all__ = [
+    "DEFAULT_MAX_CONNECTIONS",
     "DEFAULT_PORT",
+    "DEFAULT_READ_TIMEOUT",
     "DEFAULT_TOP",
     "LEAK_REASONS",
     "LEASES_PATH",
@@ -195,7 +198,7 @@ class Exporter:
     stop event, :meth:`close` to stop serving.
     """
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 (keyword-only: the exporter command's documented flags)
         self,
         leases: Leases,
         *,
@@ -207,6 +210,8 @@ class Exporter:
         interval: float = 5.0,
         busy_access: BusyAccess | None = None,
         web_config: WebConfig | None = None,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        read_timeout: float = DEFAULT_READ_TIMEOUT,
     ) -> None:
         self.observer = LeaseObserver(
             leases,
@@ -225,7 +230,9 @@ class Exporter:
             busy_access,
             history_json=self.observer.history_json if top > 0 else None,
         )
-        self.server, self._thread = start_server(app, host, port, web_config)
+        self.server, self._thread = start_server(
+            app, host, port, web_config, max_connections=max_connections, read_timeout=read_timeout
+        )
 
     @property
     def port(self) -> int:
@@ -243,7 +250,7 @@ class Exporter:
                 snap = self.observer.scan()
                 logger.debug("Scanned %d lease(s) in %.3fs.", len(snap.leases), snap.duration)
             except LeaseUnavailableError as e:
-                logger.error("Scan failed: %s", e)
+                logger.error("Scan failed: %s", self.observer.mask(str(e)))  # masked: no key in the log
             stop.wait(interval)
 
     def close(self) -> None:
@@ -265,6 +272,8 @@ def serve(  # noqa: PLR0913 (keyword-only: the exporter command's documented fla
     stop: threading.Event | None = None,
     busy_access: BusyAccess | None = None,
     web_config: WebConfig | None = None,
+    max_connections: int = DEFAULT_MAX_CONNECTIONS,
+    read_timeout: float = DEFAULT_READ_TIMEOUT,
 ) -> None:
     """Scan every ``interval`` seconds and serve the figures on ``host:port`` until ``stop`` is set or SIGTERM.
 
@@ -273,6 +282,9 @@ def serve(  # noqa: PLR0913 (keyword-only: the exporter command's documented fla
     ``/leases`` (default :class:`BusyAccess()`: a loopback bind only); ``web_config``: TLS and basic auth
     on every path (``--web.config.file``, :func:`.webconfig.load_web_config`). ``host`` is the loopback
     by default: pass ``"0.0.0.0"`` (or ``"::"``) for Prometheus on another host to reach it.
+    ``max_connections`` (``--web.max-connections``): connections served at once (half at most per client
+    address; the excess refused at once); ``read_timeout`` (``--web.read-timeout``): seconds each has, in
+    all, for its TLS handshake and request head.
     """
     exporter = Exporter(
         leases,
@@ -284,6 +296,8 @@ def serve(  # noqa: PLR0913 (keyword-only: the exporter command's documented fla
         interval=interval,
         busy_access=busy_access,
         web_config=web_config,
+        max_connections=max_connections,
+        read_timeout=read_timeout,
     )
     stop = stop or threading.Event()
     if threading.current_thread() is threading.main_thread():

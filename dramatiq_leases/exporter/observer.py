@@ -8,7 +8,6 @@ import time
 from collections import Counter as Tally
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -20,8 +19,12 @@ from ..core.info import UNREADABLE_KINDS, UnreadableKey
 from ..core.keys import fence_name
 from ..core.reading import LineInfo, ReadGaps
 from . import busy_page
+from ._endings import Ending, ended_by_ttl, grant_ending
+from ._masking import hashed_key, scrub
 from .busy_page import DEFAULT_TOP, BusyPage
-from .server import HISTORY_PATH, hashed_key
+from .server import HISTORY_PATH
+
+__all__ = ["LEAK_REASONS", "Ending", "LeaseObserver", "Snapshot", "ended_by_ttl", "grant_ending"]
 
 logger = logging.getLogger(__name__)
 
@@ -53,51 +56,6 @@ class Snapshot:
     unreachable: dict[str, str] = field(default_factory=dict)
     #: Keys this scan found of the wrong type and left out, by name.
     unreadable: dict[str, UnreadableKey] = field(default_factory=dict)
-
-
-class Ending(str, Enum):
-    """How a grant the exporter saw has ended, as its key's fence counter tells."""
-
-    RELEASED = "released"
-    EXPIRED = "expired"
-    #: The counter does not say: it is gone (a ``fence_retention`` shorter than the scan interval expired
-    #: it), or later grants rewrote the record. Never counted as an expiry: it would feed the safety SLO
-    #: false alarms.
-    UNKNOWN = "unknown"
-
-
-def grant_ending(fence: int, state: dict[str, int], slot: int | None = None) -> Ending:
-    """How grant ``fence`` of a key ended, judged from the key's fence counter ``state``.
-
-    ``released`` is the highest fence released by its owner, ``expired`` the last fence a later acquirer
-    found unreleased, ``fence`` the last granted. A counter that is gone, or made again since (with a
-    retention, an idle counter expires; the next grant or release starts a new one), cannot tell:
-    :attr:`Ending.UNKNOWN`. ``slot``: the grant's holder slot when its end is recorded per slot
-    (:attr:`LeaseInfo.per_slot`): that slot's ``r:<slot>``, ``e:<slot>`` and ``g:<slot>`` are read instead.
-    """
-    if slot is None:
-        released, expired, last = state.get("released"), state.get("expired"), state.get("fence")
-    else:
-        released, expired, last = state.get(f"r:{slot}"), state.get(f"e:{slot}"), state.get(f"g:{slot}")
-    if released == fence:
-        return Ending.RELEASED
-    if expired == fence:
-        return Ending.EXPIRED
-    if last is None:  # gone, or made again by a later release: nothing says what became of this grant
-        return Ending.UNKNOWN
-    # The counter that granted it still counts (one made again starts above it, and its releases too), and
-    # says it was never released: nothing granted since, or a release older than it.
-    if last == fence or (released is not None and released < fence):
-        return Ending.EXPIRED
-    if released is not None and (expired is None or expired < fence):
-        return Ending.RELEASED  # released since, and no expiry since, so not one of this grant
-    # Later grants rewrote the record (an expiry since, or a counter made again): say so rather than alarm.
-    return Ending.UNKNOWN
-
-
-def ended_by_ttl(fence: int, state: dict[str, int], slot: int | None = None) -> bool:
-    """Whether grant ``fence`` of a key is known to have ended by TTL (:func:`grant_ending`)."""
-    return grant_ending(fence, state, slot) is Ending.EXPIRED
 
 
 def _count_saturation(snap: Snapshot, keys: Iterable[list[LeaseInfo]]) -> None:
@@ -183,7 +141,7 @@ class LeaseObserver(Collector):
         )
         self._count(snap, infos, lines)
         snap.duration = time.monotonic() - started
-        self._tell_gaps(gaps)
+        self._tell_gaps(gaps, {info.key for info in infos})
         with self._lock:
             for info, ending in endings:
                 labels = (info.meta.get("actor", ""), info.meta.get("queue", ""))
@@ -278,14 +236,14 @@ class LeaseObserver(Collector):
                 endings.append((old, grant_ending(old.fence, state, old.slot if old.per_slot else None)))
         return endings, unseen
 
-    def _tell_gaps(self, gaps: ReadGaps) -> None:
+    def _tell_gaps(self, gaps: ReadGaps, keys: set[str]) -> None:
         """Log each master that stops (or starts again) answering, and each key of the wrong type, once."""
         for node in sorted(gaps.nodes.keys() - self._unreachable_logged):
             logger.warning(
                 "Redis master %s did not answer the scan (%s): what it holds is not counted until it "
                 "does (dramatiq_lease_exporter_unreachable_nodes).",
                 node,
-                gaps.nodes[node],
+                self.mask(gaps.nodes[node], keys),
             )
         for node in sorted(self._unreachable_logged - gaps.nodes.keys()):
             logger.info("Redis master %s answers the scan again.", node)
@@ -311,6 +269,16 @@ class LeaseObserver(Collector):
         # after a fix is told again.
         self._unreadable_logged = set(gaps.keys)
 
+    def mask(self, text: str, also: Iterable[str] = ()) -> str:
+        """``text`` (an error's message, which may quote keys and name their Redis keys) as this exporter may
+        show or log it: with keys masked, every key it knows (the last scan's, and ``also``) as its digest."""
+        if not self.hash_keys:
+            return text
+        with self._lock:
+            snap, previous = self.snapshot, list(self._previous.values())
+        known = {info.key for info in (*snap.leases, *previous)} | {row["key"] for row in snap.page.hot_keys}
+        return scrub(text, known | set(also))
+
     def _named(self, key: str) -> str:
         """``key`` as the log names it: quoted, or its pseudonym when keys are masked."""
         return hashed_key(key) if self.hash_keys else repr(key)
@@ -324,7 +292,9 @@ class LeaseObserver(Collector):
         )
         # The blind spots of that scan: what the tables cannot show. Counts only for the keys, whose names the
         # log has: the page may be served with its keys hashed.
-        doc["unreachable_nodes"] = [{"node": node, "error": error} for node, error in sorted(snap.unreachable.items())]
+        doc["unreachable_nodes"] = [
+            {"node": node, "error": self.mask(error)} for node, error in sorted(snap.unreachable.items())
+        ]
         kinds = Tally(bad.kind for bad in snap.unreadable.values())
         doc["unreadable_keys"] = {kind: kinds.get(kind, 0) for kind in UNREADABLE_KINDS}
         doc["history_path"] = HISTORY_PATH + "?key="

@@ -1,7 +1,8 @@
 """The exporter's HTTP endpoint: ``/leases`` (the Busy page, JSON) beside prometheus_client's exposition.
 
 A small WSGI app on a threading ``wsgiref`` server, as prometheus_client's own
-``start_http_server`` is: every path but ``/leases`` goes to its
+``start_http_server`` is, but bounded (:mod:`._http`: connections at once, a deadline to read each
+request's head, no spinning out of file descriptors): every path but ``/leases`` goes to its
 ``make_wsgi_app``, so ``/metrics`` answers exactly as before (content
 negotiation, gzip, ``name[]`` filters).
 
@@ -52,20 +53,19 @@ import ipaddress
 import json
 import logging
 import socket
-import ssl
-import sys
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from socketserver import ThreadingMixIn
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from wsgiref.simple_server import WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
 from ..core.errors import LeaseError, LeaseUnavailableError
 from . import busy_html
+from ._http import DEFAULT_MAX_CONNECTIONS, DEFAULT_READ_TIMEOUT, BoundedServer, QuietHandler, TLSHandler
+from ._masking import HASH_DIGITS, hashed_key, scrub
 from .webconfig import AUTHENTICATED, WebConfig
 
 if TYPE_CHECKING:
@@ -83,12 +83,6 @@ MIN_TOKEN_LENGTH = 16
 
 #: The realm of the ``WWW-Authenticate`` challenge of a 401.
 REALM = "dramatiq-leases"
-
-#: Seconds a TLS client has to complete its handshake and each read of its request.
-TLS_TIMEOUT = 30.0
-
-#: Hex digits of the SHA-256 shown for a key with ``--busy-keys hashed`` (64 bits: rows never collide).
-HASH_DIGITS = 16
 
 
 class ListenError(Exception):
@@ -176,11 +170,6 @@ def read_token_file(path: str) -> str:
         raise ValueError(f"{path!r}: {e}") from None
 
 
-def hashed_key(key: str) -> str:
-    """The pseudonym shown for ``key`` with ``--busy-keys hashed``: ``sha256:`` and 16 hex digits of its SHA-256."""
-    return "sha256:" + hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:HASH_DIGITS]
-
-
 def host_port(host: str, port: int) -> str:
     """``host:port``, an IPv6 address in brackets."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -195,53 +184,6 @@ def is_loopback(address: str) -> bool:
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
         return ip.ipv4_mapped.is_loopback
     return ip.is_loopback
-
-
-class _ThreadingServer(ThreadingMixIn, WSGIServer):
-    """One thread per request, none of which keeps the process alive."""
-
-    daemon_threads = True
-
-
-class _QuietHandler(WSGIRequestHandler):
-    """No access log on stderr (a scrape every few seconds)."""
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-
-class _TLSHandler(_QuietHandler):
-    """A request on a TLS connection: the handshake in this request's thread (never in the accepting one, which
-    a slow client would block), under a timeout."""
-
-    timeout = TLS_TIMEOUT
-    connection: ssl.SSLSocket
-
-    def setup(self) -> None:
-        self.request.settimeout(self.timeout)
-        self.request.do_handshake()
-        super().setup()
-
-    def get_environ(self) -> dict[str, str]:
-        env = super().get_environ()
-        env["HTTPS"] = "on"  # wsgi.url_scheme: https
-        cert = self.connection.getpeercert()  # empty unless verified against client_ca_file
-        if cert:
-            names = [pair[1] for rdn in cert.get("subject", ()) for pair in rdn if pair[0] == "commonName"]
-            env[AUTHENTICATED] = "cert:" + str(names[0] if names else "")
-        return env
-
-
-class _TLSServer(_ThreadingServer):
-    """A failed handshake (a plain HTTP request, an untrusted client certificate, a timeout) is the client's
-    problem: logged at debug, not printed as a traceback."""
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        error = sys.exc_info()[1]
-        if isinstance(error, OSError):  # ssl.SSLError, a reset, a timeout
-            logger.debug("TLS connection from %s failed: %s", client_address, error)
-            return
-        super().handle_error(request, client_address)
 
 
 Refusal = tuple[str, dict[str, Any], list[tuple[str, str]]]
@@ -341,10 +283,10 @@ class ExporterApp:
             key = found
         try:
             doc = self.history_json(key)
-        except LeaseUnavailableError as e:
-            return _json(start_response, "503 Service Unavailable", {"error": str(e)})
-        except LeaseError as e:  # an invalid key, a history that is not a list
-            return _json(start_response, "400 Bad Request", {"error": str(e)})
+        except LeaseError as e:  # an invalid key, a history that is not a list (400); Redis not answering (503)
+            status = "503 Service Unavailable" if isinstance(e, LeaseUnavailableError) else "400 Bad Request"
+            # The core's message quotes the key and its Redis names: masked, the digest asked by stands in.
+            return _json(start_response, status, {"error": scrub(str(e), [key]) if self.access.hash_keys else str(e)})
         if self.access.hash_keys:
             doc = {**doc, "key": hashed_key(key)}
         body = _json(start_response, "200 OK", doc)
@@ -439,22 +381,37 @@ def _json(
 
 
 def start_server(
-    app: ExporterApp, host: str, port: int, web_config: WebConfig | None = None
+    app: ExporterApp,
+    host: str,
+    port: int,
+    web_config: WebConfig | None = None,
+    *,
+    max_connections: int = DEFAULT_MAX_CONNECTIONS,
+    read_timeout: float = DEFAULT_READ_TIMEOUT,
 ) -> tuple[WSGIServer, threading.Thread]:
     """Serve ``app`` on ``host:port`` (``port`` 0: any free port) from a daemon thread, as prometheus_client does.
 
     Sets ``app.bound`` and ``app.loopback`` from the address actually bound,
     which the Busy view's access rule reads, and logs that rule. ``web_config``
     (``--web.config.file``) wraps the whole app, every path: basic auth and
-    headers in front of it, TLS around the socket.
+    headers in front of it, TLS around the socket. ``max_connections``
+    (``--web.max-connections``): connections served at once, half of them at
+    most from one client address, the excess refused at once; ``read_timeout``
+    (``--web.read-timeout``): seconds each has, in all, for its TLS handshake
+    and request head (:mod:`._http`).
 
     Raises:
-      ValueError: ``port`` is not from 0 to 65535; basic auth and a Busy view token both configured (both
-        would need the ``Authorization`` header).
+      ValueError: ``port`` is not from 0 to 65535, ``max_connections`` below 1, ``read_timeout`` not
+        positive; basic auth and a Busy view token both configured (both would need the ``Authorization``
+        header).
       ListenError: ``host`` does not resolve, or the address cannot be bound (in use, not permitted).
     """
     if not 0 <= port <= 65535:
         raise ValueError(f"port must be from 0 to 65535, got {port}")
+    if max_connections < 1 or not read_timeout > 0:
+        raise ValueError(
+            f"max_connections must be 1 or more and read_timeout positive, got {max_connections}, {read_timeout}"
+        )
     if web_config is not None and web_config.users and app.access.token is not None:
         raise ValueError(
             "--busy-token-file and the basic_auth_users of --web.config.file both need the Authorization header: "
@@ -467,17 +424,17 @@ def start_server(
 
     tls = web_config.ssl_context if web_config is not None else None
 
-    class Server(_TLSServer if tls is not None else _ThreadingServer):  # type: ignore[misc]
+    class Server(BoundedServer):
         address_family = family  # "::" listens on IPv6, "0.0.0.0" on IPv4
+
+    Server.max_connections, Server.read_timeout = max_connections, read_timeout
 
     served = web_config.wrap(app) if web_config is not None else app
     try:
-        server = make_server(
-            host, port, served, Server, handler_class=_TLSHandler if tls is not None else _QuietHandler
-        )
+        server = make_server(host, port, served, Server, handler_class=TLSHandler if tls is not None else QuietHandler)
     except OSError as e:
         raise ListenError(host, port, _reason(e)) from e
-    if tls is not None:  # each connection's handshake runs in its request's thread (_TLSHandler)
+    if tls is not None:  # each connection's handshake runs in its request's thread (TLSHandler)
         server.socket = tls.wrap_socket(server.socket, server_side=True, do_handshake_on_connect=False)
     address = str(server.server_address[0])
     app.bound, app.loopback = host_port(address, int(server.server_address[1])), is_loopback(address)

@@ -20,9 +20,12 @@ It is read once, at start: a setting this exporter cannot honour (``cipher_suite
 ``curve_preferences``, ``client_allowed_sans``, ``rate_limit``, a client auth type that does not
 verify the certificate) is refused there, naming the file and field, rather than silently ignored.
 Basic auth covers every path the endpoint serves (:meth:`WebConfig.wrap` wraps the whole WSGI app);
-passwords are checked with ``bcrypt.checkpw`` (constant time), a good one cached as a SHA-256 as
-exporter-toolkit does, so a scrape costs one bcrypt per user and restart. Reading the file needs
-PyYAML, checking passwords bcrypt: ``pip install 'dramatiq-leases[exporter]'``.
+passwords are checked with ``bcrypt.checkpw`` (constant time), a good one cached as an HMAC (keyed
+afresh at each start) as exporter-toolkit caches a SHA-256, so a scrape costs one bcrypt per user and
+restart. A wrong password costs a bcrypt each time, so at most ``BCRYPT_AT_ONCE`` checks run at once:
+a request that would start one more is answered 503 at once, without a check (a cached good password
+needs none, so scrapes go on during a flood of wrong ones). Reading the file needs PyYAML, checking
+passwords bcrypt: ``pip install 'dramatiq-leases[exporter]'``.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+import hmac
 import os
 import ssl
 import threading
@@ -42,7 +46,7 @@ if TYPE_CHECKING:
     from _typeshed import OptExcInfo
     from _typeshed.wsgi import StartResponse, WSGIApplication, WSGIEnvironment
 
-__all__ = ["AUTHENTICATED", "EXTRA", "WebConfig", "WebConfigError", "load_web_config"]
+__all__ = ["AUTHENTICATED", "BCRYPT_AT_ONCE", "EXTRA", "WebConfig", "WebConfigError", "load_web_config"]
 
 #: The WSGI environ key naming who the web configuration authenticated (a basic auth user, or
 #: ``cert:`` and a verified client certificate's subject); only this module and the TLS handler set it.
@@ -87,6 +91,8 @@ _UNSUPPORTED = {
 }
 #: A good password is cached (as a digest); past this many, the cache starts again.
 _CACHE_SIZE = 64
+#: bcrypt checks running at once at most (each costs a core for a while): more are answered 503 at once.
+BCRYPT_AT_ONCE = 2
 _BCRYPT_PREFIXES = (b"$2a$", b"$2b$", b"$2y$")
 
 
@@ -138,6 +144,10 @@ class WebConfig:
         return _Guard(app, self)
 
 
+class _TooManyChecksError(Exception):
+    """``BCRYPT_AT_ONCE`` password checks are running: the request is answered 503 without one."""
+
+
 class _Guard:
     """The WSGI middleware of :meth:`WebConfig.wrap`: basic auth in front of every path, headers on every
     answer."""
@@ -146,6 +156,8 @@ class _Guard:
         self.app, self.config = app, config
         self._good: set[bytes] = set()  # digests of credentials bcrypt accepted
         self._lock = threading.Lock()
+        self._key = os.urandom(32)  # the digests' key: a memory dump gives no unkeyed hash to guess against
+        self._checks = threading.BoundedSemaphore(BCRYPT_AT_ONCE)
         # An unknown user is checked against a real hash too: a miss takes as long as a wrong password.
         self._decoy = next(iter(config.users.values()), b"")
 
@@ -157,7 +169,20 @@ class _Guard:
             return start_response(status, [*response_headers, *headers], exc_info)
 
         if self.config.users:
-            user = self._user(str(environ.get("HTTP_AUTHORIZATION", "")))
+            try:
+                user = self._user(str(environ.get("HTTP_AUTHORIZATION", "")))
+            except _TooManyChecksError:
+                body = b'{"error":"busy","detail":"Too many password checks at once: retry."}'
+                respond(
+                    "503 Service Unavailable",
+                    [
+                        ("Content-Type", "application/json"),
+                        ("Content-Length", str(len(body))),
+                        ("Cache-Control", "no-store"),
+                        ("Retry-After", "1"),
+                    ],
+                )
+                return [] if environ.get("REQUEST_METHOD") == "HEAD" else [body]
             if user is None:
                 body = b'{"error":"unauthorized","detail":"This exporter requires basic auth (--web.config.file)."}'
                 respond(
@@ -174,7 +199,11 @@ class _Guard:
         return self.app(environ, respond)
 
     def _user(self, authorization: str) -> str | None:
-        """The user these ``Authorization`` credentials authenticate, or ``None``."""
+        """The user these ``Authorization`` credentials authenticate, or ``None``.
+
+        Raises:
+          _TooManyChecksError: they need a bcrypt check, and ``BCRYPT_AT_ONCE`` are running.
+        """
         scheme, _, encoded = authorization.strip().partition(" ")
         if scheme.lower() != "basic":
             return None
@@ -186,14 +215,18 @@ class _Guard:
             return None
         hashed = self.config.users.get(user)
         secret = password.encode()
-        digest = hashlib.sha256(b"\0".join((user.encode(), secret, hashed or b""))).digest()
+        digest = hmac.new(self._key, b"\0".join((user.encode(), secret, hashed or b"")), hashlib.sha256).digest()
         if hashed is not None and digest in self._good:
             return user
         assert self.config._bcrypt is not None  # loaded with the users
+        if not self._checks.acquire(blocking=False):
+            raise _TooManyChecksError
         try:
             ok = bool(self.config._bcrypt.checkpw(secret, hashed if hashed is not None else self._decoy))
         except ValueError:  # bcrypt 5 refuses a password over 72 bytes: a 401 for the client, not a 500
             return None
+        finally:
+            self._checks.release()
         if not ok or hashed is None:
             return None
         with self._lock:
