@@ -42,6 +42,7 @@ from .options import (
     FIRST_ATTEMPT_OPTION,
     SENT_BACK_OPTION,
 )
+from .ordering import stamp
 from .runs import Runs
 from .stop_budget import warn_stop_budget
 from .unique import Uniqueness
@@ -289,13 +290,15 @@ class LeaseMiddleware(Middleware):
 
     def before_enqueue(self, broker: dramatiq.Broker, message: dramatiq.Message[Any], delay: int | None) -> None:
         """Refuse, at send time, a message whose options are invalid or whose key cannot be rendered, or (with
-        ``lock_unique``) whose key is taken: :class:`DuplicateMessage`."""
+        ``lock_unique``) whose key is taken: :class:`DuplicateMessage`. Give a first send with
+        ``lock_on_busy="latest"`` its order (see :mod:`.ordering`)."""
         self.waiting.on_enqueue(message)
         if delay is None and "eta" not in message.options:
             # Maybe one of our delayed copies leaving this process's delay queue, before anyone can run it.
             self.dramatiq_prometheus.left_delay_queue(message)
         self.declarations.check_message(broker, message)
         self.unique.before_enqueue(broker, message, delay)
+        stamp(self, broker, message, delay)
 
     def after_enqueue(self, broker: dramatiq.Broker, message: Any, delay: int | None) -> None:
         """The broker has the message: its unique record, if it took one, lives on past the send's grace."""
