@@ -247,9 +247,8 @@ def test_latest_redelivery_of_a_killed_revision_does_not_run_after_a_newer_one(w
     a.wait()
     workers.wait(lambda: revisions_run(workers) == [2], timeout=20, what="revision 2 to run", about=ids)
 
-    def redelivered() -> (
-        bool
-    ):  # its last copy acknowledged (the broker's redelivery, and any copy it sent back), or run
+    def redelivered() -> bool:
+        """Revision 1's last copy acknowledged (the broker's redelivery, and any copy sent back), or run again."""
         return workers.settled(ids[:1]) or revisions_run(workers, "start").count(1) > 1
 
     workers.wait(redelivered, timeout=30, what="the redelivery of revision 1 to be settled", about=ids)

@@ -14,7 +14,9 @@ from dramatiq_leases.core import scripts
 
 LUA = files("dramatiq_leases.core").joinpath("lua")
 #: The .lua files, by name, as written (before the loader).
-SOURCES = {name: LUA.joinpath(f"{scripts.FILES.get(name, name)}.lua").read_text(encoding="utf-8") for name in scripts.ALL}
+SOURCES = {
+    name: LUA.joinpath(f"{scripts.FILES.get(name, name)}.lua").read_text(encoding="utf-8") for name in scripts.ALL
+}
 #: A numbered header line: ``--   N name: what it is`` (``N..`` for the rest of the arguments).
 ARGUMENT = re.compile(r"^--   (\d+)(\.\.)? (\w+): ")
 #: A field of an argument carrying several: ``--       name: what it is``.

@@ -1,24 +1,35 @@
 """Which message of a key is the newest (``lock_on_busy="latest"``): the one sent last, by its order.
 
 A message of an actor with ``lock_on_busy="latest"`` takes its order at its first send, in ``before_enqueue``
-(:func:`stamp`): a number from Redis (``Line.send_order``, one script on the key's order record, in the key's
-hash slot), the server's clock in microseconds raised above every order the key handed out and every order
-that reached its lease. So the orders of one key follow the order in which Redis saw the sends, one clock for
-every producer, two sends in one millisecond included; and a message sent after another reached the lease is
-always newer than it. The order lives in the message's options (:data:`ORDER_OPTION`): a retry, a copy sent
-back or parked, a redelivery and a re-drive from the dead letters all carry it. Other actors pay nothing.
+(:func:`stamp`): a number from Redis (``Line.send_order``: ``lua/order.lua``, one script on the key's order
+record, in the key's hash slot), the server's clock in microseconds raised above every order the key handed out
+and every order that reached its lease. The order lives in the message's options (:data:`ORDER_OPTION`): a
+retry, a copy sent back or parked, a redelivery and a re-drive from the dead letters all carry it. The acquire
+of a latest message (``scripts.ACQUIRE_LATEST``) records the newest order that reached the lease; one older
+than it supersedes itself. Other actors pay nothing: no round trip at send, the plain acquire script.
 
-A message sent without one (its producer had no LeaseMiddleware, or Redis could not be asked: the send goes
-on, with a WARNING) is ordered by its ``message_timestamp`` (its producer's clock, in ms) read as
-microseconds: on the same scale, so the two kinds compare, exactly up to the skew between that producer's
-clock and the Redis server's (and its millisecond: two sends of one millisecond tie, and a tie goes by message
-id). An order more than a minute ahead of the server's clock (``scripts.ORDER_AHEAD_MS``) counts as a minute
-ahead: one clock far ahead cannot hold a key's newer messages back for longer.
+Why a round trip at send time, and not ``message_timestamp`` alone. ``message_timestamp`` is its producer's
+clock, in milliseconds. (1) Two sends of one producer in one millisecond (a loop saving revisions) tie, and
+a tie can only be broken by something unrelated to the send (the message id): the older may be kept. (2) Two
+producers' clocks differ by their skew, and a clock steps back under NTP: a message sent after another one
+already reached the lease, by a producer whose clock is behind by more than the gap, would look older and be
+acknowledged without running: the newest revision lost, silently, which is the bug this ordering exists to
+fix. One clock for every producer (the Redis server's, which also orders the scripts one at a time) has
+neither problem, and ``order.lua`` raising each order above the key's last ones makes them strictly grow,
+across a restart of the record too. The price is one ``EVALSHA`` per first send of a latest actor's message
+(``lock_unique`` pays the same), none for any other actor.
+
+A message sent without an order (its producer had no LeaseMiddleware, or Redis could not be asked: the send
+goes on, with a WARNING, rather than failing for want of an ordering hint) is ordered by its
+``message_timestamp`` read as microseconds: on the same scale, so the two kinds compare, exactly up to the skew
+between that producer's clock and the Redis server's (and its millisecond). An order more than
+``scripts.ORDER_AHEAD_MS`` (a minute) ahead of the server's clock counts, at each attempt, as that far ahead: a
+clock far ahead makes its message newer than those sent up to a minute after it, not newer than all of them.
 
 The order is input from whoever writes to the broker: a whole number from 1 to ``scripts.MAX_ORDER``, else the
-message is refused (dead-lettered, with an ERROR naming actor, option and value), as any message option that
-cannot work is: treated as the oldest it would be dropped for a typo, as the newest it would hold newer
-messages back.
+message is refused, as any message option that cannot work is (at send: ``LeaseOptionError``; at the worker:
+dead-lettered with an ERROR), naming actor, option and value. Treated as the oldest, a typo would drop the
+message; as the newest, it would hold newer messages back.
 """
 
 from __future__ import annotations
