@@ -20,6 +20,7 @@ from dramatiq.brokers.redis import RedisBroker
 
 from dramatiq_leases import LeaseOptionError
 from dramatiq_leases.core import Busy, Lease, Leases, Wait, scripts
+from dramatiq_leases.core.client import RedisClient
 from dramatiq_leases.core.errors import LeaseConfigError
 from dramatiq_leases.core.keys import DEFAULT_PREFIX, fence_name, lease_name, order_name
 from dramatiq_leases.embedded import EmbeddedRedis, free_port
@@ -36,7 +37,7 @@ def leases(redis_client: redis.Redis) -> Leases:
     return Leases(redis_client, prefix="t")
 
 
-def server_us(client: redis.Redis) -> int:
+def server_us(client: RedisClient) -> int:
     seconds, micros = client.time()
     return int(seconds) * 1_000_000 + int(micros)
 
@@ -139,7 +140,8 @@ def test_the_plain_build_carries_nothing_of_latest_and_refuses_it(redis_client: 
         redis_client.eval(scripts.ACQUIRE, 2, "t:lease:{k}", "t:fence:{k}", "t", TTL, 0, 0, 0, "w", "0 2 2 1 1 0 1 1")
     leases = Leases(redis_client, prefix="t")
     for i in range(3):  # warm: the scripts loaded
-        leases.release(leases.try_acquire(f"w{i}", TTL))
+        warm = leases.try_acquire(f"w{i}", TTL)
+        assert isinstance(warm, Lease) and leases.release(warm)
     redis_client.config_resetstat()
     for i in range(10):
         lease = leases.try_acquire(f"k{i}", TTL)
