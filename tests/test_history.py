@@ -170,7 +170,9 @@ def test_each_change_of_a_key_appends_its_event(redis_client: redis.Redis) -> No
     assert isinstance(adopted, Lease)
     # A waiter replaced by a newer one (lock_on_busy="latest").
     for waiter, first in (("old:0", 1), ("new:0", 2)):
-        busy = leases._line.join("k", 60_000, waiter=waiter, first_ms=first, latest=True, meta={"actor": "export"})
+        busy = leases._line.join(
+            "k", 60_000, waiter=waiter, first_ms=first, latest=True, order=first, meta={"actor": "export"}
+        )
         assert isinstance(busy, Busy)
     redis_client.pexpire(leases.lease_name("k"), 1)  # the adopter's lease ends by its TTL, unreleased
     wait_until(lambda: not redis_client.exists(leases.lease_name("k")), timeout=5, what="the lease expiring")

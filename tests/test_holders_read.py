@@ -114,7 +114,7 @@ def test_fence_state_keeps_each_slots_records_apart(leases: Leases) -> None:
 def test_the_latest_waiters_pointer_is_not_counted_as_a_waiter(leases: Leases) -> None:
     grant(leases, "sync:1", limit=1)
     for n in range(2):  # the second supersedes the first: one waiter, and the pointer to it
-        busy = leases._line.join("sync:1", 30_000, waiter=f"m{n}:0", meta=META, latest=True)
+        busy = leases._line.join("sync:1", 30_000, waiter=f"m{n}:0", meta=META, latest=True, order=n + 1)
         assert isinstance(busy, Busy)
     line = leases.inspect_line("sync:1")
     assert line.length == 1 and line.head == "m1:0"

@@ -45,6 +45,8 @@ def granted(reply: Lease | Busy) -> Lease:
 
 def join(leases: Leases, waiter: str, first_ms: int, *, key: str = "k", **options: Any) -> Lease | Busy:
     options.setdefault("may_wait", True)
+    if options.get("latest"):
+        options.setdefault("order", first_ms)  # sent in the order of their first attempts, unless told otherwise
     return leases._line.join(key, TTL, waiter=waiter, first_ms=first_ms, **options)
 
 
@@ -210,21 +212,19 @@ def test_a_grant_outside_the_line_keeps_the_latest_pointer(leases: Leases) -> No
     assert refused(join(leases, "old", 100, latest=True, limit=2)).wait is Wait.SUPERSEDED  # and the older must not
 
 
-def test_a_latest_waiter_rejoining_without_first_ms_keeps_its_age(leases: Leases, redis_client: redis.Redis) -> None:
+def test_a_latest_waiter_is_as_new_as_its_order_not_its_first_attempt(leases: Leases) -> None:
+    """The newest is the one sent last (its order), whenever each reached the key: one sent before the key's
+    latest waiter supersedes itself on arrival, naming it; one sent after it supersedes it."""
     granted(leases.try_acquire("k", TTL))
-    refused(join(leases, "a", 0, latest=True))  # placed at the server's now
-    placed = int(redis_client.zscore("t:line:{k}", "a") or 0)
-    wait_for(lambda: server_ms(redis_client) > placed + 20, timeout=2, what="the server clock to move on")
-    refused(join(leases, "a", 0, latest=True))  # asks again, keeping its place
-    assert int(redis_client.zscore("t:line:{k}", "a") or 0) == placed
-    newer = refused(join(leases, "b", placed + 10, latest=True))  # first attempt after a's
-    assert newer.wait is not Wait.SUPERSEDED
-    assert refused(join(leases, "a", 0, latest=True)).wait is Wait.SUPERSEDED
-
-
-def server_ms(client: redis.Redis) -> int:
-    seconds, micros = client.time()
-    return int(seconds) * 1000 + int(micros) // 1000
+    assert refused(join(leases, "a:0", 0, latest=True, order=200)).wait is Wait.IN_PLACE  # placed at the server's now
+    stale = refused(join(leases, "b:0", 0, latest=True, order=100))  # sent before a, arrives after it
+    assert (stale.wait, stale.newer) == (Wait.SUPERSEDED, "a")
+    assert refused(join(leases, "a:0", 0, latest=True, order=200)).wait is Wait.IN_PLACE  # untouched, asks again
+    assert leases._line.hold("k", ["a:0", "b:0"], "chan:x") == ["r", "s"]
+    newer = refused(join(leases, "c:0", 1, latest=True, order=300))  # sent after a: its first attempt is older
+    assert newer.wait is Wait.IN_PLACE and newer.place == 0
+    again = refused(join(leases, "a:0", 0, latest=True, order=200))
+    assert (again.wait, again.newer) == (Wait.SUPERSEDED, "c")
 
 
 def test_inspect_line_does_not_count_the_latest_pointer(leases: Leases) -> None:

@@ -13,7 +13,9 @@ import gc
 import itertools
 import logging
 import math
+import os
 import random
+import signal
 import sys
 import threading
 import time
@@ -37,7 +39,7 @@ from dramatiq_leases.core.keys import DEFAULT_PREFIX
 from dramatiq_leases.embedded import EmbeddedRedis
 from dramatiq_leases.middleware.options import SENT_BACK_OPTION
 
-from .support.brokers import BROKERS, pending, redis_dead_letters
+from .support.brokers import BROKERS, RABBITMQ_URL, pending, redis_dead_letters
 from .support.processes import value
 from .support.stack import Stack
 from .support.waiting import wait_for
@@ -168,6 +170,92 @@ def test_latest_runs_only_the_newest_right_after_the_holder(workers: LimitWorker
     assert workers.nacks() == []
     logged(workers, ids[:-1], "job", holder, "superseded")
     counted(workers, "superseded", sends - 1)
+
+
+def queued(workers: LimitWorkers) -> int:
+    """How many messages wait in the jobs' queue, taken by no consumer yet (a consumer's prefetch has taken them)."""
+    if workers.broker == "redis":
+        client = redis.Redis.from_url(workers.server.url(0))
+        try:
+            return int(client.llen(f"dramatiq:{workers.queue}"))
+        finally:
+            client.close()
+    import pika
+
+    connection = pika.BlockingConnection(pika.URLParameters(RABBITMQ_URL))
+    try:
+        return int(connection.channel().queue_declare(workers.queue, passive=True).method.message_count)
+    finally:
+        connection.close()
+
+
+def superseded_by(workers: LimitWorkers, message_id: str, newer: str) -> None:
+    """Wait until the worker log has the INFO line of ``message_id`` not run (superseded), naming ``newer``."""
+
+    def found() -> bool:
+        return any(
+            "[INFO]" in line and message_id in line and "(superseded)" in line and f"message {newer}" in line
+            for line in workers.log_lines()
+        )
+
+    workers.wait(found, timeout=10, what=f"the superseded line of {message_id} naming {newer}", about=[message_id])
+
+
+def revisions_run(workers: LimitWorkers, kind: str = "run") -> list[int]:
+    """The revisions (actor ``revision``) that ran (``kind`` "run") or started, by start."""
+    return [r["n"] for r in sorted(workers.runs(kind), key=lambda r: r["start"]) if r["key"] == "doc"]
+
+
+def test_latest_keeps_the_revision_sent_last_not_the_one_a_prefetch_holds_back(workers: LimitWorkers) -> None:
+    """Revisions 0, 1, 2 of one document, sent in that order: worker A (one thread) runs 0 and its prefetch holds 1
+    behind it; worker B takes 2, which waits behind 0. When 0 ends, 1 reaches the lease after 2: it is acknowledged
+    without running (superseded by 2, named in its line), and 2 runs last."""
+    workers.start(threads=1)  # prefetch 2: the running message and the next
+    workers.send([call("revision", "doc", 0, 60.0)])
+    workers.wait_runs(1, "start")
+    workers.send([call("revision", "doc", 1, 0.0)])
+    workers.wait(lambda: queued(workers) == 0, timeout=10, what="A's prefetch to take revision 1")
+    workers.start(threads=2)
+    workers.send([call("revision", "doc", 2, 0.0)])
+    ids = [s["message_id"] for s in workers.sent()]
+    workers.wait(
+        lambda: workers.leases.inspect_line("doc").head == f"{ids[2]}:0", timeout=30, what="revision 2 to wait"
+    )
+    assert revisions_run(workers) == [], "revision 0 ended before 2 was waiting: the test proved nothing"
+    workers.release("doc")
+    workers.wait(lambda: workers.settled(ids), timeout=20, what="every revision to be settled", about=ids)
+    assert revisions_run(workers, "start") == [0, 2], "a revision sent before the last ran after it"
+    assert workers.nacks() == []
+    superseded_by(workers, ids[1], ids[2])
+    counted(workers, "superseded", 1)
+
+
+def test_latest_redelivery_of_a_killed_revision_does_not_run_after_a_newer_one(workers: LimitWorkers) -> None:
+    """Revision 1 runs on worker A, revision 2 waits behind it on worker B; A is SIGKILLed. 2 runs once 1's lease
+    has expired, and the broker's redelivery of 1 never runs again: it supersedes itself (traced), however it meets
+    the key (held by its own dead lease, by 2, or free)."""
+    a = workers.start(threads=1, env={"dramatiq_queue_prefetch": "1"})  # A takes nothing but revision 1
+    workers.send([call("revision", "doc", 1, 60.0)])
+    workers.wait_runs(1, "start")
+    workers.start(threads=2)
+    workers.send([call("revision", "doc", 2, 0.5)])
+    ids = [s["message_id"] for s in workers.sent()]
+    workers.wait(
+        lambda: workers.leases.inspect_line("doc").head == f"{ids[1]}:0", timeout=30, what="revision 2 to wait"
+    )
+    os.killpg(a.pid, signal.SIGKILL)
+    a.wait()
+    workers.wait(lambda: revisions_run(workers) == [2], timeout=20, what="revision 2 to run", about=ids)
+
+    def redelivered() -> bool:
+        """Revision 1's last copy acknowledged (the broker's redelivery, and any copy sent back), or run again."""
+        return workers.settled(ids[:1]) or revisions_run(workers, "start").count(1) > 1
+
+    workers.wait(redelivered, timeout=30, what="the redelivery of revision 1 to be settled", about=ids)
+    assert revisions_run(workers, "start") == [1, 2], "the killed revision ran again, after a newer one"
+    workers.wait(lambda: workers.settled(ids), timeout=20, what="every revision to be settled", about=ids)
+    superseded_by(workers, ids[0], ids[1])
+    counted(workers, "superseded", 1)
 
 
 # --- the interrupt storm, on keys held by three at once -------------------------------------------------------

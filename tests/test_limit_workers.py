@@ -69,8 +69,10 @@ class LimitWorkers:
         self.leases_client = redis.Redis.from_url(server.url(1))
         self.leases = Leases(self.leases_client)
 
-    def start(self, processes: int = 1, threads: int = 4, *, holder: int | None = None) -> subprocess.Popen[bytes]:
-        """Workers of the jobs' queue, or (``holder``) of that holder's queue only."""
+    def start(
+        self, processes: int = 1, threads: int = 4, *, holder: int | None = None, env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
+        """Workers of the jobs' queue, or (``holder``) of that holder's queue only; ``env``: more variables."""
         log = open(self.tmp_path / f"worker-{len(self.procs)}.log", "wb")  # noqa: SIM115 (the child keeps it)
         self.metrics_port = free_port()
         proc = subprocess.Popen(
@@ -87,7 +89,7 @@ class LimitWorkers:
                 self.queue if holder is None else f"{self.queue}-hold{holder}",
             ],
             cwd=ROOT,
-            env={**self.env, "DRAMATIQ_LEASES_METRICS_PORT": str(self.metrics_port)},
+            env={**self.env, **(env or {}), "DRAMATIQ_LEASES_METRICS_PORT": str(self.metrics_port)},
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,

@@ -14,7 +14,9 @@ from dramatiq_leases.core import scripts
 
 LUA = files("dramatiq_leases.core").joinpath("lua")
 #: The .lua files, by name, as written (before the loader).
-SOURCES = {name: LUA.joinpath(f"{name}.lua").read_text(encoding="utf-8") for name in scripts.ALL}
+SOURCES = {
+    name: LUA.joinpath(f"{scripts.FILES.get(name, name)}.lua").read_text(encoding="utf-8") for name in scripts.ALL
+}
 #: A numbered header line: ``--   N name: what it is`` (``N..`` for the rest of the arguments).
 ARGUMENT = re.compile(r"^--   (\d+)(\.\.)? (\w+): ")
 #: A field of an argument carrying several: ``--       name: what it is``.
@@ -115,7 +117,11 @@ def test_each_helper_is_written_once_in_the_prelude() -> None:
 def test_the_uncontended_paths_create_no_line_helper() -> None:
     """Figure 1's path (acquire of a free key with no line, release without one) runs past no closure it does
     not call: the line's helpers are included after it."""
-    for name, fast_path_end in (("acquire", "if count == 0 and not lined then"), ("release", "if waiter == '' and")):
+    for name, fast_path_end in (
+        ("acquire", "if count == 0 and not lined then"),
+        ("acquire_latest", "if count == 0 and not lined and not older then"),
+        ("release", "if waiter == '' and"),
+    ):
         built = scripts.ALL[name]
         before = built[: built.index(fast_path_end)]
         assert "local function entry(" not in before and "local function call_forward(" not in before, name

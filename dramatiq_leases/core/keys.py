@@ -122,6 +122,11 @@ def unique_name(prefix: str, key: str) -> str:
     return f"{prefix}:unique:{{{hash_tag(key)}}}"
 
 
+def order_name(prefix: str, key: str) -> str:
+    """The Redis key of ``key``'s order record (``lock_on_busy="latest"``: a hash; see :mod:`.scripts`)."""
+    return f"{prefix}:order:{{{hash_tag(key)}}}"
+
+
 def history_name(prefix: str, key: str) -> str:
     """The Redis key of ``key``'s history (a list of JSON events, newest first; see :mod:`.history`)."""
     return f"{prefix}:history:{{{hash_tag(key)}}}"

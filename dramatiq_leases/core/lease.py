@@ -166,6 +166,8 @@ class Busy:
       place: the waiter's place in the line (0: its head; -1: not in it).
       line: how many wait in the key's line.
       block_ms: with :attr:`Wait.IN_PLACE`, how long to block before asking again.
+      newer: with :attr:`Wait.SUPERSEDED`, the message id of the newest message of the key that reached
+        the lease (``""`` if unknown).
     """
 
     key: str
@@ -176,6 +178,7 @@ class Busy:
     place: int = -1
     line: int = 0
     block_ms: int = 0
+    newer: str = ""
 
     @property
     def retry_after(self) -> int:

@@ -23,9 +23,9 @@ from redis.cluster import RedisCluster
 
 from .client import MAX_BLOCK_S, connection_kwargs, pool_connection, unavailable
 from .errors import LeaseConfigError
-from .keys import lease_name, validate_key, wake_name
+from .keys import lease_name, order_name, validate_key, wake_name
 from .lease import Busy, Lease
-from .scripts import WAKE_TTL_MS
+from .scripts import ORDER, WAKE_TTL_MS
 
 if TYPE_CHECKING:
     from .store import Leases
@@ -54,6 +54,7 @@ class Line:
         self._store = store
         self.client = store.client
         self.prefix = store.prefix
+        self._order_script = store.client.register_script(ORDER)
 
     def _call(self, script: Any, keys: list[str], args: list[Any]) -> Any:
         return self._store._call(script, keys, args)
@@ -79,6 +80,7 @@ class Line:
         promote_ms: int = PROMOTE_MS,
         limit: int = 1,
         latest: bool = False,
+        order: int | None = None,
         final: bool = False,
     ) -> Lease | Busy:
         """:meth:`Leases.try_acquire` as ``waiter`` of ``key``'s line: granted at the head, else a place.
@@ -90,7 +92,10 @@ class Line:
         the line: a busy answer is then :attr:`Wait.NONE`. ``limit``: how many may hold the key at once
         (then ``ready + limit - 1`` may wait in place);
         ``latest``: the key keeps only its newest waiter that joined so (the older one's answer, or its
-        holder's :meth:`hold`, becomes ``superseded``); ``final`` (with ``joins=False``): a busy answer is
+        holder's :meth:`hold`, becomes ``superseded``), newest by ``order`` (needed then: when its message was
+        sent, :meth:`send_order`); a message whose order is below the newest that reached the lease (granted, or
+        waiting so) is superseded itself, wherever it meets the key, and :attr:`Busy.newer` names that one;
+        ``final`` (with ``joins=False``): a busy answer is
         remembered as this waiter's outcome, so a copy of its message asking later is told it is a duplicate.
         """
         if not isinstance(waiter, str) or not waiter:
@@ -108,8 +113,18 @@ class Line:
             rules=(ready, park_ms, promote_ms),
             limit=limit,
             latest=latest,
+            order=order,
             final=final,
         )
+
+    def send_order(self, key: str) -> int:
+        """The order of a message of ``key`` sent now, for :meth:`join` with ``latest``: above every order handed
+        out for the key before, and above every order that reached its lease; at least the Redis server's clock
+        in microseconds (so an order taken after the record expired is still above the older ones)."""
+        validate_key(key)
+        with unavailable(f"take a send order for {key!r}", key):
+            reply = self._call(self._order_script, [order_name(self.prefix, key)], [])
+        return int(reply)
 
     def release(
         self,

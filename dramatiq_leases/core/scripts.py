@@ -5,11 +5,15 @@ its header: its KEYS and ARGV, one per line (``--   N name: what it is``, the
 name the script gives it), then what it returns. The helpers the scripts share
 are written once, in sections of ``lua/prelude.lua``; a script names those it
 uses with ``--#include NAME ...`` where it needs them, and the loader copies
-them in there. The constants the Lua uses are this module's (:data:`LUA_CONSTANTS`):
-the loader declares, after the header, each one a script names, so Python and
-Lua read one value. A script only touches the keys passed in ``KEYS`` or derived
-from the lease's name, and those always share one hash tag, so every script
-runs unchanged on Redis Cluster.
+them in there. A file may be built in variants: the lines between ``--#if NAME``
+and ``--#else`` (or ``--#end``) are kept only in the build given NAME, those
+between ``--#else`` and ``--#end`` only in the others. So ``lua/acquire.lua``
+is :data:`ACQUIRE` and :data:`ACQUIRE_LATEST`: what only ``lock_on_busy="latest"``
+needs never runs in, nor grows, a plain acquire. The constants the Lua uses are
+this module's (:data:`LUA_CONSTANTS`): the loader declares, after the header,
+each one a script names, so Python and Lua read one value. A script only touches
+the keys passed in ``KEYS`` or derived from the lease's name, and those always
+share one hash tag, so every script runs unchanged on Redis Cluster.
 
 Key layout for a lease key ``K`` under prefix ``P`` (``T`` is the hash tag,
 see :func:`dramatiq_leases.core.keys.hash_tag`):
@@ -37,6 +41,9 @@ see :func:`dramatiq_leases.core.keys.hash_tag`):
 * ``P:history:{T}``: the key's history, if the store keeps one (``Leases(history=N)``): a list of
   compact JSON events, newest first, capped to N and kept :data:`HISTORY_MS` after its last event
   (see ``history_append`` in ``lua/prelude.lua`` and :mod:`.history`).
+* ``P:order:{T}``: the key's order record (``lock_on_busy="latest"`` only), a hash: ``seq`` (the last order
+  handed to a send, ``lua/order.lua``), ``seen`` and ``by`` (the newest order that reached the lease, granted or
+  waiting as the key's latest, and its waiter, ``lua/acquire.lua``); kept :data:`ORDER_MS` after its last change.
 * ``P:unique:{T}``: the key's unique records (``lock_unique``), a sorted set of ``q:<message id>``
   (queued) and ``d:<message id>`` (until done) by the server time each ends; its TTL is its last
   record's. See :mod:`.unique`.
@@ -95,6 +102,14 @@ HEAD_DROPS_MAX = 16
 MAX_HISTORY = 10_000
 #: How long a key's history is kept after its last event (ms): a week.
 HISTORY_MS = 7 * 86_400_000
+#: The largest order a message may carry (``lock_on_busy="latest"``; microseconds, exact in Lua's doubles).
+MAX_ORDER = 2**53 - 1
+#: How long a key's order record is kept after its last change (ms): a week, as long as Dramatiq keeps a
+#: message that can still come back (the longest delay, a dead letter) and as long as a backlog is allowed to be.
+ORDER_MS = 7 * 86_400_000
+#: How far ahead of the Redis server's clock a message's order may be (ms; a producer's clock ahead, with no
+#: order from Redis): one further ahead counts as this far, so that it cannot hold newer messages back for longer.
+ORDER_AHEAD_MS = 60_000
 
 #: Every constant the Lua uses, by the name it uses: the loader declares those a script names.
 LUA_CONSTANTS: dict[str, int] = {
@@ -113,9 +128,14 @@ LUA_CONSTANTS: dict[str, int] = {
     "MAX_LIMIT": MAX_LIMIT,
     "MAX_HISTORY": MAX_HISTORY,
     "HISTORY_MS": HISTORY_MS,
+    "MAX_ORDER": MAX_ORDER,
+    "ORDER_MS": ORDER_MS,
+    "ORDER_AHEAD_MS": ORDER_AHEAD_MS,
 }
 
 _INCLUDE = re.compile(r"^--#include((?: \w+)+)\n", re.MULTILINE)
+_IF = re.compile(r"^--#if (\w+)\n(.*?)(?:^--#else\n(.*?))?^--#end\n", re.MULTILINE | re.DOTALL)
+_DIRECTIVE = re.compile(r"^--#(?:if|else|end)\b", re.MULTILINE)
 _SECTION = re.compile(r"^--#section (\w+)\n", re.MULTILINE)
 
 
@@ -129,16 +149,21 @@ def _sections() -> dict[str, str]:
     return {name: text.strip("\n") + "\n" for name, text in zip(parts[1::2], parts[2::2], strict=True)}
 
 
-def _build(source: str, sections: dict[str, str]) -> str:
+def _build(source: str, sections: dict[str, str], variant: frozenset[str] = frozenset()) -> str:
     """A script's text as Redis runs it: ``source``'s header, the constants it names, then its body with each
-    ``--#include`` replaced by the sections named (each once per script).
+    ``--#if NAME`` block kept or left out (kept if ``variant`` has NAME) and each ``--#include`` replaced by the
+    sections named (each once per script).
 
     Raises:
-      ValueError: an unknown section, or one included twice.
+      ValueError: an unknown section, one included twice, or an ``--#if`` without its ``--#end`` (or nested).
     """
     lines = source.splitlines(keepends=True)
     n = next((i for i, line in enumerate(lines) if not line.startswith("--") or line.startswith("--#")), len(lines))
     header, body = "".join(lines[:n]), "".join(lines[n:])
+    body = _IF.sub(lambda m: m.group(2) if m.group(1) in variant else (m.group(3) or ""), body)
+    stray = _DIRECTIVE.search(body)
+    if stray:
+        raise ValueError(f"{stray.group(0)}: unmatched, or nested")
     seen: set[str] = set()
 
     def include(match: re.Match[str]) -> str:
@@ -155,14 +180,16 @@ def _build(source: str, sections: dict[str, str]) -> str:
     return header + declared + body
 
 
-def _load(name: str) -> str:
-    return _build(_read(name), _SECTIONS)
+def _load(name: str, *variant: str) -> str:
+    return _build(_read(name), _SECTIONS, frozenset(variant))
 
 
 _SECTIONS = _sections()
 
-#: Acquire a free key (see ``lua/acquire.lua``).
+#: Acquire a free key (see ``lua/acquire.lua``), for every actor but ``lock_on_busy="latest"``.
 ACQUIRE = _load("acquire")
+#: Acquire as ``lock_on_busy="latest"``: ``lua/acquire.lua`` with its ``--#if latest`` parts (the order record).
+ACQUIRE_LATEST = _load("acquire", "latest")
 #: Renew many leases of one slot (``lua/renew_many.lua``).
 RENEW_MANY = _load("renew_many")
 #: Release by owner token (``lua/release.lua``).
@@ -175,6 +202,8 @@ ADOPT = _load("adopt")
 LINE = _load("line")
 #: Take, keep or end a message's unique record (``lua/unique.lua``).
 UNIQUE = _load("unique")
+#: The order of a send, for ``lock_on_busy="latest"`` (``lua/order.lua``).
+ORDER = _load("order")
 #: Read many lease hashes with the server time (``lua/inspect_many.lua``).
 INSPECT_MANY = _load("inspect_many")
 #: Append an event decided outside the scripts to a key's history (``lua/history.lua``).
@@ -183,6 +212,7 @@ HISTORY = _load("history")
 #: Every script, by name.
 ALL = {
     "acquire": ACQUIRE,
+    "acquire_latest": ACQUIRE_LATEST,
     "renew_many": RENEW_MANY,
     "release": RELEASE,
     "release_if_dead": RELEASE_IF_DEAD,
@@ -191,4 +221,7 @@ ALL = {
     "line": LINE,
     "history": HISTORY,
     "unique": UNIQUE,
+    "order": ORDER,
 }
+#: The file (``lua/<name>.lua``) of each script of :data:`ALL` not built from a file of its own name.
+FILES = {"acquire_latest": "acquire"}

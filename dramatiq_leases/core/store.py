@@ -27,14 +27,14 @@ from .client import (
 from .errors import LeaseBusyError, LeaseConfigError, LeaseExpiredError, LeaseStateError, LeaseUnavailableError
 from .history import HistoryEvent, parse
 from .info import LeaseInfo, meta_args, text
-from .keys import DEFAULT_PREFIX, fence_name, history_name, lease_name, validate_key, validate_prefix
+from .keys import DEFAULT_PREFIX, fence_name, history_name, lease_name, order_name, validate_key, validate_prefix
 from .lease import Busy, Lease, LostReason, Renewal, Wait, default_interval, new_token
 from .line import DEFAULT_PARK_MS, DEFAULT_READY, PROMOTE_MS, Line
 from .numbers import margin_ms, whole_count, whole_limit, whole_ms
 from .reading import LineInfo, Reader, ReadGaps
 from .recovery import DeadRelease, release_if_dead, target
 from .replication import DEFAULT_REPLICA_TIMEOUT_MS, MAX_REPLICAS, check_replication, evalsha_acked, not_replicated
-from .scripts import MAX_HISTORY, MAX_ID_LENGTH, MAX_LIMIT, MAX_TIMESTAMP_MS
+from .scripts import MAX_HISTORY, MAX_ID_LENGTH, MAX_LIMIT, MAX_ORDER, MAX_TIMESTAMP_MS
 
 if TYPE_CHECKING:
     from .heartbeat import Heartbeat
@@ -160,6 +160,7 @@ class Leases:
             else None
         )
         self._acquire = client.register_script(scripts.ACQUIRE)
+        self._acquire_latest = client.register_script(scripts.ACQUIRE_LATEST)
         self._renew_many = client.register_script(scripts.RENEW_MANY)
         self._release = client.register_script(scripts.RELEASE)
         self._release_if_dead = client.register_script(scripts.RELEASE_IF_DEAD)
@@ -295,13 +296,19 @@ class Leases:
         rules: tuple[int, int, int] = (DEFAULT_READY, DEFAULT_PARK_MS, PROMOTE_MS),
         limit: int = 1,
         latest: bool = False,
+        order: int | None = None,
         final: bool = False,
     ) -> Lease | Busy:
         """The acquire script, for :meth:`try_acquire` (``mode`` 0: never joins the line) and
         :meth:`Line.join` (1: may park, 2: may wait in place); ``rules``: ready, park_ms, promote_ms;
-        ``latest``: the key keeps only its newest such waiter; ``final`` (``mode`` 0): a refusal is remembered,
-        so another copy of this waiter never runs after it."""
+        ``latest``: the key keeps only its newest such waiter, newest by ``order`` (needed then); ``final``
+        (``mode`` 0): a refusal is remembered, so another copy of this waiter never runs after it."""
         validate_key(key)
+        if latest and (isinstance(order, bool) or not isinstance(order, int) or not 1 <= order <= MAX_ORDER):
+            raise LeaseConfigError(
+                f"a latest waiter of {key!r} needs an order, a whole number from 1 to {MAX_ORDER}; got {order!r}",
+                key=key,
+            )
         ttl, stored_interval, max_hold_ms = _check_numbers(ttl, interval, max_hold)
         limit = whole_limit(limit, "limit", maximum=MAX_LIMIT)
         if first_ms:
@@ -311,7 +318,11 @@ class Leases:
         ready, park_ms, promote_ms = rules
         policy = 2 if final else int(latest)
         line = f"{first_ms} {mode} {ready} {park_ms} {promote_ms} {self.fence_retention} {limit} {policy}"
-        if self.history_cap:
+        keys, script = self._keys(key), self._acquire
+        if latest:  # its own build of the script: the message's order, and the key's order record
+            line += f" {self.history_cap} {order}"
+            keys, script = [*keys, order_name(self.prefix, key)], self._acquire_latest
+        elif self.history_cap:
             line += f" {self.history_cap}"
         args: list[Any] = [
             token,
@@ -331,7 +342,7 @@ class Leases:
         with tracing.span(_ACQUIRE_SPAN, attributes) as span:
             sent_at = time.monotonic()
             with unavailable(f"acquire lease {key!r}", key):
-                reply, acked = self._call_acked(self._acquire, self._keys(key), args)
+                reply, acked = self._call_acked(script, keys, args)
             if int(reply[0]) != 1:
                 span.set_attributes({tracing.OUTCOME: "busy", tracing.FENCE: int(reply[2])})
                 return Busy(
@@ -343,6 +354,7 @@ class Leases:
                     place=int(reply[5]),
                     line=int(reply[6]),
                     block_ms=int(reply[7]),
+                    newer=text(reply[8]) if len(reply) > 8 else "",
                 )
             if acked < self.min_replicas:
                 self._not_replicated("acquire", key, token, acked)

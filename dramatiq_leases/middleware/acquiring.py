@@ -21,9 +21,10 @@ from ..core.errors import LeaseUnavailableError
 from ..core.lease import Busy, Lease, Wait, new_token
 from ..core.scripts import MAX_LIMIT
 from .busy import SKIP_MARK, gives_up, mark_skipped, on_busy, record_history, send_back
-from .errors import LeaseBusyFailed, LeaseLimitError
+from .errors import LeaseBusyFailed, LeaseLimitError, LeaseOptionError
 from .guard import Run
 from .options import ATTEMPTS_OPTION, FIRST_ATTEMPT_OPTION, LEASE_OPTION, SENT_BACK_OPTION, Options
+from .ordering import order_of
 from .waiting import LINE_OPTION, MAX_IN_PLACE, waiter_id
 
 if TYPE_CHECKING:
@@ -81,10 +82,17 @@ class Acquisition:
         self.in_place = 0.0
         self.front = False  # told it is among the next to run, with no place here: may take a front place
         self.started = hook_started  # the last acquire call's start
+        self.order: int | None = None  # lock_on_busy="latest": when it was sent (see .ordering)
 
     def acquire(self) -> Lease:
         """Ask until granted, waiting in place while near the head of the line; else send back and skip."""
         waiting = self.mw.waiting
+        if self.opts.on_busy == "latest":
+            try:
+                self.order = order_of(self.message)
+            except LeaseOptionError as e:
+                self.mw.runs.not_granted()
+                refuse(self.message, e)
         try:
             while True:
                 may_wait = self.in_place < self.budget and waiting.reserve(self.key, self.waiter, front=self.front)
@@ -141,6 +149,7 @@ class Acquisition:
             joins=opts.on_busy in ("wait", "latest"),
             limit=self.limit,
             latest=opts.on_busy == "latest",
+            order=self.order,
             # A copy sent back (a Redis error, an interruption) may have a sibling in the broker: refused, it
             # is the message's outcome, and the sibling must not run after it.
             final=opts.on_busy in ("skip", "fail") and bool(options.get(SENT_BACK_OPTION)),
@@ -229,7 +238,7 @@ class Acquisition:
         mw.waiting.forget_thread()
         mw.runs.not_granted()
         reason = "superseded" if result.wait is Wait.SUPERSEDED else "skipped" if opts.on_busy == "skip" else "failed"
-        not_run(mw, message, self.key, reason, f"lock_on_busy={opts.on_busy!r}", meta=self.meta)
+        not_run(mw, message, self.key, reason, f"lock_on_busy={opts.on_busy!r}", meta=self.meta, newer=result.newer)
         if reason != "superseded":  # a superseded waiter is recorded by the script that replaced it
             waited = max(0, result.now_ms - self.first) if self.first else 0
             record_history(
@@ -263,20 +272,26 @@ class Acquisition:
 _NOT_RUN_WHY = {
     "skipped": "its key was full",
     "failed": "its key was full; moving it to the dead-letter queue",
-    "superseded": "a newer message of its key took its place in the line",
+    "superseded": "a newer message of its key took its place",
 }
 
 
-def not_run(mw: LeaseMiddleware, message: Any, key: str, reason: str, said: str, *, meta: dict[str, str]) -> None:
+def not_run(
+    mw: LeaseMiddleware, message: Any, key: str, reason: str, said: str, *, meta: dict[str, str], newer: str = ""
+) -> None:
     """The trace of a message that does not run: an INFO line (actor, message, key, its holders, the reason and
-    the option that said so) and ``dramatiq_lease_not_run_total{reason}``."""
+    the option that said so; ``newer``: the newest message of the key, of a superseded one) and
+    ``dramatiq_lease_not_run_total{reason}``."""
     mw.metrics.not_run(meta, reason)
+    why = _NOT_RUN_WHY[reason]
+    if newer:
+        why += f" (message {newer}, the newest of the key to reach the lease)"
     logger.info(
         "Message %s of actor %r did not run (%s): %s (%s); lease %r is held by %s.",
         message.message_id,
         message.actor_name,
         reason,
-        _NOT_RUN_WHY[reason],
+        why,
         said,
         key,
         holders_of(mw, key),

@@ -44,6 +44,7 @@ from .options import (
     FIRST_ATTEMPT_OPTION,
     SENT_BACK_OPTION,
 )
+from .ordering import stamp
 from .runs import Runs
 from .stop_budget import warn_stop_budget
 from .unique import Uniqueness
@@ -291,7 +292,8 @@ class LeaseMiddleware(Middleware):
 
     def before_enqueue(self, broker: dramatiq.Broker, message: dramatiq.Message[Any], delay: int | None) -> None:
         """Refuse, at send time, a message whose options are invalid or whose key cannot be rendered, or (with
-        ``lock_unique``) whose key is taken: :class:`DuplicateMessage`."""
+        ``lock_unique``) whose key is taken: :class:`DuplicateMessage`. Give a first send with
+        ``lock_on_busy="latest"`` its order (see :mod:`.ordering`)."""
         self.waiting.on_enqueue(message)
         if delay is None and "eta" not in message.options:
             # Maybe one of our delayed copies leaving this process's delay queue, before anyone can run it.
@@ -299,6 +301,7 @@ class LeaseMiddleware(Middleware):
         resent = self._resent(message)
         self.declarations.check_message(broker, message, resent=resent)
         self.unique.before_enqueue(broker, message, delay, resent=resent)
+        stamp(self, broker, message, delay)
 
     def _resent(self, message: Any) -> bool:
         """Whether this enqueue is of a message sent before: a copy of the delivery this thread processes (a

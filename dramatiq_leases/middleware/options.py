@@ -46,6 +46,10 @@ FIRST_ATTEMPT_OPTION = "lease_first_attempt_ms"
 #: second copy (an enqueue that timed out, was tried again, and reached the broker after all) never runs again.
 SENT_BACK_OPTION = "lease_sent_back"
 
+#: Message option of a ``lock_on_busy="latest"`` message: its order among its key's messages, taken at its first
+#: send and kept by every later enqueue of it (see :mod:`.ordering`).
+ORDER_OPTION = "lease_order"
+
 #: What ``lock_give_up`` may be: dead-letter the message, or acknowledge it without running it.
 GIVE_UP_ACTIONS = ("fail", "drop")
 

@@ -109,6 +109,18 @@ def invoice(invoice_id: int, seconds: float = 0.1) -> None:
     _run(invoice_id, seconds)
 
 
+@dramatiq.actor(queue_name=QUEUE, lock_key="{key}", lock_ttl=TTL, max_retries=0, lock_on_busy="latest")
+def revision(key: str, n: int, seconds: float) -> None:
+    """Revision ``n`` of ``key``'s document (``lock_on_busy="latest"``): held until the test sets ``release:<key>``
+    or ``seconds`` have passed."""
+    start = time.time()
+    fields = _lease_fields()
+    note(kind="start", n=n, start=start, **fields)
+    while time.time() < start + seconds and not record.exists(f"release:{key}"):
+        time.sleep(0.02)
+    note(kind="run", n=n, start=start, end=time.time(), **fields)
+
+
 def _hold(key: str, seconds: float) -> None:
     """Hold ``key`` until the test sets ``release:<key>`` in the record Redis, or ``seconds`` have passed."""
     start = time.time()
@@ -131,7 +143,7 @@ holders = [
 def send_calls(calls: list[dict[str, Any]]) -> None:
     """Send each call (``actor``, ``args``, ``kwargs``, ``options``, then a ``pause`` in seconds), recording the
     instant just before each send in the list ``sent``; one pipeline of records for the lot."""
-    every: list[dramatiq.Actor[Any, Any]] = [job, policy, invoice, *holders]
+    every: list[dramatiq.Actor[Any, Any]] = [job, policy, invoice, revision, *holders]
     actors = {a.actor_name: a for a in every}
     sent = []
     for call in calls:

@@ -1,6 +1,8 @@
 -- KEYS:
 --   1 lease: the lease hash (the line, waiters and done keys are derived from its name: one hash tag)
 --   2 fence: the fence counter
+--   3 order: the key's order record (the latest build only): `seen`, the newest order that reached the lease
+--     (granted, or waiting as the key's latest), and `by`, its waiter; `seq` is lua/order.lua's
 -- ARGV:
 --   1 token: the new holder's owner token
 --   2 ttl_ms: the lease's TTL
@@ -8,7 +10,8 @@
 --   4 interval_ms: how often a heartbeat renews it (0: nobody renews it)
 --   5 margin_ms: how long before the key can expire its holder stops trusting it (below ttl_ms)
 --   6 waiter: a message's waiter id in the key's line ('': never joins it)
---   7 line_numbers: the line's numbers, as one argument of eight or nine space-separated fields:
+--   7 line_numbers: the line's numbers, as one argument of eight or nine space-separated fields (ten, all of
+--     them, in the latest build):
 --       first_ms: the waiter's first attempt, its place in the line (server ms; 0: now)
 --       mode: 0 never join the line, 1 join it, 2 join it and may wait in place
 --       ready: how many waiters of the key may wait in place
@@ -16,10 +19,13 @@
 --       promote_ms: how long a waiter whose turn came has to show up
 --       retention_ms: how long an idle fence counter is kept (0: for ever)
 --       limit: how many may hold the key at once (its holders counted whatever limit they were granted with)
---       latest: 1 if the key keeps only its newest waiter of this kind (lock_on_busy="latest"); 2 if a refusal
---         of this waiter (mode 0) is final: remembered, so another copy of its message never runs after it
---         (a copy sent back, refused by lock_on_busy skip or fail); else 0
+--       latest: 1 if the key keeps only its newest waiter of this kind (lock_on_busy="latest": the latest build,
+--         and only it); 2 if a refusal of this waiter (mode 0) is final: remembered, so another copy of its
+--         message never runs after it (a copy sent back, refused by lock_on_busy skip or fail); else 0
 --       history: how many events the key's history keeps (0 or left out: none; see prelude's history_append)
+--       order: the latest build only: the message's order, when it was sent (µs of the Redis server's clock,
+--         lua/order.lua; or of its producer's, if it was sent without one); one more than ORDER_AHEAD_MS ahead
+--         of the server's clock counts as that far ahead
 --   8.. fields: field/value pairs of the lease hash ('key', and 'meta': the holder metadata as JSON)
 -- Returns {1, fence, now, previous_fence_expired, released_ms, from_line, slot} when granted (released_ms:
 -- when the key's last grant was released, if this waiter waited in the line, else 0; from_line: 1 if granted
@@ -27,24 +33,36 @@
 -- holder_fence, now, action, rank, length, block_ms} (pttl: the soonest a holder's TTL ends; holder_fence:
 -- the newest holder's fence): action 0 not in the line, 1 wait in place (BLPOP the waiter's wake list for
 -- block_ms), 2 park, 3 park, near the front (a place to wait in but no thread for it), 4 this waiter already ran
--- (a duplicate), 5 a newer waiter took its place (latest; it must not run), 6 another copy of this waiter
--- holds the key (it runs: ask again later, outside the line; the holder's hash names its `waiter`). A key with free slots and a
--- line goes to the front of its line only: its first waiters, one per free slot.
+-- (a duplicate), 5 a newer message took its place (latest; it must not run; the latest build adds a ninth
+-- element, the message id of the newest that reached the lease, '' if unknown), 6 another copy of this waiter
+-- holds the key (it runs: ask again later, outside the line; the holder's hash names its `waiter`). A key with
+-- free slots and a line goes to the front of its line only: its first waiters, one per free slot.
+-- Built twice (core/scripts.py): ACQUIRE without the `--#if latest` parts, for every actor but
+-- lock_on_busy="latest" (which it refuses), and ACQUIRE_LATEST with them. Latest: the newest message of a key is
+-- the one sent last, by its order. One whose order is below the record's `seen` (or equal, from a message with a
+-- smaller id) supersedes itself wherever it meets the key (free, held, lined), unless another copy of it holds
+-- the key (6 first); else it supersedes the key's latest waiter, then is granted or waits as the latest, and its
+-- order becomes `seen` (the record kept ORDER_MS).
 -- Records: a key never held by several at once keeps its last release and expiry in the counter's
 -- `released` and `expired`; once it was (the counter has a `width`: how many slots may be held), each slot s
 -- keeps its own: `g:s` granted, `r:s` released, `e:s` expired, and each grant's hash names its `slot` and
 -- the `limit` it was granted under.
 -- A grant ends its message's "queued" unique record (`q:<attempt>:<message id>` in the key's `unique` set).
 -- With a history, a grant appends 'expired' (the previous grant was found ended by TTL) and 'granted', a copy
--- that already ran 'duplicate', a waiter a newer one replaced 'superseded'.
+-- that already ran 'duplicate', a waiter a newer one replaced (or older than the newest seen) 'superseded'.
 -- The uncontended path (free key, no line) comes first and creates no closure it does not call.
 --#include args clock keys history
 local token, waiter = ARGV[1], ARGV[6]
 local ttl_ms = whole(ARGV[2], 1, MAX_MS)
 local max_hold_ms = whole(ARGV[3], 0, MAX_MS)
 local interval_ms = whole(ARGV[4], 0, MAX_MS)
+--#if latest
+local f1, f2, f3, f4, f5, f6, f7, f8, f9, f10 =
+  string.match(ARGV[7] or '', '^(%d+) (%d+) (%d+) (%d+) (%d+) (%d+) (%d+) (%d+) (%d+) (%d+)$')
+--#else
 local f1, f2, f3, f4, f5, f6, f7, f8, f9 =
   string.match(ARGV[7] or '', '^(%d+) (%d+) (%d+) (%d+) (%d+) (%d+) (%d+) (%d+) ?(%d*)$')
+--#end
 local first_ms = whole(f1, 0, MAX_TIMESTAMP_MS)
 local mode = whole(f2, 0, 2)
 local ready = whole(f3, 0, MAX_READY)
@@ -65,10 +83,19 @@ if waiter == nil or #waiter > MAX_ID_LENGTH or (waiter == '' and mode ~= nil and
   return bad('waiter', waiter)
 end
 if first_ms == nil or mode == nil or ready == nil or park_ms == nil or promote_ms == nil or retention_ms == nil
-  or limit == nil or latest == nil or (latest == 1 and mode == 0) or (latest == 2 and (mode ~= 0 or waiter == ''))
+--#if latest
+  or limit == nil or latest ~= 1 or mode == 0 or history == nil then
+--#else
+  or limit == nil or latest == nil or latest == 1 or (latest == 2 and (mode ~= 0 or waiter == ''))
   or history == nil or (f9 == '' and string.sub(ARGV[7], -1) == ' ') then
+--#end
   return bad('line_numbers', ARGV[7])
 end
+--#if latest
+local order = whole(f10, 1, MAX_ORDER)
+if order == nil then return bad('order', f10) end
+if KEYS[3] == nil then return bad('order record (KEYS[3])') end
+--#end
 if (#ARGV - 7) % 2 ~= 0 then return bad('fields', #ARGV - 7) end
 -- The holder's metadata, for the events that name it (read only with a history).
 local meta = nil
@@ -79,6 +106,20 @@ if history > 0 then
 end
 local LINE, DONE = sibling(KEYS[1], 'line'), nil
 local now, now_us = server_time()
+--#if latest
+-- How this message compares with the newest that reached the lease (read before any write; a record of another
+-- type, written by hand, counts as none and is replaced when written).
+order = math.min(order, now_us + ORDER_AHEAD_MS * 1000)
+local newest, newest_by, newest_id = 0, '', ''
+local rec = redis.pcall('HMGET', KEYS[3], 'seen', 'by')
+if not rec.err then
+  newest, newest_by = whole(rec[1], 0, MAX_ORDER) or 0, rec[2] or ''
+  newest_id = string.match(newest_by, '^(.*):%d+$') or newest_by
+end
+-- One message (any copy, any retry) is never older than itself; a tie between two goes by message id.
+local my_id = string.match(waiter, '^(.*):%d+$') or waiter
+local older = order < newest or (order == newest and my_id ~= newest_id and my_id < newest_id)
+--#end
 if waiter ~= '' then
   DONE = sibling(KEYS[1], 'done')
   local done = redis.call('ZMSCORE', DONE, waiter, 's:' .. waiter, 'n:' .. waiter)
@@ -86,7 +127,11 @@ if waiter ~= '' then
     history_append(KEYS[1], history, now, {e = 'duplicate', w = waiter}, meta)
     return {0, 0, 0, now, 4, -1, 0, 0}
   end
+--#if latest
+  if done[2] and tonumber(done[2]) > now then return {0, 0, 0, now, 5, -1, 0, 0, newest_id} end
+--#else
   if done[2] and tonumber(done[2]) > now then return {0, 0, 0, now, 5, -1, 0, 0} end
+--#end
 end
 -- The counter first: one of another type fails the script here, before any write.
 local counter = redis.call('HMGET', KEYS[2], 'fence', 'width', 'released', 'released_ms')
@@ -125,6 +170,20 @@ local function next_fence(keep_ms)
   return fence
 end
 
+--#if latest
+-- This message reached the lease (granted, or waiting as the key's latest): the newest now, kept ORDER_MS.
+local function note_order()
+  if order == newest and waiter == newest_by then return end
+  local fields = {'seen', string.format('%d', order), 'by', waiter}
+  local set = redis.pcall('HSET', KEYS[3], unpack(fields))
+  if type(set) == 'table' and set.err then  -- another type, written by hand: replaced
+    redis.call('DEL', KEYS[3])
+    redis.call('HSET', KEYS[3], unpack(fields))
+  end
+  redis.call('PEXPIRE', KEYS[3], ORDER_MS)
+end
+
+--#end
 -- Grants slot s to this caller: the fence counter first, then the lease and its TTL. `top`: the highest
 -- slot held by others (-1: none), so the counter's width shrinks back once a lowered limit drained.
 local function grant(s, top)
@@ -176,6 +235,9 @@ local function grant(s, top)
     if waiter ~= '' then ev.w = waiter end
     history_append(KEYS[1], history, now, ev, meta)
   end
+--#if latest
+  note_order()
+--#end
   -- lock_unique="queued": the message's record ends as its lease begins, in this step (never neither held).
   if waiter ~= '' then
     local mid, attempt = string.match(waiter, '^(.*):(%d+)$')
@@ -184,7 +246,11 @@ local function grant(s, top)
   return fence, expired, released_ms
 end
 
+--#if latest
+if count == 0 and not lined and not older then
+--#else
 if count == 0 and not lined then
+--#end
   local fence, expired = grant(0, -1)
   return {1, fence, now, expired, 0, 0, 0}
 end
@@ -230,6 +296,7 @@ if free_slot == nil then free = 0 end
 
 --#include line
 local mine_first = first_ms > 0 and first_ms or now
+--#if latest
 -- A newer waiter of this kind takes the place of the older: decided here, with the grant, so two never
 -- both think they are the one waiting.
 local function supersede(w)
@@ -247,19 +314,21 @@ local function supersede(w)
     redis.call('PUBLISH', e.holder, w)
   end
 end
-if latest == 1 and lined then
-  -- Its age is its place in the line, if it has one (an attempt without first_ms is not newer).
-  mine_first = tonumber(redis.call('ZSCORE', LINE, waiter)) or mine_first
-  local w0, f0 = string.match(redis.call('HGET', WAITERS, '') or '', '^L (%S+) (%d+)$')
-  if w0 and w0 ~= waiter and redis.call('ZSCORE', LINE, w0) then
-    f0 = tonumber(f0)
-    if f0 > mine_first or (f0 == mine_first and w0 > waiter) then
-      supersede(waiter)
-      return {0, pttl, holder_fence, now, 5, -1, redis.call('ZCARD', LINE), 0}
-    end
-    supersede(w0)
-  end
+if older then
+  -- Sent before a message of the key that already reached the lease: it must not run after it.
+  if lined then forget(LINE, WAITERS, waiter) end
+  history_append(KEYS[1], history, now, {e = 'superseded', w = waiter, by = newest_by}, meta)
+  redis.call('ZADD', DONE, now + DONE_MS, 's:' .. waiter)
+  redis.call('PEXPIRE', DONE, DONE_MS)
+  return {0, pttl, holder_fence, now, 5, -1, lined and redis.call('ZCARD', LINE) or 0, 0, newest_id}
 end
+if lined then
+  -- Newer than every message that reached the lease: the key's latest waiter, if another, is older.
+  mine_first = tonumber(redis.call('ZSCORE', LINE, waiter)) or mine_first
+  local w0 = string.match(redis.call('HGET', WAITERS, '') or '', '^L (%S+) %d+$')
+  if w0 and w0 ~= waiter and redis.call('ZSCORE', LINE, w0) then supersede(w0) end
+end
+--#end
 
 local front = {}
 if lined then front = line_front(LINE, WAITERS, now, math.max(free, 1)) end
@@ -272,9 +341,11 @@ if free > 0 and (#front < free or in_front) then
   local handoff = 0
   if #front > 0 then
     if waiter ~= '' then forget(LINE, WAITERS, waiter) end
-    if latest == 1 and redis.call('HGET', WAITERS, '') == 'L ' .. waiter .. ' ' .. string.format('%d', mine_first) then
+--#if latest
+    if redis.call('HGET', WAITERS, '') == 'L ' .. waiter .. ' ' .. string.format('%d', mine_first) then
       redis.call('HDEL', WAITERS, '')
     end
+--#end
     if expired == 0 then handoff = released_ms end
     -- The others of the front may take the slots still free.
     call_forward(LINE, WAITERS, now, ready + limit - 1, promote_ms, free - 1)
@@ -329,10 +400,11 @@ elseif rank < places then
 else
   put(WAITERS, waiter, 'p', now + park_ms + promote_ms, holder, actor)
 end
-if latest == 1 then
-  local placed = tonumber(redis.call('ZSCORE', LINE, waiter))
-  redis.call('HSET', WAITERS, '', 'L ' .. waiter .. ' ' .. string.format('%d', placed))
-end
+--#if latest
+local placed = tonumber(redis.call('ZSCORE', LINE, waiter))
+redis.call('HSET', WAITERS, '', 'L ' .. waiter .. ' ' .. string.format('%d', placed))
+note_order()
+--#end
 if free > 0 then call_front() end
 redis.call('PEXPIRE', LINE, LINE_TTL_MS)
 redis.call('PEXPIRE', WAITERS, LINE_TTL_MS)
