@@ -164,6 +164,7 @@ class Leader:
         self._last: Lease | None = None
         self._reason: LostReason | None = None
         self._target = 0  # the thread told with "raise"
+        self._thread: threading.Thread | None = None  # its Thread: an ended thread's ident can be reused
         self._by_signal = False  # told by our SIGURG handler (the main thread), else by an asynchronous exception
         self._armed = False
         self._injected = False  # an asynchronous LeaderLost set on the target thread, perhaps not yet raised
@@ -213,8 +214,9 @@ class Leader:
         :meth:`release` was called from another thread meanwhile). ``True`` at once if it holds it already.
 
         Once granted, the key is renewed until :meth:`release` or a loss; with ``on_lost="raise"``, the
-        thread whose call was granted the key is the one :class:`LeaderLost` is raised in. Redis being
-        unreachable while standing by is logged and asked again every ``poll``.
+        thread whose call was granted the key is the one :class:`LeaderLost` is raised in (if that thread
+        has ended by then, no thread is: :attr:`lost_reason` tells). Redis being unreachable while standing
+        by is logged and asked again every ``poll``.
         """
         if self._lease is not None:
             return True
@@ -326,6 +328,7 @@ class Leader:
             self._lease = self._last = lease
             self._reason = None
             self._target = target
+            self._thread = threading.current_thread()
             # Only the main thread runs signal handlers: another thread is told by an asynchronous exception.
             self._by_signal = main and self._saved is not _NO_HANDLER
             self._armed = self._on_lost == "raise"
@@ -392,7 +395,11 @@ class Leader:
     def _inject(self, detail: str, fence: int, reason: LostReason) -> None:
         """Set LeaderLost as an asynchronous exception of the target thread (the caller holds ``_lock``)."""
         lost = _leader_lost_with(detail, self.key, fence, reason)
-        done = ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._target), ctypes.py_object(lost))
+        thread = self._thread
+        # A thread that ended (one that called wait() and returned) is gone: its ident may be another's now.
+        done = 0
+        if thread is not None and thread.is_alive() and thread.ident == self._target:
+            done = ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._target), ctypes.py_object(lost))
         self._injected = done == 1
         if not self._injected:
             logger.error("Leader %r: the thread that held the key is gone; LeaderLost was not raised.", self.key)

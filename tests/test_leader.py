@@ -236,6 +236,49 @@ def test_leaderlost_reaches_a_main_thread_that_blocks_sigurg(redis_client: redis
     time.sleep(0.1)
 
 
+def test_leaderlost_is_not_raised_in_a_new_thread_that_reuses_the_ident_of_the_granted_one(
+    redis_client: redis.Redis,
+) -> None:
+    """A thread granted the key by ``wait()`` that ended meanwhile is gone: its loss is not raised in a later
+    thread that happens to get the same ident (pthreads reuse them: a cached stack, the same pthread_t)."""
+    leases = Leases(redis_client)
+    leader = Leader(leases, KEY, ttl=600)
+    granted = threading.Thread(target=leader.wait)
+    granted.start()
+    granted.join(10)
+    assert leader.is_leader
+    caught: list[BaseException] = []
+    stop = threading.Event()
+
+    def bystander() -> None:
+        try:
+            while not stop.is_set():
+                time.sleep(0.01)
+        except BaseException as e:  # whatever lands here is the failure
+            caught.append(e)
+
+    for _ in range(50):  # a new thread with the ended one's ident
+        other = threading.Thread(target=bystander)
+        other.start()
+        if other.ident == granted.ident:
+            break
+        stop.set()
+        other.join(5)
+        stop.clear()
+    else:
+        pytest.skip("this platform did not reuse the thread's ident")
+    try:
+        redis_client.delete(leases.lease_name(KEY))
+        wait_for(lambda: leader.lost_reason is not None, timeout=5, what="the loss")
+        time.sleep(0.2)  # where an exception sent to the ident would land
+    finally:
+        stop.set()
+        other.join(5)
+        leader.release()
+    assert caught == [], f"{caught!r} was raised in an unrelated thread"
+    assert leader.lost_reason is LostReason.GONE and not leader.is_leader
+
+
 # --- real processes --------------------------------------------------------------------------------------
 
 
