@@ -150,6 +150,7 @@ def test_a_leader_released_from_another_thread_stops_standing_by_and_tells_the_n
     """release() from another thread ends a standby; a Leader first held in the main thread and released
     elsewhere, then held by a worker thread, raises its LeaderLost in that worker thread, not the main one."""
     leases = Leases(redis_client)
+    before = signal.getsignal(signal.SIGURG)
     other = Leader(leases, KEY, ttl=600)
     assert other.wait(1)
     leader = Leader(leases, KEY, ttl=600, poll=50)
@@ -178,6 +179,11 @@ def test_a_leader_released_from_another_thread_stops_standing_by_and_tells_the_n
     thread.join(5)
     assert [lost.reason for lost in raised] == [LostReason.STOLEN]
     time.sleep(0.1)  # a LeaderLost wrongly sent to this thread would land here
+    # Released from another thread, the handler could not be put back there: the main thread's next Leader
+    # done with it does.
+    with Leader(leases, "another-key", ttl=600):
+        pass
+    assert signal.getsignal(signal.SIGURG) == before
 
 
 def test_in_the_main_thread_leaderlost_interrupts_a_blocking_sleep(redis_client: redis.Redis) -> None:
@@ -234,6 +240,54 @@ def test_leaderlost_reaches_a_main_thread_that_blocks_sigurg(redis_client: redis
     finally:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGURG})  # the pending signal, let in: no second raise
     time.sleep(0.1)
+
+
+def test_several_leaders_in_the_main_thread_give_the_apps_sigurg_handler_back_in_any_order(
+    redis_client: redis.Redis,
+) -> None:
+    """Two Leaders held in the main thread at once (nested, or released out of order): whichever is lost or
+    released first, the other still gets its LeaderLost, the app's own SIGURG handler is called for SIGURGs
+    that are not theirs meanwhile, and it is the handler again once both are done."""
+    assert threading.current_thread() is threading.main_thread()
+    leases = Leases(redis_client)
+    before = signal.getsignal(signal.SIGURG)
+    app: list[int] = []
+    signal.signal(signal.SIGURG, lambda signum, frame: app.append(signum))
+    mine = signal.getsignal(signal.SIGURG)
+
+    def foreign_sigurg() -> int:
+        """Send a SIGURG that is no Leader's; how many the app's handler has seen."""
+        signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGURG)
+        time.sleep(0.05)
+        return len(app)
+
+    try:
+        outer, inner = Leader(leases, "outer", ttl=600), Leader(leases, "inner", ttl=600)
+        # The outer one lost first, while the inner one is held.
+        timer = threading.Timer(0.2, lambda: redis_client.delete(leases.lease_name("outer")))
+        with pytest.raises(LeaderLost) as lost, outer, inner:
+            timer.start()
+            time.sleep(30)
+        assert lost.value.key == "outer"
+        assert signal.getsignal(signal.SIGURG) == mine
+        assert foreign_sigurg() == 1
+        with outer:  # held again, once lost
+            assert foreign_sigurg() == 2
+        assert signal.getsignal(signal.SIGURG) == mine
+        # Released out of order: the one left holding is still told, and passes foreign SIGURGs on.
+        assert outer.wait(5) and inner.wait(5)
+        outer.release()
+        assert foreign_sigurg() == 3
+        timer = threading.Timer(0.2, lambda: redis_client.delete(leases.lease_name("inner")))
+        with pytest.raises(LeaderLost) as lost:
+            timer.start()
+            time.sleep(30)
+        assert lost.value.key == "inner"
+        inner.release()
+        assert signal.getsignal(signal.SIGURG) == mine
+        assert foreign_sigurg() == 4
+    finally:
+        signal.signal(signal.SIGURG, before)
 
 
 def test_leaderlost_is_not_raised_in_a_new_thread_that_reuses_the_ident_of_the_granted_one(
