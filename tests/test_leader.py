@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -515,3 +516,44 @@ def test_a_leader_paused_past_its_ttl_is_not_leader_when_it_resumes_and_is_told_
     assert a_lost["t"] - resumed < 1.0, f"told {a_lost['t'] - resumed:.3f} s after it resumed"
     late = [e for e in _ticks(a_events, a_lead["fence"]) if e["t"] >= resumed]
     assert all(not e["is_leader"] for e in late), late
+
+
+def _private_pid_namespace() -> list[str]:
+    """The command prefix that runs a process as pid 1 of a pid namespace of its own (with its own /proc, and
+    ``ns_last_pid`` writable), or a skip where this system allows none."""
+    prefix = ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount-proc"]
+    try:
+        done = subprocess.run([*prefix, "sh", "-c", "echo 1 > /proc/sys/kernel/ns_last_pid"], capture_output=True)
+    except FileNotFoundError:
+        pytest.skip("no unshare(1)")
+    if done.returncode != 0:
+        pytest.skip(f"no private pid namespace here: {done.stderr.decode(errors='replace').strip()}")
+    return prefix
+
+
+@pytest.mark.system
+def test_exit_mode_never_kills_a_process_that_took_over_a_descendants_pid(
+    redis_server: EmbeddedRedis, tmp_path: Path
+) -> None:
+    """The most harmful way kill_children could go wrong: a descendant found by the walk ends (and is reaped)
+    before the leader's SIGKILL, its pid goes to a process outside the tree, and the SIGKILL meant for the
+    descendant kills that one. Forced in a private pid namespace (tests/apps/pid_reuse_harness.py): the
+    victim is killed the moment the walk has stopped it, and its pid handed to a process of the harness's."""
+    prefix = _private_pid_namespace()
+    events = tmp_path / "events.jsonl"
+    client = redis.Redis.from_url(redis_server.url(0))
+    with Processes(tmp_path / "logs") as procs:
+        argv = [*prefix, sys.executable, "-m", "tests.apps.pid_reuse_harness", redis_server.url(0), str(events)]
+        procs.start("harness", argv, env=clean_env())
+        procs.may_exit.add("harness")
+        wait_until(lambda: _first(events, "victim"), timeout=60, what="the leader's victim child", procs=procs)
+        client.delete(f"{Leases(client).lease_name(KEY)}")
+        done = wait_until(
+            lambda: next((e for e in _events(events) if e.get("step") == "done"), None),
+            timeout=60,
+            what="the harness's verdict",
+        )
+    client.close()
+    assert done["code"] == EXIT_CODE
+    assert done["grabbed"] == done["victim"] and done["while_leader_ran"], f"the pid was not reused in time: {done}"
+    assert done["survived"], f"the leader's exit SIGKILLed a process outside its tree: {_events(events)}"
