@@ -106,8 +106,10 @@ class Leader:
       thread's next Python instruction, so such a thread should not block for long.
     * ``"exit"``: every process this one started (and theirs) is killed, then the process ends at once with
       ``os._exit(exit_code)`` (default :data:`EXIT_CODE`, 75): nothing of it runs on, for a supervisor
-      (Docker, Kubernetes, systemd) to restart into standby. ``kill_children=False`` leaves the children
-      running; a process that left the tree before (a double-forked daemon) is out of reach either way.
+      (Docker, Kubernetes, systemd) to restart into standby. A loop that saw the loss and stands by again
+      meanwhile is not granted the key: its :meth:`wait` blocks until the exit. ``kill_children=False``
+      leaves the children running; a process that left the tree before (a double-forked daemon), or that
+      another thread starts after the last look at the tree, is out of reach either way.
     * a function ``on_lost(lease, reason)``: called on the heartbeat's thread; the process must stop acting
       as leader itself (:attr:`is_leader` is already ``False``).
 
@@ -177,6 +179,9 @@ class Leader:
         self._injected = False  # an asynchronous LeaderLost set on the target thread, perhaps not yet raised
         self._pending: list[LeaderLost] = []  # for the signal handler: list.pop/clear are atomic
         self._closing = threading.Event()
+        # Set (for good) when a loss with on_lost="exit" is being acted on: the process is about to end, and
+        # must not be granted the key again meanwhile by a loop that saw the loss and stood by again.
+        self._exiting = False
         # Open `with` blocks on this Leader: a nested one (a helper entering it again) leaves the key to the
         # outermost, which still acts as leader; releasing at the inner exit would let another process lead too.
         self._entered = 0
@@ -230,6 +235,8 @@ class Leader:
         standby = _Standby()
         try:
             while True:
+                if self._exiting:
+                    threading.Event().wait()  # until os._exit ends the process
                 got = self._ask(standby)
                 if isinstance(got, Lease):
                     if self._closing.is_set():  # released from another thread while this ask was in flight
@@ -345,6 +352,7 @@ class Leader:
         with self._lock:
             if self._lease is not lease:
                 return  # released meanwhile: nobody is to be told
+            self._exiting = self._on_lost == "exit"
             self._lease = None
             self._reason = reason
             armed, self._armed = self._armed, False

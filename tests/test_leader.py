@@ -557,3 +557,30 @@ def test_exit_mode_never_kills_a_process_that_took_over_a_descendants_pid(
     assert done["code"] == EXIT_CODE
     assert done["grabbed"] == done["victim"] and done["while_leader_ran"], f"the pid was not reused in time: {done}"
     assert done["survived"], f"the leader's exit SIGKILLed a process outside its tree: {_events(events)}"
+
+
+@pytest.mark.system
+def test_exit_mode_does_not_take_the_key_again_while_it_kills_its_children(
+    redis_server: EmbeddedRedis, tmp_path: Path
+) -> None:
+    """With ``on_lost="exit"``, the loop that sees ``leader.lease`` go ``None`` (the README's recipe) goes back to
+    standby while the exit path still walks the children: it must not be granted the key again (a new fence,
+    new children started beside a dying process, the key left to a dead holder for a whole TTL)."""
+    events = tmp_path / "a.jsonl"
+    client = redis.Redis.from_url(redis_server.url(0))
+    busy = [subprocess.Popen(["sleep", "120"]) for _ in range(400)]  # a busy /proc: each walk takes a while
+    try:
+        with Processes(tmp_path / "logs") as procs:
+            _start(procs, "a", redis_server.url(0), events, ttl=1_000, on_lost="exit", flags=("--tick", "0.001"))
+            wait_until(lambda: _first(events, "leader"), timeout=30, what="a to lead", procs=procs)
+            procs.may_exit.add("a")
+            client.delete(Leases(client).lease_name(KEY))
+            assert procs.procs["a"].wait(10) == EXIT_CODE
+    finally:
+        for proc in busy:
+            proc.kill()
+            proc.wait()
+    fences = [e["fence"] for e in _events(events) if e["event"] == "leader"]
+    assert fences == [1], f"the exiting leader was granted the key again: fences {fences}"
+    assert Leases(client).inspect(KEY) is None
+    client.close()
