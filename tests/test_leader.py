@@ -243,6 +243,33 @@ def test_leaderlost_reaches_a_main_thread_that_blocks_sigurg(redis_client: redis
     time.sleep(0.1)
 
 
+@pytest.mark.parametrize("how", ["SIG_IGN", "SIG_DFL", "blocked"])
+def test_with_sigurg_ignored_or_blocked_leaderlost_waits_for_a_blocking_call_to_return(
+    redis_client: redis.Redis, how: str
+) -> None:
+    """The limit of the SIGURG path (docs/guarantees.md): an app that sets SIGURG to SIG_IGN or SIG_DFL, or
+    blocks it, while it leads cannot be interrupted by it; LeaderLost is then an asynchronous exception, as in
+    a thread that is not the main one, and lands once the blocking call returns."""
+    assert threading.current_thread() is threading.main_thread()
+    leases = Leases(redis_client)
+    before = signal.getsignal(signal.SIGURG)
+    timer = threading.Timer(0.2, lambda: redis_client.delete(leases.lease_name(KEY)))
+    started = time.monotonic()
+    try:
+        with pytest.raises(LeaderLost) as lost, Leader(leases, KEY, ttl=600):
+            if how == "blocked":
+                signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGURG})
+            else:
+                signal.signal(signal.SIGURG, getattr(signal, how))
+            timer.start()
+            time.sleep(2)  # one blocking call, well past the lease's deadline
+        assert time.monotonic() - started >= 1.9, "the blocking call was interrupted after all: fix the docs"
+        assert lost.value.reason is LostReason.GONE
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGURG})
+        signal.signal(signal.SIGURG, before)
+
+
 def test_several_leaders_in_the_main_thread_give_the_apps_sigurg_handler_back_in_any_order(
     redis_client: redis.Redis,
 ) -> None:
