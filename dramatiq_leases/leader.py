@@ -50,6 +50,9 @@ _SIGNAL: int | None = getattr(signal, "SIGURG", None)
 #: reaches a running main thread within a switch interval (5 ms), one blocked in a call at once.
 _SIGNAL_GRACE_S = 0.05
 
+#: How long an exiting leader waits for its last log line (and the flush of stdout and stderr) at most.
+_LAST_WORDS_S = 0.05
+
 #: What to do when leadership is lost: ``"raise"``, ``"exit"`` or a function called with the lease and the reason.
 OnLost = Literal["raise", "exit"] | Callable[[Lease, LostReason], None]
 
@@ -361,17 +364,24 @@ class Leader:
         if self._on_lost == "exit":
             # The children first: they may act on the old fence, and the log write below may block.
             killed = kill_descendants() if self._kill_children else 0
-            logger.critical(
-                "Leader %r (fence %d) lost: %s; killed %d child processes; exiting with code %d.",
-                self.key,
-                lease.fence,
-                reason.description,
-                killed,
-                self._exit_code,
-            )
-            for stream in (sys.stdout, sys.stderr):
-                with contextlib.suppress(Exception):
-                    stream.flush()
+
+            def last_words() -> None:
+                logger.critical(
+                    "Leader %r (fence %d) lost: %s; killed %d child processes; exiting with code %d.",
+                    self.key,
+                    lease.fence,
+                    reason.description,
+                    killed,
+                    self._exit_code,
+                )
+                for stream in (sys.stdout, sys.stderr):
+                    with contextlib.suppress(Exception):
+                        stream.flush()
+
+            # A log handler or a flush can block (a full pipe): the exit waits for them a moment at most.
+            words = threading.Thread(target=last_words, name="dramatiq-leases-leader-exit", daemon=True)
+            words.start()
+            words.join(_LAST_WORDS_S)
             os._exit(self._exit_code)
         if callable(self._on_lost):
             self._on_lost(lease, reason)

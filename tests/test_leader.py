@@ -611,3 +611,26 @@ def test_exit_mode_does_not_take_the_key_again_while_it_kills_its_children(
     assert fences == [1], f"the exiting leader was granted the key again: fences {fences}"
     assert Leases(client).inspect(KEY) is None
     client.close()
+
+
+@pytest.mark.system
+def test_exit_mode_ends_the_process_even_if_its_log_handler_is_stuck(
+    redis_server: EmbeddedRedis, tmp_path: Path
+) -> None:
+    """A log handler that blocks (a full stderr pipe, a log shipper that stopped reading) must not keep a lost
+    leader alive: the watchdog acts on the loss before it logs, and the exit does not wait on the log."""
+    events = tmp_path / "a.jsonl"
+    client = redis.Redis.from_url(redis_server.url(0))
+    with Processes(tmp_path / "logs") as procs:
+        _start(procs, "a", redis_server.url(0), events, ttl=1_000, on_lost="exit", flags=("--stuck-log",))
+        wait_until(lambda: _first(events, "stuck_log"), timeout=30, what="a to lead, its log stuck", procs=procs)
+        procs.may_exit.add("a")
+        deleted_at = time.time()
+        client.delete(Leases(client).lease_name(KEY))
+        try:
+            code = procs.procs["a"].wait(5)
+        except subprocess.TimeoutExpired:
+            code = None
+    client.close()
+    late = [e for e in _ticks(events, 1) if e["t"] > deleted_at + 1.0]
+    assert code == EXIT_CODE, f"the lost leader did not exit (it ticked {len(late)} times a second past the loss)"
