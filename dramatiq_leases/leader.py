@@ -50,10 +50,20 @@ _SIGNAL: int | None = getattr(signal, "SIGURG", None)
 #: reaches a running main thread within a switch interval (5 ms), one blocked in a call at once.
 _SIGNAL_GRACE_S = 0.05
 
+#: How long an exiting leader waits for its last log line (and the flush of stdout and stderr) at most.
+_LAST_WORDS_S = 0.05
+
 #: What to do when leadership is lost: ``"raise"``, ``"exit"`` or a function called with the lease and the reason.
 OnLost = Literal["raise", "exit"] | Callable[[Lease, LostReason], None]
 
 _NO_HANDLER = object()  # no signal handler of ours to put back
+
+# One SIGURG handler, _dispatch, serves every Leader held in the main thread, however many and in whatever
+# order they are released or lost: the handler it replaced is kept once, here, and put back when the last
+# of them is done (a chain of handlers, one per Leader, lost its head when the outer one went first).
+_users: list[Leader] = []  # the Leaders held in the main thread that rely on _dispatch (append/remove: atomic)
+_previous: Any = _NO_HANDLER  # the handler _dispatch replaced, called for the SIGURGs that are not ours
+_spent: list[None] = []  # signals whose LeaderLost went asynchronously (see Leader._escalate): not passed on
 
 
 class LeaderLost(BaseException):
@@ -99,8 +109,10 @@ class Leader:
       thread's next Python instruction, so such a thread should not block for long.
     * ``"exit"``: every process this one started (and theirs) is killed, then the process ends at once with
       ``os._exit(exit_code)`` (default :data:`EXIT_CODE`, 75): nothing of it runs on, for a supervisor
-      (Docker, Kubernetes, systemd) to restart into standby. ``kill_children=False`` leaves the children
-      running; a process that left the tree before (a double-forked daemon) is out of reach either way.
+      (Docker, Kubernetes, systemd) to restart into standby. A loop that saw the loss and stands by again
+      meanwhile is not granted the key: its :meth:`wait` blocks until the exit. ``kill_children=False``
+      leaves the children running; a process that left the tree before (a double-forked daemon), or that
+      another thread starts after the last look at the tree, is out of reach either way.
     * a function ``on_lost(lease, reason)``: called on the heartbeat's thread; the process must stop acting
       as leader itself (:attr:`is_leader` is already ``False``).
 
@@ -164,13 +176,15 @@ class Leader:
         self._last: Lease | None = None
         self._reason: LostReason | None = None
         self._target = 0  # the thread told with "raise"
+        self._thread: threading.Thread | None = None  # its Thread: an ended thread's ident can be reused
         self._by_signal = False  # told by our SIGURG handler (the main thread), else by an asynchronous exception
         self._armed = False
         self._injected = False  # an asynchronous LeaderLost set on the target thread, perhaps not yet raised
         self._pending: list[LeaderLost] = []  # for the signal handler: list.pop/clear are atomic
-        self._spent: list[LeaderLost] = []  # signals whose exception went asynchronously (see _escalate)
-        self._saved: Any = _NO_HANDLER  # the SIGURG handler ours replaced
         self._closing = threading.Event()
+        # Set (for good) when a loss with on_lost="exit" is being acted on: the process is about to end, and
+        # must not be granted the key again meanwhile by a loop that saw the loss and stood by again.
+        self._exiting = False
         # Open `with` blocks on this Leader: a nested one (a helper entering it again) leaves the key to the
         # outermost, which still acts as leader; releasing at the inner exit would let another process lead too.
         self._entered = 0
@@ -213,8 +227,9 @@ class Leader:
         :meth:`release` was called from another thread meanwhile). ``True`` at once if it holds it already.
 
         Once granted, the key is renewed until :meth:`release` or a loss; with ``on_lost="raise"``, the
-        thread whose call was granted the key is the one :class:`LeaderLost` is raised in. Redis being
-        unreachable while standing by is logged and asked again every ``poll``.
+        thread whose call was granted the key is the one :class:`LeaderLost` is raised in (if that thread
+        has ended by then, no thread is: :attr:`lost_reason` tells). Redis being unreachable while standing
+        by is logged and asked again every ``poll``.
         """
         if self._lease is not None:
             return True
@@ -223,6 +238,8 @@ class Leader:
         standby = _Standby()
         try:
             while True:
+                if self._exiting:
+                    threading.Event().wait()  # until os._exit ends the process
                 got = self._ask(standby)
                 if isinstance(got, Lease):
                     if self._closing.is_set():  # released from another thread while this ask was in flight
@@ -258,7 +275,7 @@ class Leader:
             if self._injected:  # a LeaderLost not yet raised must not land in the code after the block
                 ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._target), None)
                 self._injected = False
-        self._restore_signal()
+        _uninstall(self)
         if lease is not None:
             self._heartbeat.untrack(lease)
         self._heartbeat.stop(timeout=0)  # its threads end by themselves; a hung renewal is not waited for
@@ -320,17 +337,16 @@ class Leader:
         """Take the grant: arm the loss signal for this thread, then let the heartbeat renew it."""
         target = threading.get_ident()
         main = target == threading.main_thread().ident
-        if self._on_lost == "raise" and main:
-            self._install_signal()
+        by_signal = self._on_lost == "raise" and main and _install(self)
         with self._lock:
             self._lease = self._last = lease
             self._reason = None
             self._target = target
+            self._thread = threading.current_thread()
             # Only the main thread runs signal handlers: another thread is told by an asynchronous exception.
-            self._by_signal = main and self._saved is not _NO_HANDLER
+            self._by_signal = by_signal
             self._armed = self._on_lost == "raise"
             self._injected = False
-            self._spent.clear()
         self._heartbeat.track(lease, self._lost)
         logger.info("Leader %r: this process leads (fence %d).", self.key, lease.fence)
 
@@ -339,6 +355,7 @@ class Leader:
         with self._lock:
             if self._lease is not lease:
                 return  # released meanwhile: nobody is to be told
+            self._exiting = self._on_lost == "exit"
             self._lease = None
             self._reason = reason
             armed, self._armed = self._armed, False
@@ -347,17 +364,24 @@ class Leader:
         if self._on_lost == "exit":
             # The children first: they may act on the old fence, and the log write below may block.
             killed = kill_descendants() if self._kill_children else 0
-            logger.critical(
-                "Leader %r (fence %d) lost: %s; killed %d child processes; exiting with code %d.",
-                self.key,
-                lease.fence,
-                reason.description,
-                killed,
-                self._exit_code,
-            )
-            for stream in (sys.stdout, sys.stderr):
-                with contextlib.suppress(Exception):
-                    stream.flush()
+
+            def last_words() -> None:
+                logger.critical(
+                    "Leader %r (fence %d) lost: %s; killed %d child processes; exiting with code %d.",
+                    self.key,
+                    lease.fence,
+                    reason.description,
+                    killed,
+                    self._exit_code,
+                )
+                for stream in (sys.stdout, sys.stderr):
+                    with contextlib.suppress(Exception):
+                        stream.flush()
+
+            # A log handler or a flush can block (a full pipe): the exit waits for them a moment at most.
+            words = threading.Thread(target=last_words, name="dramatiq-leases-leader-exit", daemon=True)
+            words.start()
+            words.join(_LAST_WORDS_S)
             os._exit(self._exit_code)
         if callable(self._on_lost):
             self._on_lost(lease, reason)
@@ -392,7 +416,11 @@ class Leader:
     def _inject(self, detail: str, fence: int, reason: LostReason) -> None:
         """Set LeaderLost as an asynchronous exception of the target thread (the caller holds ``_lock``)."""
         lost = _leader_lost_with(detail, self.key, fence, reason)
-        done = ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._target), ctypes.py_object(lost))
+        thread = self._thread
+        # A thread that ended (one that called wait() and returned) is gone: its ident may be another's now.
+        done = 0
+        if thread is not None and thread.is_alive() and thread.ident == self._target:
+            done = ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._target), ctypes.py_object(lost))
         self._injected = done == 1
         if not self._injected:
             logger.error("Leader %r: the thread that held the key is gone; LeaderLost was not raised.", self.key)
@@ -404,7 +432,7 @@ class Leader:
                 self._pending.remove(lost)  # atomic, as the handler's pop: exactly one of the two takes it
             except ValueError:
                 return  # raised by the handler, or cancelled by release
-            self._spent.append(lost)  # the signal, if it still arrives, is ours: not passed on
+            _spent.append(None)  # the signal, if it still arrives, is ours: not passed on
             logger.warning(
                 "Leader %r: the SIGURG handler did not take LeaderLost within %d ms; raised asynchronously.",
                 self.key,
@@ -413,50 +441,62 @@ class Leader:
             self._inject(detail, fence, reason)
 
     def _handler_reaches_us(self) -> bool:
-        """Whether a SIGURG now runs our handler: ours is installed, or a later Leader's that chains to ours."""
-        handler: Any = signal.getsignal(_SIGNAL) if _SIGNAL is not None else None
-        for _ in range(64):  # a chain of Leaders entered one inside another; bounded against a cycle
-            owner = getattr(handler, "__self__", None)
-            if not isinstance(owner, Leader) or getattr(handler, "__func__", None) is not Leader._on_signal:
-                return False
-            if owner is self:
-                return True
-            handler = owner._saved
+        """Whether a SIGURG now runs our handler (the app has not put one of its own over it)."""
+        return _SIGNAL is not None and signal.getsignal(_SIGNAL) is _dispatch and self in _users
+
+
+def _install(leader: Leader) -> bool:
+    """Handle SIGURG in the main thread for ``leader`` while it holds the key (called on the main thread);
+    whether the handler is ours."""
+    global _previous
+    if _SIGNAL is None or not hasattr(signal, "pthread_kill"):
         return False
-
-    def _install_signal(self) -> None:
-        """Handle SIGURG in the main thread while the key is held (called on the main thread)."""
-        if _SIGNAL is None or not hasattr(signal, "pthread_kill") or self._saved is not _NO_HANDLER:
-            return
+    if signal.getsignal(_SIGNAL) is not _dispatch:
         try:
-            self._saved = signal.signal(_SIGNAL, self._on_signal)
+            # Over the app's handler, which replaced ours while another Leader led: that is the one to keep.
+            _previous = signal.signal(_SIGNAL, _dispatch)
         except ValueError:  # not the main interpreter: the asynchronous exception it is
-            self._saved = _NO_HANDLER
+            return False
+    if leader not in _users:
+        _users.append(leader)
+    return True
 
-    def _restore_signal(self) -> None:
-        saved = self._saved
-        if saved is _NO_HANDLER or _SIGNAL is None or threading.get_ident() != threading.main_thread().ident:
-            return
-        self._saved = _NO_HANDLER
-        # Only if ours is still the handler: a Leader entered later put its own over it, chaining to ours.
-        if signal.getsignal(_SIGNAL) == self._on_signal:
-            signal.signal(_SIGNAL, saved)
 
-    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+def _uninstall(leader: Leader) -> None:
+    """``leader`` no longer relies on the handler: put the one it replaced back if no Leader does (on the main
+    thread; from another, ours stays, passing SIGURGs on, until the main thread is done with it)."""
+    global _previous
+    with contextlib.suppress(ValueError):
+        _users.remove(leader)
+    if _users or _SIGNAL is None or threading.get_ident() != threading.main_thread().ident:
+        return
+    if signal.getsignal(_SIGNAL) is not _dispatch:
+        return  # the app put a handler of its own over ours: it stays
+    previous = _previous
+    if previous is _NO_HANDLER or previous is None:  # None: a handler not set from Python, which cannot be put back
+        return
+    signal.signal(_SIGNAL, previous)
+    _previous = _NO_HANDLER
+    _spent.clear()  # a signal still on its way goes to the handler put back
+
+
+def _dispatch(signum: int, frame: FrameType | None) -> None:
+    """The SIGURG handler: raise a held Leader's pending LeaderLost, else pass the signal on (the main thread)."""
+    for leader in list(_users):
         try:
-            lost = self._pending.pop()
+            lost = leader._pending.pop()  # atomic, as _escalate's remove: exactly one of the two takes it
         except IndexError:
-            try:
-                self._spent.pop()
-                return  # a signal of ours whose exception was raised asynchronously after the grace
-            except IndexError:
-                pass
-            saved = self._saved
-            if callable(saved):
-                saved(signum, frame)  # not ours (or ours, cancelled by release)
-            return
-        self._restore_signal()
+            continue
+        _uninstall(leader)
         raise lost
+    try:
+        _spent.pop()
+        return  # a signal of ours whose exception was raised asynchronously after the grace
+    except IndexError:
+        pass
+    previous = _previous
+    if callable(previous):
+        previous(signum, frame)  # not ours
 
 
 class _Standby:

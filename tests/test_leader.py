@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -150,6 +151,7 @@ def test_a_leader_released_from_another_thread_stops_standing_by_and_tells_the_n
     """release() from another thread ends a standby; a Leader first held in the main thread and released
     elsewhere, then held by a worker thread, raises its LeaderLost in that worker thread, not the main one."""
     leases = Leases(redis_client)
+    before = signal.getsignal(signal.SIGURG)
     other = Leader(leases, KEY, ttl=600)
     assert other.wait(1)
     leader = Leader(leases, KEY, ttl=600, poll=50)
@@ -178,6 +180,11 @@ def test_a_leader_released_from_another_thread_stops_standing_by_and_tells_the_n
     thread.join(5)
     assert [lost.reason for lost in raised] == [LostReason.STOLEN]
     time.sleep(0.1)  # a LeaderLost wrongly sent to this thread would land here
+    # Released from another thread, the handler could not be put back there: the main thread's next Leader
+    # done with it does.
+    with Leader(leases, "another-key", ttl=600):
+        pass
+    assert signal.getsignal(signal.SIGURG) == before
 
 
 def test_in_the_main_thread_leaderlost_interrupts_a_blocking_sleep(redis_client: redis.Redis) -> None:
@@ -234,6 +241,124 @@ def test_leaderlost_reaches_a_main_thread_that_blocks_sigurg(redis_client: redis
     finally:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGURG})  # the pending signal, let in: no second raise
     time.sleep(0.1)
+
+
+@pytest.mark.parametrize("how", ["SIG_IGN", "SIG_DFL", "blocked"])
+def test_with_sigurg_ignored_or_blocked_leaderlost_waits_for_a_blocking_call_to_return(
+    redis_client: redis.Redis, how: str
+) -> None:
+    """The limit of the SIGURG path (docs/guarantees.md): an app that sets SIGURG to SIG_IGN or SIG_DFL, or
+    blocks it, while it leads cannot be interrupted by it; LeaderLost is then an asynchronous exception, as in
+    a thread that is not the main one, and lands once the blocking call returns."""
+    assert threading.current_thread() is threading.main_thread()
+    leases = Leases(redis_client)
+    before = signal.getsignal(signal.SIGURG)
+    timer = threading.Timer(0.2, lambda: redis_client.delete(leases.lease_name(KEY)))
+    started = time.monotonic()
+    try:
+        with pytest.raises(LeaderLost) as lost, Leader(leases, KEY, ttl=600):
+            if how == "blocked":
+                signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGURG})
+            else:
+                signal.signal(signal.SIGURG, getattr(signal, how))
+            timer.start()
+            time.sleep(2)  # one blocking call, well past the lease's deadline
+        assert time.monotonic() - started >= 1.9, "the blocking call was interrupted after all: fix the docs"
+        assert lost.value.reason is LostReason.GONE
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGURG})
+        signal.signal(signal.SIGURG, before)
+
+
+def test_several_leaders_in_the_main_thread_give_the_apps_sigurg_handler_back_in_any_order(
+    redis_client: redis.Redis,
+) -> None:
+    """Two Leaders held in the main thread at once (nested, or released out of order): whichever is lost or
+    released first, the other still gets its LeaderLost, the app's own SIGURG handler is called for SIGURGs
+    that are not theirs meanwhile, and it is the handler again once both are done."""
+    assert threading.current_thread() is threading.main_thread()
+    leases = Leases(redis_client)
+    before = signal.getsignal(signal.SIGURG)
+    app: list[int] = []
+    signal.signal(signal.SIGURG, lambda signum, frame: app.append(signum))
+    mine = signal.getsignal(signal.SIGURG)
+
+    def foreign_sigurg() -> int:
+        """Send a SIGURG that is no Leader's; how many the app's handler has seen."""
+        signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGURG)
+        time.sleep(0.05)
+        return len(app)
+
+    try:
+        outer, inner = Leader(leases, "outer", ttl=600), Leader(leases, "inner", ttl=600)
+        # The outer one lost first, while the inner one is held.
+        timer = threading.Timer(0.2, lambda: redis_client.delete(leases.lease_name("outer")))
+        with pytest.raises(LeaderLost) as lost, outer, inner:
+            timer.start()
+            time.sleep(30)
+        assert lost.value.key == "outer"
+        assert signal.getsignal(signal.SIGURG) == mine
+        assert foreign_sigurg() == 1
+        with outer:  # held again, once lost
+            assert foreign_sigurg() == 2
+        assert signal.getsignal(signal.SIGURG) == mine
+        # Released out of order: the one left holding is still told, and passes foreign SIGURGs on.
+        assert outer.wait(5) and inner.wait(5)
+        outer.release()
+        assert foreign_sigurg() == 3
+        timer = threading.Timer(0.2, lambda: redis_client.delete(leases.lease_name("inner")))
+        with pytest.raises(LeaderLost) as lost:
+            timer.start()
+            time.sleep(30)
+        assert lost.value.key == "inner"
+        inner.release()
+        assert signal.getsignal(signal.SIGURG) == mine
+        assert foreign_sigurg() == 4
+    finally:
+        signal.signal(signal.SIGURG, before)
+
+
+def test_leaderlost_is_not_raised_in_a_new_thread_that_reuses_the_ident_of_the_granted_one(
+    redis_client: redis.Redis,
+) -> None:
+    """A thread granted the key by ``wait()`` that ended meanwhile is gone: its loss is not raised in a later
+    thread that happens to get the same ident (pthreads reuse them: a cached stack, the same pthread_t)."""
+    leases = Leases(redis_client)
+    leader = Leader(leases, KEY, ttl=600)
+    granted = threading.Thread(target=leader.wait)
+    granted.start()
+    granted.join(10)
+    assert leader.is_leader
+    caught: list[BaseException] = []
+    stop = threading.Event()
+
+    def bystander() -> None:
+        try:
+            while not stop.is_set():
+                time.sleep(0.01)
+        except BaseException as e:  # whatever lands here is the failure
+            caught.append(e)
+
+    for _ in range(50):  # a new thread with the ended one's ident
+        other = threading.Thread(target=bystander)
+        other.start()
+        if other.ident == granted.ident:
+            break
+        stop.set()
+        other.join(5)
+        stop.clear()
+    else:
+        pytest.skip("this platform did not reuse the thread's ident")
+    try:
+        redis_client.delete(leases.lease_name(KEY))
+        wait_for(lambda: leader.lost_reason is not None, timeout=5, what="the loss")
+        time.sleep(0.2)  # where an exception sent to the ident would land
+    finally:
+        stop.set()
+        other.join(5)
+        leader.release()
+    assert caught == [], f"{caught!r} was raised in an unrelated thread"
+    assert leader.lost_reason is LostReason.GONE and not leader.is_leader
 
 
 # --- real processes --------------------------------------------------------------------------------------
@@ -418,3 +543,94 @@ def test_a_leader_paused_past_its_ttl_is_not_leader_when_it_resumes_and_is_told_
     assert a_lost["t"] - resumed < 1.0, f"told {a_lost['t'] - resumed:.3f} s after it resumed"
     late = [e for e in _ticks(a_events, a_lead["fence"]) if e["t"] >= resumed]
     assert all(not e["is_leader"] for e in late), late
+
+
+def _private_pid_namespace() -> list[str]:
+    """The command prefix that runs a process as pid 1 of a pid namespace of its own (with its own /proc, and
+    ``ns_last_pid`` writable), or a skip where this system allows none."""
+    prefix = ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount-proc"]
+    try:
+        done = subprocess.run([*prefix, "sh", "-c", "echo 1 > /proc/sys/kernel/ns_last_pid"], capture_output=True)
+    except FileNotFoundError:
+        pytest.skip("no unshare(1)")
+    if done.returncode != 0:
+        pytest.skip(f"no private pid namespace here: {done.stderr.decode(errors='replace').strip()}")
+    return prefix
+
+
+@pytest.mark.system
+def test_exit_mode_never_kills_a_process_that_took_over_a_descendants_pid(
+    redis_server: EmbeddedRedis, tmp_path: Path
+) -> None:
+    """The most harmful way kill_children could go wrong: a descendant found by the walk ends (and is reaped)
+    before the leader's SIGKILL, its pid goes to a process outside the tree, and the SIGKILL meant for the
+    descendant kills that one. Forced in a private pid namespace (tests/apps/pid_reuse_harness.py): the
+    victim is killed the moment the walk has stopped it, and its pid handed to a process of the harness's."""
+    prefix = _private_pid_namespace()
+    events = tmp_path / "events.jsonl"
+    client = redis.Redis.from_url(redis_server.url(0))
+    with Processes(tmp_path / "logs") as procs:
+        argv = [*prefix, sys.executable, "-m", "tests.apps.pid_reuse_harness", redis_server.url(0), str(events)]
+        procs.start("harness", argv, env=clean_env())
+        procs.may_exit.add("harness")
+        wait_until(lambda: _first(events, "victim"), timeout=60, what="the leader's victim child", procs=procs)
+        client.delete(f"{Leases(client).lease_name(KEY)}")
+        done = wait_until(
+            lambda: next((e for e in _events(events) if e.get("step") == "done"), None),
+            timeout=60,
+            what="the harness's verdict",
+        )
+    client.close()
+    assert done["code"] == EXIT_CODE
+    assert done["grabbed"] == done["victim"] and done["while_leader_ran"], f"the pid was not reused in time: {done}"
+    assert done["survived"], f"the leader's exit SIGKILLed a process outside its tree: {_events(events)}"
+
+
+@pytest.mark.system
+def test_exit_mode_does_not_take_the_key_again_while_it_kills_its_children(
+    redis_server: EmbeddedRedis, tmp_path: Path
+) -> None:
+    """With ``on_lost="exit"``, the loop that sees ``leader.lease`` go ``None`` (the README's recipe) goes back to
+    standby while the exit path still walks the children: it must not be granted the key again (a new fence,
+    new children started beside a dying process, the key left to a dead holder for a whole TTL)."""
+    events = tmp_path / "a.jsonl"
+    client = redis.Redis.from_url(redis_server.url(0))
+    busy = [subprocess.Popen(["sleep", "120"]) for _ in range(400)]  # a busy /proc: each walk takes a while
+    try:
+        with Processes(tmp_path / "logs") as procs:
+            _start(procs, "a", redis_server.url(0), events, ttl=1_000, on_lost="exit", flags=("--tick", "0.001"))
+            wait_until(lambda: _first(events, "leader"), timeout=30, what="a to lead", procs=procs)
+            procs.may_exit.add("a")
+            client.delete(Leases(client).lease_name(KEY))
+            assert procs.procs["a"].wait(10) == EXIT_CODE
+    finally:
+        for proc in busy:
+            proc.kill()
+            proc.wait()
+    fences = [e["fence"] for e in _events(events) if e["event"] == "leader"]
+    assert fences == [1], f"the exiting leader was granted the key again: fences {fences}"
+    assert Leases(client).inspect(KEY) is None
+    client.close()
+
+
+@pytest.mark.system
+def test_exit_mode_ends_the_process_even_if_its_log_handler_is_stuck(
+    redis_server: EmbeddedRedis, tmp_path: Path
+) -> None:
+    """A log handler that blocks (a full stderr pipe, a log shipper that stopped reading) must not keep a lost
+    leader alive: the watchdog acts on the loss before it logs, and the exit does not wait on the log."""
+    events = tmp_path / "a.jsonl"
+    client = redis.Redis.from_url(redis_server.url(0))
+    with Processes(tmp_path / "logs") as procs:
+        _start(procs, "a", redis_server.url(0), events, ttl=1_000, on_lost="exit", flags=("--stuck-log",))
+        wait_until(lambda: _first(events, "stuck_log"), timeout=30, what="a to lead, its log stuck", procs=procs)
+        procs.may_exit.add("a")
+        deleted_at = time.time()
+        client.delete(Leases(client).lease_name(KEY))
+        try:
+            code = procs.procs["a"].wait(5)
+        except subprocess.TimeoutExpired:
+            code = None
+    client.close()
+    late = [e for e in _ticks(events, 1) if e["t"] > deleted_at + 1.0]
+    assert code == EXIT_CODE, f"the lost leader did not exit (it ticked {len(late)} times a second past the loss)"

@@ -328,7 +328,6 @@ class Heartbeat:
     def _watch(self) -> None:
         """One watchdog round: replace a dead or too-slow renewer, declare overdue leases lost, sleep."""
         now = time.monotonic()
-        self._mind_renewer(now)
         live = self._sweep()
         expired: list[_Entry] = []
         with self._lock:
@@ -337,6 +336,7 @@ class Heartbeat:
                     expired.append(e)
         for e in expired:
             self._lose(e, LostReason.MAX_HOLD if now >= e.lease.hold_until else LostReason.UNREACHABLE)
+        self._mind_renewer(now)  # after the losses: it logs, and a log handler can block
         deadline = min((e.lease.valid_until for e in live if e.lease.valid_until > now), default=math.inf)
         wake_at = min(now + IDLE_WAKE, deadline)
         started = self._round_started
@@ -370,14 +370,16 @@ class Heartbeat:
 
     def _lose(self, entry: _Entry, reason: LostReason) -> None:
         lease = entry.lease
-        logger.error("Lease %r (fence %d) lost: %s.", lease.key, lease.fence, reason.description)
-        self.metrics.lost(lease.meta, reason.value)
+        # The holder is told before anything is logged: a log handler can block (a full stderr pipe, a
+        # stalled log shipper), and the loss must not wait on it.
         try:
-            entry.on_lost(lease, reason)  # first: whoever reads remaining() == 0 next finds the reason set
+            entry.on_lost(lease, reason)  # before _lost(): whoever reads remaining() == 0 next finds the reason set
         except Exception:
             logger.exception("Lost-lease callback failed for %r.", lease.key)
         finally:
             lease._lost()
+            logger.error("Lease %r (fence %d) lost: %s.", lease.key, lease.fence, reason.description)
+            self.metrics.lost(lease.meta, reason.value)
 
 
 _LOST = {Renewal.GONE: LostReason.GONE, Renewal.STOLEN: LostReason.STOLEN, Renewal.MAX_HOLD: LostReason.MAX_HOLD}

@@ -1,7 +1,7 @@
 """A scheduler-like process for tests/test_leader.py: stands by for a leader key and, while it leads, ticks.
 
 ``python -m tests.apps.leader_app URL KEY EVENTS [--ttl MS] [--on-lost raise|exit|callback] [--tick S]
-[--trust-raise] [--app-sigurg] [--child] [--keep-children]``
+[--trust-raise] [--app-sigurg] [--child] [--keep-children] [--victim] [--stuck-log]``
 
 Every event is a JSON line appended to the file ``EVENTS`` with ``time.time()`` (one clock for every process
 of a test, and the test's own): ``standby``, ``leader`` (with the fence), ``tick`` (with the fence and the
@@ -12,6 +12,9 @@ back to standby, as the README's recipe does; with ``--on-lost exit`` the proces
 scheduler's blocking ``start()`` does). ``--app-sigurg``: once leading, the app installs a SIGURG handler of
 its own (``app_sigurg`` events), as some libraries do. ``--child``: once leading, it starts a child process
 that ticks (``child_tick``) with the fence until killed; ``--keep-children`` gives ``kill_children=False``.
+``--victim``: once leading, it starts a ``sleep`` child (``victim`` event) and a thread that reaps it as soon
+as it ends, as ``subprocess.run`` on a thread would (tests/apps/pid_reuse_harness.py). ``--stuck-log``:
+once leading, a thread takes the log handler's lock for good, as one stuck writing to a full pipe would.
 """
 
 from __future__ import annotations
@@ -53,6 +56,8 @@ def main() -> None:
     parser.add_argument("--app-sigurg", action="store_true")
     parser.add_argument("--child", action="store_true")
     parser.add_argument("--keep-children", action="store_true")
+    parser.add_argument("--victim", action="store_true")
+    parser.add_argument("--stuck-log", action="store_true")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # A short socket timeout: a renewal into a partition gives up well before the deadline (the watchdog
@@ -88,6 +93,20 @@ def main() -> None:
                 if args.child:
                     child = [sys.executable, "-c", _CHILD, args.events, str(leader.fence), str(args.tick)]
                     note("child", child_pid=subprocess.Popen(child).pid)
+                if args.stuck_log:
+                    taken = threading.Event()
+
+                    def stuck(taken: threading.Event) -> None:
+                        logging.getLogger().handlers[0].acquire()  # and never released
+                        taken.set()
+
+                    threading.Thread(target=stuck, args=(taken,), daemon=True).start()
+                    taken.wait()
+                    note("stuck_log")
+                if args.victim:
+                    victim = subprocess.Popen(["sleep", "600"])
+                    threading.Thread(target=victim.wait, daemon=True).start()
+                    note("victim", victim_pid=victim.pid)
                 while not told.is_set():
                     lease = leader.lease
                     if lease is None and not args.trust_raise:
