@@ -275,3 +275,29 @@ def test_a_message_sent_without_an_order_is_ordered_by_its_timestamp(
         stale in r.getMessage() and "(superseded)" in r.getMessage() and f"message {first.message_id}" in r.getMessage()
         for r in caplog.records
     )
+
+
+def test_a_delayed_message_sent_without_an_order_keeps_its_send_time_at_the_delays_end(
+    make_stack: MakeStack, redis_server: EmbeddedRedis
+) -> None:
+    """A message sent with a delay and no order (a producer without the middleware; Redis away at send) is
+    ordered by its send, not by the end of its delay: the worker moving it out of its delay queue gives it no
+    order of its own, which would make it newer than a revision sent during its delay."""
+    stack = make_stack()
+    ran: list[int] = []
+    reindex = latest_actor(stack, ran)
+    stack.start()
+    producer = RedisBroker(url=redis_server.url(0), middleware=[])  # type: ignore[no-untyped-call]  # dramatiq leaves RedisBroker unannotated
+    try:
+        delayed: dramatiq.Message[Any] = dramatiq.Message(
+            queue_name="default", actor_name="reindex", args=(1, 1), kwargs={}, options={}
+        )
+        producer.enqueue(delayed, delay=1_500)
+    finally:
+        producer.close()
+    newer = reindex.send(1, 2)  # sent during the delay: the newer revision
+    assert stack.recorder.wait_settled(newer.message_id) == "acked" and ran == [2]
+    wait_for(lambda: delayed.message_id in stack.recorder.acked, timeout=15, what="the delayed revision acked")
+    assert ran == [2], "the revision sent first ran after the one sent during its delay"
+    moved = [options for mid, _, options in stack.recorder.enqueues if mid == delayed.message_id]
+    assert moved and all(ORDER_OPTION not in options for options in moved)

@@ -14,6 +14,7 @@ from typing import Any
 import dramatiq
 import pytest
 from dramatiq.brokers.rabbitmq import RabbitmqBroker
+from dramatiq.brokers.redis import RedisBroker
 from dramatiq.middleware import AsyncIO
 from dramatiq.results import Results
 from dramatiq.results.backends import RedisBackend
@@ -590,3 +591,43 @@ def test_a_job_lasting_many_ttls_keeps_its_lease(make_stack: MakeStack) -> None:
     assert first["end"] <= second["start"], "the rival ran while the long job still held the key"
     # The key stayed held by renewals long past one TTL while the rival waited for it.
     assert first["n"] == 1 and first["end"] - first["start"] >= 1.2 and second["start"] >= first["end"]
+
+
+@pytest.mark.parametrize(
+    "args, options",
+    [((1,), {"lock_ttl": "bad"}), ((), {}), ((1,), {"lease_order": "bad"})],
+    ids=["bad-option", "unrenderable-key", "forged-order"],
+)
+def test_a_delayed_message_its_producer_did_not_check_is_dead_lettered_not_a_consumer_crash(
+    make_stack: MakeStack,
+    redis_server: EmbeddedRedis,
+    caplog: pytest.LogCaptureFixture,
+    args: tuple[Any, ...],
+    options: dict[str, Any],
+) -> None:
+    """A producer without the middleware (or options written by hand) sends a delayed message the middleware
+    would have refused. At the delay's end the worker's consumer thread enqueues it again: the check there must
+    not raise (it would crash that consumer thread, and the message, never acknowledged, come back to crash it
+    again); its delivery refuses it, dead-lettered with an ERROR."""
+    caplog.set_level(logging.ERROR)
+    stack = make_stack()
+    ran: list[int] = []
+
+    @stack.actor(actor_name="revise", lock_key="doc:{doc}", lock_on_busy="latest", max_retries=0)
+    def revise(doc: int) -> None:
+        ran.append(doc)
+
+    stack.start()
+    producer = RedisBroker(url=redis_server.url(0), middleware=[])  # type: ignore[no-untyped-call]  # dramatiq leaves RedisBroker unannotated
+    try:
+        message: dramatiq.Message[Any] = dramatiq.Message(
+            queue_name="default", actor_name="revise", args=args, kwargs={}, options=options
+        )
+        producer.enqueue(message, delay=200)
+    finally:
+        producer.close()
+    wait_for(lambda: message.message_id in stack.recorder.nacked, timeout=10, what="the message dead-lettered")
+    assert ran == []
+    crashes = [r for r in caplog.records if r.levelname == "CRITICAL" and "Consumer" in r.getMessage()]
+    assert crashes == [], crashes[0].getMessage()
+    assert any(r.levelname == "ERROR" and message.message_id in r.getMessage() for r in caplog.records)

@@ -299,9 +299,18 @@ class LeaseMiddleware(Middleware):
             # Maybe one of our delayed copies leaving this process's delay queue, before anyone can run it.
             self.dramatiq_prometheus.left_delay_queue(message)
         resent = self._resent(message)
-        self.declarations.check_message(broker, message, resent=resent)
+        try:
+            self.declarations.check_message(broker, message, resent=resent)
+        except (LeaseConfigError, LeaseKeyError) as e:
+            if not resent:
+                raise
+            # Sent before (by a producer that did not check it, or with options written by hand): its delivery
+            # refuses it, dead-lettered with an ERROR. Raised here, it would crash the consumer thread moving a
+            # delayed copy on, again at each redelivery, and never settle.
+            logger.debug("Message %s is enqueued again as sent; its delivery will refuse it: %s", message.message_id, e)
+            return
         self.unique.before_enqueue(broker, message, delay, resent=resent)
-        stamp(self, broker, message, delay)
+        stamp(self, broker, message, delay, resent=resent)
 
     def _resent(self, message: Any) -> bool:
         """Whether this enqueue is of a message sent before: a copy of the delivery this thread processes (a

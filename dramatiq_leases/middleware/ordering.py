@@ -54,16 +54,24 @@ logger = logging.getLogger(__name__)
 _LATER = (ATTEMPTS_OPTION, FIRST_ATTEMPT_OPTION, SENT_BACK_OPTION, LINE_OPTION, "retries")
 
 
-def stamp(mw: LeaseMiddleware, broker: dramatiq.Broker, message: Any, delay: int | None) -> None:
+def stamp(
+    mw: LeaseMiddleware, broker: dramatiq.Broker, message: Any, delay: int | None, *, resent: bool = False
+) -> None:
     """Give a first send of a ``lock_on_busy="latest"`` message its order; check one it carries already.
 
     A later enqueue (a retry, a copy sent back or parked, a delayed copy leaving its delay queue) keeps what
-    the first send had, order or none: taken now, it would make an old message the newest.
+    the first send had, order or none: taken now, it would make an old message the newest. ``resent``: the
+    middleware's judgement that this enqueue is such a one (``LeaseMiddleware._resent``); a delayed copy
+    leaving its delay queue carries none of the options below (Dramatiq drops its ``eta``), only that.
 
     Raises:
       LeaseOptionError: the message carries an order that is not one (set by hand).
     """
     options = message.options
+    if resent:
+        # Its order, if bad, is refused at its delivery (dead-lettered with an ERROR): raised here, it would
+        # crash the consumer thread moving a delayed copy on, again at each redelivery.
+        return
     if ORDER_OPTION in options:
         order_of(message)
         return
