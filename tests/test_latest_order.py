@@ -18,7 +18,7 @@ import pytest
 import redis
 from dramatiq.brokers.redis import RedisBroker
 
-from dramatiq_leases import LeaseOptionError
+from dramatiq_leases import LeaseOptionError, web
 from dramatiq_leases.core import Busy, Lease, Leases, Wait, scripts
 from dramatiq_leases.core.client import RedisClient
 from dramatiq_leases.core.errors import LeaseConfigError
@@ -301,3 +301,35 @@ def test_a_delayed_message_sent_without_an_order_keeps_its_send_time_at_the_dela
     assert ran == [2], "the revision sent first ran after the one sent during its delay"
     moved = [options for mid, _, options in stack.recorder.enqueues if mid == delayed.message_id]
     assert moved and all(ORDER_OPTION not in options for options in moved)
+
+
+def test_a_lease_handed_over_cannot_let_an_older_message_run_after_its_own(
+    make_stack: MakeStack, redis_server: EmbeddedRedis
+) -> None:
+    """A web request's lease (``lease=``) is adopted by its message without the key's order: had it been
+    accepted for a ``"latest"`` actor, a revision sent before it, waiting in the key's line behind the handed
+    lease, would run after it. Refused at send, naming actor and option; at the worker, dead-lettered."""
+    stack = make_stack()
+    ran: list[int] = []
+    reindex = latest_actor(stack, ran)
+    older = reindex.send(1, 1)
+    lease = web.try_acquire(stack.leases, "doc:1", TTL)
+    assert isinstance(lease, Lease)
+    with pytest.raises(LeaseOptionError, match=r"actor 'reindex'.*lease=.*lock_on_busy='latest'"):
+        reindex.send_with_options(args=(1, 2), lease=lease)
+    stack.start()
+    producer = RedisBroker(url=redis_server.url(0), middleware=[])  # type: ignore[no-untyped-call]  # dramatiq leaves RedisBroker unannotated
+    try:  # a producer without the middleware: refused at the worker, and the lease handed over released
+        handed: dramatiq.Message[Any] = dramatiq.Message(
+            queue_name="default",
+            actor_name="reindex",
+            args=(1, 3),
+            kwargs={},
+            options={"lease": {"key": lease.key, "token": lease.token}, ORDER_OPTION: server_us(stack.leases.client)},
+        )
+        producer.enqueue(handed)
+    finally:
+        producer.close()
+    wait_for(lambda: handed.message_id in stack.recorder.nacked, timeout=10, what="the handed message dead-lettered")
+    assert stack.leases.inspect("doc:1") is None or stack.leases.inspect("doc:1").token != lease.token  # type: ignore[union-attr]
+    assert stack.recorder.wait_settled(older.message_id) == "acked" and ran == [1]

@@ -21,6 +21,7 @@ from ..core.errors import LeaseUnavailableError
 from ..core.lease import Busy, Lease, Wait, new_token
 from ..core.scripts import MAX_LIMIT
 from .busy import SKIP_MARK, gives_up, mark_skipped, on_busy, record_history, send_back
+from .declarations import latest_handoff
 from .errors import LeaseBusyFailed, LeaseLimitError, LeaseOptionError
 from .guard import Run
 from .options import ATTEMPTS_OPTION, FIRST_ATTEMPT_OPTION, LEASE_OPTION, SENT_BACK_OPTION, Options
@@ -90,8 +91,11 @@ class Acquisition:
         if self.opts.on_busy == "latest":
             try:
                 self.order = order_of(self.message)
+                if self.message.options.get(LEASE_OPTION) is not None:  # a producer without the middleware
+                    raise LeaseOptionError(latest_handoff(self.message.actor_name), actor=self.message.actor_name)
             except LeaseOptionError as e:
                 self.mw.runs.not_granted()
+                self.mw.unique.release_handed(self.message, self.key)  # never adopted: not held until its TTL
                 refuse(self.message, e)
         try:
             while True:

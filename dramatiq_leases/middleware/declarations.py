@@ -239,6 +239,8 @@ class Declarations:
         except LeaseKeyError as e:
             raise LeaseKeyRenderError(str(e), actor=message.actor_name) from None
         handed = options.get(LEASE_OPTION)
+        if handed is not None and opts.on_busy == "latest":
+            raise LeaseOptionError(latest_handoff(message.actor_name), actor=message.actor_name)
         if isinstance(handed, Lease):
             if handed.key != key:
                 raise LeaseKeyRenderError(
@@ -257,3 +259,11 @@ class Declarations:
         except LeaseOptionError as e:
             e.actor = actor
             raise
+
+
+def latest_handoff(actor: str) -> str:
+    """Why a message of a ``lock_on_busy="latest"`` actor cannot carry a lease handed over (``lease=``)."""
+    return (
+        f"actor {actor!r}: message option lease= cannot go with lock_on_busy='latest': a lease handed over is "
+        "adopted without the key's send order, so a message sent before it could run after it"
+    )

@@ -119,7 +119,7 @@ class Uniqueness:
                 actor=message.actor_name,
             ) from e
         if holder is not None:
-            self._release_handed(message, key)
+            self.release_handed(message, key)
             self.mw.metrics.not_run({"actor": message.actor_name, "queue": message.queue_name}, "duplicate")
             logger.info(
                 "Message %s of actor %r was not sent (duplicate): key %r already has message %s (lock_unique=%r).",
@@ -135,7 +135,7 @@ class Uniqueness:
         message.options[UNIQUE_OPTION] = MODE_CODES[mode]
         self._taken.key = (message.message_id, key, _lives(delay, ttl))
 
-    def _release_handed(self, message: Any, key: str) -> None:
+    def release_handed(self, message: Any, key: str) -> None:
         """A refused message handed a lease (``lease=``, a web request's) will never adopt it: released now
         (owner-checked), so the key is not held for nothing until its TTL."""
         handed = message.options.get(LEASE_OPTION)
