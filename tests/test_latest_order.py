@@ -108,6 +108,19 @@ def test_an_older_message_supersedes_itself_wherever_it_meets_the_key(leases: Le
     assert tie.wait is Wait.SUPERSEDED
 
 
+def test_a_store_that_forgets_the_order_record_lets_an_older_message_run(
+    leases: Leases, redis_client: redis.Redis
+) -> None:
+    """The limit (docs/guarantees.md): the newest order that reached a key lives in Redis only. A store that
+    forgets it (a restart without persistence, as FLUSHALL leaves it; a failover to a replica that missed it; a
+    week without a message of the key) no longer knows a newer message ran: an older one then runs after it."""
+    newest = join(leases, "new:0", 200)
+    assert isinstance(newest, Lease) and leases.release(newest)
+    assert refused(join(leases, "old:0", 100)).wait is Wait.SUPERSEDED
+    redis_client.flushall()
+    assert isinstance(join(leases, "old:1", 100), Lease)  # the older revision runs after the newer one
+
+
 def test_the_latest_build_checks_each_argument_before_writing(redis_client: redis.Redis) -> None:
     names = [lease_name("t", "k"), fence_name("t", "k"), order_name("t", "k")]
 
