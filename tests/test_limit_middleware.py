@@ -7,6 +7,7 @@ import threading
 import time
 from typing import Any
 
+import dramatiq
 import pytest
 import redis
 from prometheus_client import CollectorRegistry
@@ -14,6 +15,7 @@ from prometheus_client import CollectorRegistry
 from dramatiq_leases import DuplicateMessage, LeaseLimitError, LeaseOptionError, PrometheusMetrics, current_lease
 from dramatiq_leases.core.unique import UniqueRecords
 from dramatiq_leases.embedded import EmbeddedRedis
+from dramatiq_leases.middleware.options import ORDER_OPTION
 
 from .support.brokers import redis_dead_letters
 from .support.runs import Runs
@@ -396,3 +398,40 @@ def test_a_unique_message_keeps_its_record_through_the_retries_of_a_failing_limi
     after = call_vendor.send("gold", 3)
     assert stack.recorder.wait_settled(after.message_id, timeout=20) == "acked"
     assert ran == [1, 3]
+
+
+def test_a_first_send_from_a_consumer_thread_counts_as_an_enqueue_again(make_stack: MakeStack) -> None:
+    """The limit (docs/guide.md): LeaseMiddleware tells an enqueue of a message sent before (a delayed copy
+    that Dramatiq's consumer thread moves to its queue) by the thread it runs on. A *first* send made on a
+    consumer thread (another middleware's hook there) is taken for one: its ``lock_limit`` callable is not
+    asked at send (the delivery asks it), and a ``"latest"`` message takes no order (ordered by its
+    ``message_timestamp``)."""
+    stack = make_stack()
+
+    def no_tier(tenant: str) -> int:
+        raise ConnectionError("tier service unreachable")
+
+    @stack.actor(actor_name="tiered", lock_key="tenant:{tenant}", lock_limit=no_tier, max_retries=0)
+    def tiered(tenant: str) -> None:
+        pass
+
+    @stack.actor(actor_name="revise", lock_key="doc:{doc}", lock_on_busy="latest", max_retries=0)
+    def revise(doc: int) -> None:
+        pass
+
+    with pytest.raises(LeaseOptionError, match="tier service unreachable"):
+        tiered.send("gold")  # a first send on any other thread asks the callable
+    sent: dict[str, Any] = {}
+
+    class Announcer(dramatiq.Middleware):
+        def after_consumer_thread_boot(self, broker: dramatiq.Broker, thread: Any) -> None:
+            if sent:
+                return
+            sent["tiered"] = tiered.send("gold")
+            sent["revise"] = revise.send(1)
+
+    stack.broker.add_middleware(Announcer())
+    stack.start()
+    wait_for(lambda: len(sent) == 2, timeout=10, what="the sends from the consumer thread")
+    assert ORDER_OPTION not in sent["revise"].options
+    assert stack.recorder.wait_settled(sent["tiered"].message_id) == "nacked"  # refused at its delivery
