@@ -250,6 +250,27 @@ def test_a_history_key_of_another_type_is_replaced_not_failed_on(redis_client: r
     assert [e.event for e in leases.history("k")] == ["granted"]
 
 
+def test_hand_written_events_with_numbers_out_of_range_are_read_not_failed_on(redis_client: redis.Redis) -> None:
+    """JSON numbers no event has (infinite, NaN, past any fence or slot), written by hand: read as none, not a
+    crash of ``show --history`` or of the exporter's ``/leases/history`` (a 500 with a traceback)."""
+    leases = Leases(redis_client, prefix="t", history=5)
+    name = history_name("t", "k")
+    for raw in (
+        '{"e":"granted","t":1e400,"f":-Infinity,"wt":NaN}',
+        '{"e":"released","s":NaN}',
+        '{"e":"released","s":1e300,"f":1e300}',
+        '{"e":"released","s":-1,"t":-5}',
+    ):
+        redis_client.lpush(name, raw)
+    events = leases.history("k")
+    assert [(e.event, e.time_ms, e.fence, e.slot, e.waited_ms) for e in events] == [
+        ("granted", 0, 0, None, 0),
+        ("released", 0, 0, None, 0),
+        ("released", 0, 0, None, 0),
+        ("released", 0, 0, None, 0),
+    ]
+
+
 def test_the_exporter_serves_a_keys_history_under_the_busy_views_rules(redis_client: redis.Redis) -> None:
     leases = Leases(redis_client, prefix="t", history=5)
     lease = leases.try_acquire("invoice:42", 60_000, meta=META)

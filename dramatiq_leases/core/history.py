@@ -10,9 +10,12 @@ the :data:`~.scripts.HISTORY` script right after. Off (the default), no script m
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
+
+from .scripts import MAX_LIMIT
 
 #: Every event a history holds, in the words :attr:`HistoryEvent.event` uses.
 EVENTS = (
@@ -93,15 +96,29 @@ def _text(value: Any) -> str:
     return value if isinstance(value, str) else ""
 
 
+#: The largest number an event's field is read as (Redis's integers): one past it, written by hand, reads as 0.
+_MAX_WHOLE = 2**63 - 1
+
+
 def _whole(value: Any) -> int:
-    """A number the scripts wrote as text (a fence may have 16 digits) or as a JSON number; 0 if neither."""
+    """A number the scripts wrote as text (a fence may have 16 digits) or as a JSON number; 0 if neither, or
+    if it is no whole number from 0 to ``_MAX_WHOLE`` (infinite, NaN, negative: written by hand)."""
     if isinstance(value, bool):
         return 0
-    if isinstance(value, (int, float)):
-        return int(value)
-    if isinstance(value, str) and value.isdigit():
-        return int(value)
-    return 0
+    if (isinstance(value, float) and math.isfinite(value)) or (
+        isinstance(value, str) and value.isascii() and value.isdigit() and len(value) <= 19
+    ):
+        value = int(value)
+    return value if isinstance(value, int) and 0 <= value <= _MAX_WHOLE else 0
+
+
+def _slot(value: Any) -> int | None:
+    """A holder slot, 0 to ``MAX_LIMIT - 1``; ``None`` if the event names none (or none that can be one)."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < MAX_LIMIT:
+        return value
+    return None
 
 
 def _event(raw: str | bytes) -> HistoryEvent | None:
@@ -112,7 +129,6 @@ def _event(raw: str | bytes) -> HistoryEvent | None:
         return None
     if not isinstance(data, dict) or not isinstance(data.get("e"), str):
         return None
-    slot = data.get("s")
     return HistoryEvent(
         event=data["e"],
         time_ms=_whole(data.get("t")),
@@ -122,7 +138,7 @@ def _event(raw: str | bytes) -> HistoryEvent | None:
         holder=_text(data.get("h")),
         reason=_text(data.get("r")),
         by=_text(data.get("by")),
-        slot=int(slot) if isinstance(slot, (int, float)) and not isinstance(slot, bool) else None,
+        slot=_slot(data.get("s")),
         waiter=_text(data.get("w")),
         waited_ms=_whole(data.get("wt")),
     )
