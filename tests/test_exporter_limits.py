@@ -232,3 +232,36 @@ def test_wrong_passwords_run_a_bounded_number_of_bcrypt_checks_and_a_good_one_is
     finally:
         exporter.close()
         leases.client.close()
+
+
+def test_with_one_connection_one_idle_client_holds_it_until_the_read_timeout(redis_server: EmbeddedRedis) -> None:
+    """The limit (docs/guide.md): half of ``--web.max-connections`` 1 is still 1, so one client that connects and
+    sends nothing holds the endpoint for ``--web.read-timeout``; every other client, Prometheus too, is refused
+    (503) meanwhile. One request per connection (HTTP/1.0): a second request pipelined on it is not answered,
+    so no connection holds a place past its one answer."""
+    leases = Leases.from_url(redis_server.url())
+    exporter = Exporter(leases, host="127.0.0.1", port=0, max_connections=1, read_timeout=1.5)
+    try:
+        with socket.create_connection(("127.0.0.1", exporter.port), timeout=5):
+            wait_for(lambda: get(exporter.port, "/metrics") == 503, timeout=5, what="the scrape refused")
+            wait_for(lambda: get(exporter.port, "/metrics") == 200, timeout=10, what="the idle client cut off")
+
+        def pipelined() -> bytes:
+            with socket.create_connection(("127.0.0.1", exporter.port), timeout=5) as sock:
+                sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n" * 2)
+                answer = b""
+                while chunk := sock.recv(65536):
+                    answer += chunk
+                return answer
+
+        # The last scrape's place is given back just after its answer: asked again until it is.
+        def served() -> bytes:
+            answer = pipelined()
+            return b"" if b" 503 " in answer else answer
+
+        answer = wait_for(served, timeout=10, what="a place")
+        assert answer.count(b"HTTP/1.0 200") == 1 and answer.count(b"HTTP/") == 1
+        assert get(exporter.port, "/metrics") == 200
+    finally:
+        exporter.close()
+        leases.client.close()
