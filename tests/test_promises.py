@@ -97,7 +97,7 @@ def test_a_handed_over_lease_is_adopted_once(make_stack: MakeStack) -> None:
         f"two runs of one handed-over lease overlapped: {spans}"
     )
     assert spans[0][2] == lease.fence < spans[1][2]  # the first adopted the grant; the second was granted anew
-    assert list(stack.leases.scan()) == []
+    wait_for(lambda: list(stack.leases.scan()) == [], what="the last release (sent off the worker thread)")
 
 
 # 2. Max hold of an adopted lease ----------------------------------------------------------------------------

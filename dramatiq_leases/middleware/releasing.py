@@ -1,10 +1,11 @@
 """Releases sent from a thread of their own, so a worker thread never waits for one's reply.
 
 A release is owner-checked (by token, and by fence when known): sent late, or twice, it can never free
-another holder's grant, and Dramatiq's ack of the message does not depend on it. So the worker thread that
-ran the actor only hands the release over (one C-level ``put``, which an asynchronous exception cannot
+another holder's grant, and Dramatiq's ack of the message does not depend on it. So the worker thread whose
+actor returned only hands the release over (one C-level ``put``, which an asynchronous exception cannot
 split) and takes its next message; this process's releaser thread sends it at once. A key whose actor
-returned is therefore free a moment after, not before, its message is acknowledged.
+returned is therefore free a moment after, not before, its message is acknowledged. (The release of an
+actor that raised is sent by its worker thread, so that the retry Retries sends never finds it held.)
 
 A worker's stop sends every release handed over before the worker's ``after_worker_shutdown`` goes on;
 a SIGKILL in between costs the key at most its TTL (docs/guarantees.md). Until :meth:`Releaser.start` (a

@@ -146,9 +146,14 @@ class Runs:
             return
         first_try = not run.release_tried
         run.release_tried = True
-        # Handed over, not waited for (see .releasing). Interrupted before `released` is set, it is handed
-        # over again: the second release finds the grant already released, and says nothing of it.
-        self.releaser.submit((run, first_try))
+        # An actor that returned: handed over, not waited for (see .releasing). One that raised is released
+        # here and now: Retries, after this, sends its retry, which must never find this grant still held.
+        # Interrupted before `released` is set, it is released again: the second release finds the grant
+        # already released, and says nothing of it.
+        if run.returned:
+            self.releaser.submit((run, first_try))
+        else:
+            self.send_release((run, first_try))
         run.released = True
 
     def send_release(self, item: tuple[Run, bool]) -> None:
