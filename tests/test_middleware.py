@@ -447,7 +447,7 @@ def test_release_happens_before_retries_requeue(make_stack: MakeStack) -> None:
         for mid, d, opts in stack.recorder.enqueues
         if mid == message.message_id
     )
-    assert list(stack.leases.scan()) == []
+    wait_for(lambda: list(stack.leases.scan()) == [], what="the last release (sent off the worker thread)")
 
 
 def test_default_max_hold_is_the_time_limit_and_ends_a_hung_actor(make_stack: MakeStack) -> None:

@@ -48,6 +48,7 @@ from dramatiq_leases.embedded import EmbeddedRedis
 
 from .support.netns import NetnsUnavailableError, Network, leftovers, sweep
 from .support.processes import Processes, clean_env, wait_until
+from .support.waiting import wait_for
 
 pytestmark = pytest.mark.system
 
@@ -296,8 +297,9 @@ def test_a_cut_off_holder_stops_before_its_lease_can_be_granted_elsewhere(site: 
     # Fences grew with every grant: a, then b's two runs (in either order), then a's new job.
     b_fences = {e["fence"] for e in site.events(host=b.label, event="start")}
     assert fence_a < min(b_fences) and max(b_fences) < a_probe["fence"] and len(b_fences) == 2, context
-    # No lease is stuck: the key is free, and the CLI lists nothing.
-    assert site.leases.inspect(key) is None, context
+    # No lease is stuck: the key is free (the last release is sent off the worker thread), and the CLI lists
+    # nothing.
+    wait_for(lambda: site.leases.inspect(key) is None, what=f"the key to be free ({context})")
     assert site.cli_list() == [], context
 
 

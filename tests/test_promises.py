@@ -97,7 +97,7 @@ def test_a_handed_over_lease_is_adopted_once(make_stack: MakeStack) -> None:
         f"two runs of one handed-over lease overlapped: {spans}"
     )
     assert spans[0][2] == lease.fence < spans[1][2]  # the first adopted the grant; the second was granted anew
-    assert list(stack.leases.scan()) == []
+    wait_for(lambda: list(stack.leases.scan()) == [], what="the last release (sent off the worker thread)")
 
 
 # 2. Max hold of an adopted lease ----------------------------------------------------------------------------
@@ -425,7 +425,7 @@ def test_the_heartbeat_survives_a_renewal_hung_on_a_socket(
         except LeaseLost as e:
             runs.add(kind="after-lost", error=str(e))
             raise
-        runs.add(kind="after-done", fence=current_lease().fence)
+        runs.add(kind="after-done", n=n, fence=current_lease().fence)
 
     try:
         stack.start()
@@ -441,8 +441,7 @@ def test_the_heartbeat_survives_a_renewal_hung_on_a_socket(
         [lost] = wait_for(lambda: runs.where(kind="lost"), timeout=5, what="LeaseLost in the frozen actor")
         assert "unreachable" in lost["error"], lost
         assert lost["at"] < expires_at, f"LeaseLost {lost['at'] - expires_at:.3f}s after the key could expire"
-        # The network is back; the sockets that hung stay hung (the frozen run's release waits on one for
-        # good: no socket_timeout). Idle pooled connections died in the outage too: drop them, so that what
+        # The network is back; the sockets that hung stay hung (no socket_timeout). Idle pooled connections died in the outage too: drop them, so that what
         # follows depends on the heartbeat alone.
         proxy.thaw()
         hanging.connection_pool.disconnect(inuse_connections=False)
@@ -453,11 +452,17 @@ def test_the_heartbeat_survives_a_renewal_hung_on_a_socket(
                 what="the watchdog to replace the hung renewer",
             )
 
-        second = after.send(2)
-        wait_for(lambda: direct.inspect("after:2") is not None, what="the new message to acquire")
-        assert busy_for(direct, "after:2", 1.5), "the new lease was not kept (the heartbeat is stuck?)"
-        assert stack.recorder.wait_settled(second.message_id) == "acked"
-        assert not runs.where(kind="after-lost") and len(runs.where(kind="after-done")) == 1, runs.items
+        # The worker thread that ran the frozen actor kept its connection, hung for good too (no socket_timeout):
+        # a message that thread takes waits on it. One per thread, so that others are taken by threads that
+        # never connected during the outage.
+        sent = {n: after.send(n) for n in range(2, 2 + stack.threads)}
+        n = wait_for(
+            lambda: next((n for n in sent if direct.inspect(f"after:{n}") is not None), None),
+            what="a new message to acquire",
+        )
+        assert busy_for(direct, f"after:{n}", 1.5), "the new lease was not kept (the heartbeat is stuck?)"
+        assert stack.recorder.wait_settled(sent[n].message_id) == "acked"
+        assert not runs.where(kind="after-lost") and runs.where(kind="after-done", n=n), runs.items
     finally:
         proxy.thaw()
         proxy.reset_hung()  # first: whoever waits on a hung socket gets an error and moves on

@@ -273,12 +273,14 @@ class LeaseMiddleware(Middleware):
         self.waiting.prepare()
 
     def after_worker_boot(self, broker: dramatiq.Broker, worker: dramatiq.Worker) -> None:
-        """Start the heartbeat and the line's listener here, on threads no asynchronous exception can reach.
+        """Start the heartbeat, the releaser and the line's listener here, on threads no asynchronous exception
+        can reach.
 
         Then warn of each leased actor whose run may outlast the worker's shutdown timeout (its lease would
         be left to expire rather than released at a stop: docs/deployment.md); the actors are declared now.
         """
         self.heartbeat.start()
+        self.runs.releaser.start()
         self.waiting.boot(broker, worker.worker_threads)
         warn_stop_budget(broker, default_max_hold=self.declarations.defaults["lock_max_hold"])
 
@@ -442,6 +444,8 @@ class LeaseMiddleware(Middleware):
         TTL. Releasing it would let another worker run the same key while
         this one still does.
         """
+        # The releases handed over by the worker threads first; any later one is sent by its own thread.
+        self.runs.releaser.stop()
         # Not only running actors: one still being set up (its lease taken, its actor about to start) too.
         running = self.runs.active_tokens()
         for lease in self.heartbeat.tracked():

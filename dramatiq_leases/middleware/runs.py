@@ -15,6 +15,7 @@ from ..core.lease import Lease
 from ..core.metrics import LeaseMetrics
 from ..core.store import Leases
 from .guard import DONE, READY, LeaseLost, Run, call_under, coroutine_under
+from .releasing import Releaser
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ class Runs:
         self._runs: dict[int, Run | None] = {}
         # Token -> run of an async actor whose coroutine outlived the worker's wait: its lease is kept.
         self._deferred: dict[str, Run] = {}
+        self.releaser: Releaser[tuple[Run, bool]] = Releaser(self.send_release)
 
     def pending(self) -> None:
         """This thread is asking for a lease: its actor must not run yet. Ends a stale run first."""
@@ -123,7 +125,8 @@ class Runs:
         return start
 
     def end(self, run: Run) -> None:
-        """Stop renewing and release the lease. Idempotent, and never raises but for an interruption.
+        """Stop renewing and hand the release over to the releaser (:mod:`.releasing`). Idempotent, and never
+        raises but for an interruption.
 
         Nothing after a completed actor may turn it into a failure: any error
         here is logged, and the lease then ends by its TTL. While an async
@@ -143,6 +146,20 @@ class Runs:
             return
         first_try = not run.release_tried
         run.release_tried = True
+        # An actor that returned: handed over, not waited for (see .releasing). One that raised is released
+        # here and now: Retries, after this, sends its retry, which must never find this grant still held.
+        # Interrupted before `released` is set, it is released again: the second release finds the grant
+        # already released, and says nothing of it.
+        if run.returned:
+            self.releaser.submit((run, first_try))
+        else:
+            self.send_release((run, first_try))
+        run.released = True
+
+    def send_release(self, item: tuple[Run, bool]) -> None:
+        """Release ``run``'s lease in Redis (the releaser's ``send``): log and count a failure, never raise."""
+        run, first_try = item
+        lease = run.lease
         try:
             # Only a run whose actor returned is remembered as done: a message that failed may be
             # re-driven from the dead-letter queue (same id, same retry count), and must then run.
@@ -153,7 +170,6 @@ class Runs:
             else:
                 released = self.leases.release_token(run.key, run.token, fence=fence, slot=slot)
         except Exception as e:
-            run.released = True
             self.metrics.redis_error("release")
             # Never confirmed granted (the acquire failed too): released in case the grant was applied all the
             # same, quietly, since the acquire's failure was logged already.
@@ -165,6 +181,5 @@ class Runs:
                 e,
             )
             return
-        run.released = True
         if not released and first_try and lease is not None and run.lost_reason is None:
             logger.warning("Lease %r (fence %d) was no longer held at release.", run.key, lease.fence)
