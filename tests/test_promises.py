@@ -457,9 +457,8 @@ def test_the_heartbeat_survives_a_renewal_hung_on_a_socket(
         # never connected during the outage.
         sent = {n: after.send(n) for n in range(2, 2 + stack.threads)}
         n = wait_for(
-            lambda: next((n for n in sent if direct.inspect(f"after:{n}") is not None), None),
-            what="a new message to acquire",
-        )
+            lambda: [n for n in sent if direct.inspect(f"after:{n}") is not None], what="a new message to acquire"
+        )[0]
         assert busy_for(direct, f"after:{n}", 1.5), "the new lease was not kept (the heartbeat is stuck?)"
         assert stack.recorder.wait_settled(sent[n].message_id) == "acked"
         assert not runs.where(kind="after-lost") and runs.where(kind="after-done", n=n), runs.items
