@@ -132,3 +132,29 @@ def test_a_failed_release_is_logged_and_counted_on_the_releaser_thread(
     finally:
         stack.stop()
         lease_server.close()
+
+
+def test_a_release_after_the_lease_store_restarted_is_sent_again_not_left_to_its_ttl(
+    redis_server: EmbeddedRedis,
+) -> None:
+    """The releaser's connection went stale with the restart: its first attempt fails, the next one releases."""
+    lease_server = EmbeddedRedis(persist=True).start()
+    stack = Stack(redis_server.url(0), lease_server.url(0), threads=1, metrics_endpoint=False)
+    runs = Runs()
+
+    @stack.actor(lock_key="export:{n}", lock_ttl=60_000, max_retries=0)
+    def export(n: int) -> None:
+        runs.add(n=n)
+
+    try:
+        stack.start()
+        export.send(1)
+        wait_for(lambda: runs.count(n=1) == 1 and list(stack.leases.scan()) == [], what="the first run and release")
+        lease_server.stop()
+        lease_server.start()
+        export.send(2)
+        wait_for(lambda: runs.count(n=2) == 1, what="the second run")
+        wait_for(lambda: list(stack.leases.scan()) == [], what="its release, well before its 60 s TTL")
+    finally:
+        stack.stop()
+        lease_server.close()

@@ -14,11 +14,12 @@ middleware used without a worker) and after :meth:`Releaser.stop`, a release is 
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import queue
 import threading
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from typing import Generic, TypeVar, cast
 
 logger = logging.getLogger(__name__)
 
@@ -55,11 +56,14 @@ class Releaser(Generic[T]):
             self._thread.start()
 
     def submit(self, item: T) -> None:
-        """Hand ``item`` over to be sent; sent here and now if no releaser thread runs."""
+        """Hand ``item`` over to be sent; sent here and now if no releaser thread runs.
+
+        It is sent in a copy of the caller's context: a span it opens is a child of the caller's (the message's).
+        """
         if not self.running:
             self._send(item)
             return
-        self._queue.put(item)
+        self._queue.put((contextvars.copy_context(), item))
 
     def flush(self, timeout: float) -> bool:
         """Wait until every item handed over so far was sent; ``False`` if ``timeout`` (s) passed first."""
@@ -90,7 +94,8 @@ class Releaser(Generic[T]):
             if isinstance(item, threading.Event):
                 item.set()
                 continue
+            context, sent = cast("tuple[contextvars.Context, T]", item)  # what submit puts
             try:
-                self._send(item)  # type: ignore[arg-type]  # only a T is put but the markers above
+                context.run(self._send, sent)
             except Exception:  # send logs its own failures; this thread must outlive any other
                 logger.exception("Unexpected error while releasing a lease; it expires by its TTL.")

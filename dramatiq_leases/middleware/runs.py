@@ -6,10 +6,11 @@ import contextvars
 import functools
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
-from ..core.errors import LeaseStateError
+from ..core.errors import LeaseStateError, LeaseUnavailableError
 from ..core.heartbeat import Heartbeat
 from ..core.lease import Lease
 from ..core.metrics import LeaseMetrics
@@ -18,6 +19,11 @@ from .guard import DONE, READY, LeaseLost, Run, call_under, coroutine_under
 from .releasing import Releaser
 
 logger = logging.getLogger(__name__)
+
+#: How many times the releaser thread asks Redis for one release, and the first pause between two (s; then
+#: four times longer): a connection gone stale while the thread was idle costs a pause, not the key's TTL.
+RELEASE_TRIES = 3
+RELEASE_PAUSE_S = 0.05
 
 _current: contextvars.ContextVar[Lease | None] = contextvars.ContextVar("dramatiq_leases_current", default=None)
 
@@ -153,33 +159,52 @@ class Runs:
         if run.returned:
             self.releaser.submit((run, first_try))
         else:
-            self.send_release((run, first_try))
+            self.send_release((run, first_try), tries=1)
         run.released = True
 
-    def send_release(self, item: tuple[Run, bool]) -> None:
-        """Release ``run``'s lease in Redis (the releaser's ``send``): log and count a failure, never raise."""
+    def send_release(self, item: tuple[Run, bool], *, tries: int = RELEASE_TRIES) -> None:
+        """Release ``run``'s lease in Redis (the releaser's ``send``): log and count a failure, never raise.
+
+        An attempt Redis could not be asked for (a connection gone stale while idle, a server restarted) is
+        made again after a short pause, ``tries`` in all: a release is owner-checked, so one applied whose
+        reply was lost is then found released by its fence, and frees nothing else.
+        """
         run, first_try = item
         lease = run.lease
-        try:
-            # Only a run whose actor returned is remembered as done: a message that failed may be
-            # re-driven from the dead-letter queue (same id, same retry count), and must then run.
-            # A grant whose reply never came (lease None) is looked for by its token in every slot of the key.
-            fence, slot = (lease.fence, lease.slot) if lease else (None, None)
-            if run.returned and run.waiter:
-                released = self.leases._line.release(run.key, run.token, waiter=run.waiter, fence=fence, slot=slot)
+        for attempt in range(tries):
+            try:
+                released = self._release(run)
+            except LeaseUnavailableError as e:
+                if attempt + 1 < tries:
+                    first_try = False  # this attempt may have been applied
+                    time.sleep(RELEASE_PAUSE_S * 4**attempt)
+                    continue
+                error: Exception = e
+            except Exception as e:
+                error = e
             else:
-                released = self.leases.release_token(run.key, run.token, fence=fence, slot=slot)
-        except Exception as e:
-            self.metrics.redis_error("release")
-            # Never confirmed granted (the acquire failed too): released in case the grant was applied all the
-            # same, quietly, since the acquire's failure was logged already.
-            logger.log(
-                logging.WARNING if lease is not None else logging.DEBUG,
-                "Could not release lease %r: %s: %s. It expires within its TTL.",
-                run.key,
-                type(e).__name__,
-                e,
-            )
-            return
-        if not released and first_try and lease is not None and run.lost_reason is None:
-            logger.warning("Lease %r (fence %d) was no longer held at release.", run.key, lease.fence)
+                if not released and first_try and lease is not None and run.lost_reason is None:
+                    logger.warning("Lease %r (fence %d) was no longer held at release.", run.key, lease.fence)
+                return
+            break
+        self.metrics.redis_error("release")
+        # Never confirmed granted (the acquire failed too): released in case the grant was applied all the
+        # same, quietly, since the acquire's failure was logged already.
+        logger.log(
+            logging.WARNING if lease is not None else logging.DEBUG,
+            "Could not release lease %r: %s: %s. It expires within its TTL.",
+            run.key,
+            type(error).__name__,
+            error,
+        )
+
+    def _release(self, run: Run) -> bool:
+        """One release of ``run``'s grant by its token; whether it held it."""
+        lease = run.lease
+        # Only a run whose actor returned is remembered as done: a message that failed may be
+        # re-driven from the dead-letter queue (same id, same retry count), and must then run.
+        # A grant whose reply never came (lease None) is looked for by its token in every slot of the key.
+        fence, slot = (lease.fence, lease.slot) if lease else (None, None)
+        if run.returned and run.waiter:
+            return self.leases._line.release(run.key, run.token, waiter=run.waiter, fence=fence, slot=slot)
+        return self.leases.release_token(run.key, run.token, fence=fence, slot=slot)
