@@ -84,6 +84,7 @@ class Run:
         "lease",
         "lock",
         "lost_reason",
+        "release_inline",
         "release_tried",
         "released",
         "returned",
@@ -109,6 +110,8 @@ class Run:
         self.injected = False
         self.release_tried = False
         self.released = False
+        # Released by the worker thread itself, not handed to the releaser (see Runs.end).
+        self.release_inline = False
         # An async actor's coroutine may outlive the worker's wait for it (Dramatiq gives up after 1 s
         # of ignored cancellation): the lease is then ended by the coroutine's own end.
         self.coroutine_running = False

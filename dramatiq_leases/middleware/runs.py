@@ -153,10 +153,11 @@ class Runs:
         first_try = not run.release_tried
         run.release_tried = True
         # An actor that returned: handed over, not waited for (see .releasing). One that raised is released
-        # here and now: Retries, after this, sends its retry, which must never find this grant still held.
-        # Interrupted before `released` is set, it is released again: the second release finds the grant
-        # already released, and says nothing of it.
-        if run.returned:
+        # here and now: Retries, after this, sends its retry, which must never find this grant still held;
+        # so is one whose message's ack reads its lease (see Run.release_inline). Interrupted before
+        # `released` is set, it is released again: the second release finds the grant already released, and
+        # says nothing of it.
+        if run.returned and not run.release_inline:
             self.releaser.submit((run, first_try))
         else:
             self.send_release((run, first_try), tries=1)
