@@ -5,7 +5,8 @@ another holder's grant, and Dramatiq's ack of the message does not depend on it.
 actor returned only hands the release over (one C-level ``put``, which an asynchronous exception cannot
 split) and takes its next message; this process's releaser thread sends it at once. A key whose actor
 returned is therefore free a moment after, not before, its message is acknowledged. (The release of an
-actor that raised is sent by its worker thread, so that the retry Retries sends never finds it held.)
+actor that raised is sent by its worker thread, so that the retry Retries sends never finds it held; so is
+a ``lock_unique`` actor's, whose record's end, at the ack, reads whether its lease is still held.)
 
 A worker's stop sends every release handed over before the worker's ``after_worker_shutdown`` goes on;
 a SIGKILL in between costs the key at most its TTL (docs/guarantees.md). Until :meth:`Releaser.start` (a
