@@ -158,3 +158,25 @@ def test_a_release_after_the_lease_store_restarted_is_sent_again_not_left_to_its
     finally:
         stack.stop()
         lease_server.close()
+
+
+def test_a_unique_message_is_released_before_its_ack_so_its_record_ends_there(make_stack: MakeStack) -> None:
+    """The end of an "until_done" record, at the ack, reads whether the message still holds its lease: a
+    unique actor's lease is released by its worker thread, never left pending with the releaser."""
+    stack = make_stack(threads=1)
+    runs = Runs()
+
+    @stack.actor(lock_key="export:{n}", lock_unique="until_done", max_retries=0)
+    def export(n: int) -> None:
+        runs.add(n=n)
+
+    go = held_releases(stack)  # nothing handed to the releaser is sent
+    try:
+        stack.start()
+        first = export.send(1)
+        assert stack.recorder.wait_settled(first.message_id) == "acked"
+        assert list(stack.leases.scan()) == []
+        export.send(1)  # accepted: the first one's record ended with its ack
+        wait_for(lambda: runs.count(n=1) == 2, what="the second send to run")
+    finally:
+        go.set()
