@@ -21,6 +21,7 @@ import pytest
 from dramatiq.middleware import Middleware
 from dramatiq.middleware.time_limit import TimeLimitExceeded
 from dramatiq.threading import raise_thread_exception
+from dramatiq.worker import ConsumerThread
 
 from dramatiq_leases import Busy, DuplicateMessage
 from dramatiq_leases.core.unique import UniqueRecords
@@ -340,3 +341,42 @@ def test_a_worker_stop_keeps_the_records_of_a_parked_and_a_waiting_message(worke
         workers.wait(lambda k=key: holder(k) is None, timeout=5, what=f"{key} free after the ack", about=[mid])  # type: ignore[misc]
         assert time.monotonic() - settled < 5
     assert len([r for r in workers.runs() if r["n"] in (1, 2)]) == 2, "a message ran twice"
+
+
+class HeldMoveOn(Middleware):
+    """Holds the after-hooks of a delayed copy moving on to its queue (Dramatiq's consumer thread enqueues it):
+    added after LeaseMiddleware, its ``after_enqueue`` runs first, and the copy runs and is acknowledged meanwhile."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.done = threading.Event()
+
+    def after_enqueue(self, broker: dramatiq.Broker, message: Any, delay: int | None) -> None:
+        if isinstance(threading.current_thread(), ConsumerThread) and not self.done.is_set():
+            time.sleep(self.seconds)
+            self.done.set()
+
+
+@pytest.mark.parametrize("mode", ["until_done", "queued"])
+def test_a_delayed_copy_acknowledged_before_its_move_is_heard_of_frees_the_key(
+    make_stack: MakeStack, mode: str
+) -> None:
+    """A delayed message leaves its delay queue; its copy runs and is acknowledged before the move's after-hooks
+    run (another consumer fetched it at once): the final ack ended the record, and the move must not take it
+    again (it would refuse the key for lock_unique_ttl, an hour)."""
+    stack = make_stack()
+    held = HeldMoveOn(1.0)
+    stack.broker.add_middleware(held)
+    runs: list[int] = []
+
+    @stack.actor(lock_key="m:{n}", lock_unique=mode)
+    def job(n: int) -> None:
+        runs.append(n)
+
+    first = job.send_with_options(args=(1,), delay=200)
+    stack.start()
+    assert stack.recorder.wait_settled(first.message_id) == "acked"
+    assert not held.done.is_set()  # acknowledged while the move's after-hooks are held
+    wait_for(held.done.is_set, what="the move's after-hooks")
+    time.sleep(0.3)  # LeaseMiddleware's after_enqueue, which runs next
+    assert accepted(job, 1) is not None

@@ -3,8 +3,9 @@
 The record is taken at send time, before the broker has the message, for a short grace (:data:`GRACE_MS`);
 once the broker has it (``after_enqueue``) it lives ``lock_unique_ttl`` past each sign of life of its
 message: its send (plus its delay), a delivery that takes the lease, a later enqueue of it (a retry, a
-parked copy, a delayed copy leaving its delay queue, a re-drive from its dead letters, which takes the
-record again if the key has room). Its message's own acknowledgement or dead-lettering ends it (ran,
+parked copy, a re-drive from its dead letters, which takes the record again if the key has room; a delayed
+copy leaving its delay queue, kept before the broker has the copy, since the copy may run and be
+acknowledged before the enqueue's after-hooks). Its message's own acknowledgement or dead-lettering ends it (ran,
 failed for good, skipped, superseded, given up, a duplicate), unless that delivery enqueued it again or
 was a delayed copy moving on. A "queued" record ends when its message is granted its lease, in the
 grant's own step. A message purged from its queue or deleted by hand ends its record ``lock_unique_ttl``
@@ -21,6 +22,7 @@ import threading
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import dramatiq
+from dramatiq.worker import ConsumerThread
 
 from ..core.errors import LeaseError, LeaseUnavailableError
 from ..core.scripts import MAX_MS
@@ -88,6 +90,12 @@ class Uniqueness:
                 # Its own message enqueued again (a retry): if an interruption cuts the enqueue short, the broker
                 # may have the copy all the same, and the ack must not end its record (see settled).
                 delivery.lease_unique_enqueuing = delay  # one attribute store: whole under interruption
+            elif _moving_on():
+                # A delayed copy leaving its delay queue: kept now, before the broker has the copy. Kept after,
+                # the copy could already have run and been acknowledged (another consumer fetches it at once),
+                # and this keep would take its ended record again. Its delayed message stays until acknowledged
+                # after this enqueue: an enqueue the broker refuses leaves it to be moved on again.
+                self._keep_again(broker, message, delay, exact=False)
             return
         found = self._unique(broker, message)
         if found is None:
@@ -156,7 +164,7 @@ class Uniqueness:
         """
         taken, self._taken.key = getattr(self._taken, "key", None), None
         if taken is None or taken[0] != message.message_id:
-            if message.options.get(UNIQUE_OPTION):
+            if message.options.get(UNIQUE_OPTION) and not _moving_on():  # a move was kept before its enqueue
                 self._enqueued_again(broker, message, delay)
             return
         _, key, ms = taken
@@ -265,6 +273,12 @@ class Uniqueness:
                 self.records.end(found[1], message.message_id, attempt=_attempt(message))
         except Exception as e:  # an after-hook: never let it break the worker's acks
             logger.warning("Could not end the unique record of message %s: %s.", message.message_id, e)
+
+
+def _moving_on() -> bool:
+    """Whether this thread's enqueue is a delayed copy moving on to its queue: Dramatiq's consumer threads enqueue
+    nothing else."""
+    return isinstance(threading.current_thread(), ConsumerThread)
 
 
 def _lives(delay: Any, ttl: int) -> int:
