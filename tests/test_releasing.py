@@ -180,3 +180,31 @@ def test_a_unique_message_is_released_before_its_ack_so_its_record_ends_there(ma
         wait_for(lambda: runs.count(n=1) == 2, what="the second send to run")
     finally:
         go.set()
+
+
+def test_a_release_handed_over_while_the_releaser_stops_is_still_sent() -> None:
+    # Review: an actor outliving Dramatiq's join timeout ends while after_worker_shutdown stops the releaser.
+    # Its submit sees the thread alive and puts its release behind _STOP: the thread ends without sending it,
+    # and the lease, no longer renewed nor tracked, is held until its TTL (a waiter's 'done' record never
+    # written).
+    sent: list[str] = []
+    first = threading.Event()
+    go = threading.Event()
+
+    def send(item: str) -> None:
+        if item == "pending":
+            first.set()
+            go.wait(10)
+        sent.append(item)
+
+    releaser: Releaser[str] = Releaser(send)
+    releaser.start()
+    releaser.submit("pending")  # a release still being sent when the worker stops
+    assert first.wait(5)
+    stopper = threading.Thread(target=releaser.stop)
+    stopper.start()
+    wait_for(lambda: releaser._queue.qsize() == 1, what="the stop to be queued")
+    releaser.submit("late")  # the late actor's end(): the releaser thread is still alive
+    go.set()
+    stopper.join(10)
+    assert sent == ["pending", "late"]
