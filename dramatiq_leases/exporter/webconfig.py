@@ -172,29 +172,21 @@ class _Guard:
             try:
                 user = self._user(str(environ.get("HTTP_AUTHORIZATION", "")))
             except _TooManyChecksError:
-                body = b'{"error":"busy","detail":"Too many password checks at once: retry."}'
-                respond(
+                return _refuse(
+                    environ,
+                    respond,
                     "503 Service Unavailable",
-                    [
-                        ("Content-Type", "application/json"),
-                        ("Content-Length", str(len(body))),
-                        ("Cache-Control", "no-store"),
-                        ("Retry-After", "1"),
-                    ],
+                    b'{"error":"busy","detail":"Too many password checks at once: retry."}',
+                    ("Retry-After", "1"),
                 )
-                return [] if environ.get("REQUEST_METHOD") == "HEAD" else [body]
             if user is None:
-                body = b'{"error":"unauthorized","detail":"This exporter requires basic auth (--web.config.file)."}'
-                respond(
+                return _refuse(
+                    environ,
+                    respond,
                     "401 Unauthorized",
-                    [
-                        ("Content-Type", "application/json"),
-                        ("Content-Length", str(len(body))),
-                        ("Cache-Control", "no-store"),
-                        ("WWW-Authenticate", 'Basic realm="dramatiq-leases", charset="UTF-8"'),
-                    ],
+                    b'{"error":"unauthorized","detail":"This exporter requires basic auth (--web.config.file)."}',
+                    ("WWW-Authenticate", 'Basic realm="dramatiq-leases", charset="UTF-8"'),
                 )
-                return [] if environ.get("REQUEST_METHOD") == "HEAD" else [body]
             environ[AUTHENTICATED] = user
         return self.app(environ, respond)
 
@@ -234,6 +226,15 @@ class _Guard:
                 self._good.clear()
             self._good.add(digest)
         return user
+
+
+def _refuse(
+    environ: WSGIEnvironment, respond: StartResponse, status: str, body: bytes, header: tuple[str, str]
+) -> list[bytes]:
+    """Answer ``status`` with a JSON ``body`` never cached, and ``header`` (``Retry-After``, ``WWW-Authenticate``)."""
+    headers = [("Content-Type", "application/json"), ("Content-Length", str(len(body))), ("Cache-Control", "no-store")]
+    respond(status, [*headers, header])
+    return [] if environ.get("REQUEST_METHOD") == "HEAD" else [body]
 
 
 def load_web_config(path: str) -> WebConfig:

@@ -6,7 +6,6 @@ import inspect
 import logging
 import math
 import socket
-import threading
 import time
 from collections.abc import Callable
 from typing import Any, NoReturn
@@ -14,7 +13,6 @@ from typing import Any, NoReturn
 import dramatiq
 from dramatiq.asyncio import async_to_sync
 from dramatiq.middleware import Interrupt, Middleware
-from dramatiq.worker import ConsumerThread
 
 from ..core.client import client_from_url, connection_kwargs
 from ..core.errors import LeaseConfigError, LeaseKeyError
@@ -47,7 +45,7 @@ from .options import (
 from .ordering import stamp
 from .runs import Runs
 from .stop_budget import warn_stop_budget
-from .unique import Uniqueness
+from .unique import Uniqueness, moving_on
 from .waiting import LINE_OPTION, Waiting
 
 __all__ = ["LeaseMiddleware"]
@@ -318,11 +316,7 @@ class LeaseMiddleware(Middleware):
         """Whether this enqueue is of a message sent before: a copy of the delivery this thread processes (a
         Retries retry, a copy sent back or parked), a parked copy sent on, or a delayed message moving on to
         its queue (Dramatiq's consumer thread enqueues it)."""
-        return (
-            self.unique.processing(message)
-            or LINE_OPTION in message.options
-            or isinstance(threading.current_thread(), ConsumerThread)
-        )
+        return self.unique.processing(message) or LINE_OPTION in message.options or moving_on()
 
     def after_enqueue(self, broker: dramatiq.Broker, message: Any, delay: int | None) -> None:
         """The broker has the message: its unique record, if it took one, lives on past the send's grace."""

@@ -90,7 +90,7 @@ class Uniqueness:
                 # Its own message enqueued again (a retry): if an interruption cuts the enqueue short, the broker
                 # may have the copy all the same, and the ack must not end its record (see settled).
                 delivery.lease_unique_enqueuing = delay  # one attribute store: whole under interruption
-            elif _moving_on():
+            elif moving_on():
                 # A delayed copy leaving its delay queue: kept now, before the broker has the copy. Kept after,
                 # the copy could already have run and been acknowledged (another consumer fetches it at once),
                 # and this keep would take its ended record again. Its delayed message stays until acknowledged
@@ -164,7 +164,7 @@ class Uniqueness:
         """
         taken, self._taken.key = getattr(self._taken, "key", None), None
         if taken is None or taken[0] != message.message_id:
-            if message.options.get(UNIQUE_OPTION) and not _moving_on():  # a move was kept before its enqueue
+            if message.options.get(UNIQUE_OPTION) and not moving_on():  # a move was kept before its enqueue
                 self._enqueued_again(broker, message, delay)
             return
         _, key, ms = taken
@@ -275,7 +275,7 @@ class Uniqueness:
             logger.warning("Could not end the unique record of message %s: %s.", message.message_id, e)
 
 
-def _moving_on() -> bool:
+def moving_on() -> bool:
     """Whether this thread's enqueue is a delayed copy moving on to its queue: Dramatiq's consumer threads enqueue
     nothing else."""
     return isinstance(threading.current_thread(), ConsumerThread)
