@@ -18,7 +18,9 @@ PYTHON3.13 ?= $(firstword $(wildcard $(PYENV_ROOT)/versions/3.13*/bin/python3.13
 # middleware, the heartbeat, the core), not the system tests (docs/compatibility.md says why these).
 COMPAT_TESTS := tests/test_core.py tests/test_line.py tests/test_middleware.py tests/test_heartbeat.py \
 	tests/test_script_arguments.py tests/test_fence_retention.py tests/test_release_if_dead_counter.py \
-	tests/test_review_promises.py tests/test_promises.py tests/test_unique.py tests/test_history.py tests/test_leader.py
+	tests/test_review_promises.py tests/test_promises.py tests/test_unique.py tests/test_history.py tests/test_leader.py \
+	tests/test_protocol.py tests/test_releasing.py tests/test_async_cancel.py tests/test_restart_grace.py \
+	tests/test_failover_grace.py
 COMPAT_ARGS  := $(PYTEST) -q -m "not system" $(COMPAT_TESTS)
 COMPAT_LANES := compat-redis-6.2 compat-valkey compat-py3.10 compat-py3.13
 
@@ -79,8 +81,12 @@ lint: $(VENV)/.dev
 fast: lint
 	$(BIN)/python -m pytest $(PYTEST) -q -m "not system" tests
 
+# Bounds on whole runs (the suite takes about 20 min here, a lane 4): a hang past one ends the run with every
+# thread's stack (pytest's faulthandler dumps them on SIGABRT), where CI would otherwise run out its 90 minutes.
+BOUNDED := timeout --signal=ABRT --kill-after=30
+
 suite: $(VENV)/.dev tools
-	$(BIN)/python -m pytest tests
+	$(BOUNDED) 45m $(BIN)/python -m pytest tests
 
 test: lint suite compat
 
@@ -91,16 +97,16 @@ compat: $(VENV)/.dev .venv-3.10/.dev .venv-3.13/.dev
 	$(MAKE) --no-print-directory -j4 -O $(COMPAT_LANES)
 
 compat-redis-6.2: $(VENV)/.dev
-	DRAMATIQ_LEASES_TEST_SERVER=redis-6.2 $(BIN)/python -m pytest $(COMPAT_ARGS)
+	DRAMATIQ_LEASES_TEST_SERVER=redis-6.2 $(BOUNDED) 15m $(BIN)/python -m pytest $(COMPAT_ARGS)
 
 compat-valkey: $(VENV)/.dev
-	DRAMATIQ_LEASES_TEST_SERVER=valkey $(BIN)/python -m pytest $(COMPAT_ARGS)
+	DRAMATIQ_LEASES_TEST_SERVER=valkey $(BOUNDED) 15m $(BIN)/python -m pytest $(COMPAT_ARGS)
 
 compat-py3.10: .venv-3.10/.dev
-	DRAMATIQ_LEASES_TEST_SERVER=redis .venv-3.10/bin/python -m pytest $(COMPAT_ARGS)
+	DRAMATIQ_LEASES_TEST_SERVER=redis $(BOUNDED) 15m .venv-3.10/bin/python -m pytest $(COMPAT_ARGS)
 
 compat-py3.13: .venv-3.13/.dev
-	DRAMATIQ_LEASES_TEST_SERVER=redis .venv-3.13/bin/python -m pytest $(COMPAT_ARGS)
+	DRAMATIQ_LEASES_TEST_SERVER=redis $(BOUNDED) 15m .venv-3.13/bin/python -m pytest $(COMPAT_ARGS)
 
 bench: $(VENV)/.dev
 	$(BIN)/pip install --quiet -r bench/requirements.txt

@@ -23,6 +23,7 @@ from . import (
     fig5_crash,
     fig6_line,
     fig7_limit,
+    fig8_cost,
     profiling,
     report,
 )
@@ -47,6 +48,7 @@ FIGURES: dict[str, ModuleType] = {
     "5": fig5_crash,
     "6": fig6_line,
     "7": fig7_limit,
+    "8": fig8_cost,
     "profile": profiling,
 }
 
@@ -60,7 +62,7 @@ LAST_RUN = LOG_DIR / "last-run.pickle"
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="smoke run: fewer samples, < 60 s")
-    parser.add_argument("--only", default="", help="comma-separated figures to run: 1,2,3,4,5,6,7,profile")
+    parser.add_argument("--only", default="", help="comma-separated figures to run: 1,2,3,4,5,6,7,8,profile")
     parser.add_argument(
         "--docs",
         action=argparse.BooleanOptionalAction,

@@ -288,7 +288,7 @@ def memory(url: str, admin: redis.Redis, n: int) -> dict[str, float]:
         holders.append(lease)
     base = used_memory(admin)
     for i in range(n):
-        busy = leases._line.join(
+        busy = leases.line.join(
             f"line:{i % keys}",
             600_000,
             interval=INTERVAL_MS,

@@ -1,7 +1,7 @@
 """Where the time goes: server time per script, a cProfile of one cycle, a py-spy sample of real workers.
 
 * ``SLOWLOG`` at threshold 0 gives each script call's execution time in
-  Redis (ACQUIRE, RELEASE, RENEW_MANY per lease) next to the raw baseline's.
+  Redis (ACQUIRE_PLAIN, RELEASE_PLAIN, RENEW_MANY per lease) next to the raw baseline's.
 * cProfile of 3 000 in-process acquire+release cycles: self time per
   function, ours and redis-py's.
 * ``py-spy record --gil`` on the workers of a leases-mode drain (figure 3's
@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from dramatiq_leases import Leases
+from dramatiq_leases.core import scripts
 
 from .common import Context, FigureResult, table
 from .names import THROUGHPUT_QUEUE
@@ -49,9 +50,11 @@ def _script_times(ctx: Context) -> list[list[Any]]:
     leases = Leases(client)
     raw_release = client.register_script(RAW_RELEASE)
     names = {
-        leases._acquire.sha: "ACQUIRE",
-        leases._release.sha: "RELEASE",
-        leases._renew_many.sha: "RENEW_MANY",
+        client.register_script(scripts.ACQUIRE).sha: "ACQUIRE",  # the sha of the text the store loads
+        client.register_script(scripts.RELEASE).sha: "RELEASE",
+        client.register_script(scripts.ACQUIRE_PLAIN).sha: "ACQUIRE_PLAIN",  # a plain lease's, tried first
+        client.register_script(scripts.RELEASE_PLAIN).sha: "RELEASE_PLAIN",
+        client.register_script(scripts.RENEW_MANY).sha: "RENEW_MANY",
         raw_release.sha: "raw compare-and-delete",
     }
     held = [leases.try_acquire(f"bench:prof:{i}", TTL_MS) for i in range(100)]
@@ -79,7 +82,7 @@ def _script_times(ctx: Context) -> list[list[Any]]:
                 if name == "RENEW_MANY":
                     durations["RENEW_MANY per lease (100 per call)"].append(int(entry["duration"]) / 100)
                 elif name != "raw compare-and-delete" or meta is None:
-                    durations[f"{name} ({label})" if name in ("ACQUIRE", "RELEASE") else name].append(
+                    durations[f"{name} ({label})" if name.startswith(("ACQUIRE", "RELEASE")) else name].append(
                         int(entry["duration"])
                     )
             elif parts[0] == b"SET" and meta is None:

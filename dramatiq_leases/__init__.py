@@ -33,7 +33,6 @@ from .core import (
     ReadGaps,
     Renewal,
     State,
-    Wait,
 )
 from .core import tracing as _core_tracing
 from .leader import Leader, LeaderLost
@@ -126,7 +125,6 @@ __all__ = [
     "Renewal",
     "Sent",
     "State",
-    "Wait",
     "__version__",
     "current_lease",
     "try_send",

@@ -28,6 +28,7 @@ from ._descendants import kill_descendants
 from .core.errors import LeaseConfigError, LeaseStateError, LeaseUnavailableError
 from .core.heartbeat import Heartbeat
 from .core.info import meta_args
+from .core.interrupts import cancel_async_exc
 from .core.keys import validate_key
 from .core.lease import Busy, Lease, LostReason, new_token
 from .core.numbers import whole_ms
@@ -165,6 +166,14 @@ class Leader:
             raise LeaseConfigError(f"{owner}: kill_children must be True or False, got {kill_children!r}")
         self._meta = dict(meta or {})
         meta_args(key, self._meta)  # refused here rather than at the first grant
+        if 0 < leases.failover_grace < self.ttl:  # the grace covers holders of its length only
+            logger.warning(
+                "%s: ttl=%d is longer than the store's failover_grace=%d: after a failover, a standby may be "
+                "granted the key while a leader the store forgot still leads",
+                owner,
+                self.ttl,
+                leases.failover_grace,
+            )
         self._leases = leases
         self._on_lost = on_lost
         self._exit_code = exit_code
@@ -273,7 +282,7 @@ class Leader:
             self._armed = False
             self._pending.clear()
             if self._injected:  # a LeaderLost not yet raised must not land in the code after the block
-                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._target), None)
+                cancel_async_exc(self._target)
                 self._injected = False
         _uninstall(self)
         if lease is not None:

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from .core import Busy, Lease, LeaseError, LeaseInfo, Leases
-from .core.lease import Wait
+from .core.protocol import Wait
 
 #: ``423 Locked`` (RFC 4918): the resource is locked; here, a job for it is running.
 HTTP_423_LOCKED: Final = 423
@@ -94,12 +94,14 @@ class Locked:
     """The busy answer of :func:`try_acquire`: the key is taken, and the ticket to send back.
 
     Attributes:
-      busy: the :class:`Busy` answer of the acquire (``place`` >= 0: the ticket holds that place).
+      busy: the :class:`Busy` answer of the acquire.
       ticket: what the client sends back in :data:`TICKET_HEADER` (the same one while it keeps its place).
+      place: the place the ticket holds in the key's line (0: next; -1: none).
     """
 
     busy: Busy
     ticket: str
+    place: int = -1
 
     @property
     def key(self) -> str:
@@ -146,28 +148,29 @@ def try_acquire(
     mine = valid_ticket(ticket)
     if mine is not None:
         # Mode "join, never wait in place": a web request cannot block a thread on the wake list.
-        result = leases._line.join(
+        result = leases.line.join(
             key, ttl, max_hold=max_hold, meta=meta, token=token, waiter=waiter_of(mine), park_ms=WEB_PARK_MS
         )
         if isinstance(result, Lease):
             return result
         if result.wait is not Wait.DUPLICATE:
-            return Locked(result, mine)
+            return Locked(result.busy(), mine, result.place)
         # A ticket recorded as done (never the case for ours, whose grants leave the line at once): ask as a
         # newcomer, with a new ticket.
-    result = leases.try_acquire(key, ttl, max_hold=max_hold, meta=meta, token=token)
-    return result if isinstance(result, Lease) else Locked(result, new_ticket())
+    got = leases.try_acquire(key, ttl, max_hold=max_hold, meta=meta, token=token)
+    return got if isinstance(got, Lease) else Locked(got, new_ticket())
 
 
-def _busy_of(answer: Busy | Locked) -> tuple[Busy, str | None]:
-    return (answer.busy, answer.ticket) if isinstance(answer, Locked) else (answer, None)
+def _busy_of(answer: Busy | Locked) -> tuple[Busy, str | None, int]:
+    """The busy answer, the ticket (``None``: none) and the ticket's place (-1: none) of ``answer``."""
+    return (answer.busy, answer.ticket, answer.place) if isinstance(answer, Locked) else (answer, None, -1)
 
 
 def retry_after(answer: Busy | Locked) -> int:
     """Whole seconds after which asking again can change the answer (``Retry-After``; see the module docstring)."""
-    busy, _ = _busy_of(answer)
+    busy, _, place = _busy_of(answer)
     holder = busy.retry_after  # the holder's TTL left, rounded up; 1 for a key without TTL
-    if busy.place >= 0:  # a place in the line: come back in time to keep it
+    if place >= 0:  # a place in the line: come back in time to keep it
         if busy.ttl_left == 0:  # free, being handed to the head of the line
             return 1
         return max(1, min(KEEP_PLACE_S, holder if busy.ttl_left > 0 else KEEP_PLACE_S))
@@ -178,7 +181,7 @@ def retry_after(answer: Busy | Locked) -> int:
 
 def locked_response_headers(answer: Busy | Locked) -> dict[str, str]:
     """Headers of a 423 answer: ``Retry-After`` (:func:`retry_after`) and, for :class:`Locked`, the ticket."""
-    _, ticket = _busy_of(answer)
+    _, ticket, _ = _busy_of(answer)
     headers = {"Retry-After": str(retry_after(answer))}
     if ticket is not None:
         headers[TICKET_HEADER] = ticket
@@ -193,9 +196,9 @@ def locked_body(answer: Busy | Locked, detail: str | None = None) -> dict[str, A
     ``place`` (waiters ahead of this caller, 0: next; ``null``: it holds no
     place) and, for :class:`Locked`, ``ticket``.
     """
-    busy, ticket = _busy_of(answer)
+    busy, ticket, held = _busy_of(answer)
     seconds = retry_after(answer)
-    place = busy.place if busy.place >= 0 else None
+    place = held if held >= 0 else None
     if detail is None:
         if place is not None:
             ahead = "next in line" if place == 0 else f"number {place + 1} in its line of {busy.line}"
@@ -314,7 +317,7 @@ class LockedError(LeaseError):
     status_code: Final = HTTP_423_LOCKED
 
     def __init__(self, answer: Busy | Locked, detail: str | None = None) -> None:
-        self.busy, _ = _busy_of(answer)
+        self.busy, _, _ = _busy_of(answer)
         self.locked = answer if isinstance(answer, Locked) else None
         self.answer = answer
         self.detail = detail

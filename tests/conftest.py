@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import redis
+from dramatiq.middleware.time_limit import TimeLimit
 
 from dramatiq_leases.embedded import EmbeddedRedis
 
@@ -68,6 +70,23 @@ def _in_process_metric_values() -> Iterator[None]:
         os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
     else:
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = directory
+
+
+@pytest.fixture(autouse=True)
+def _no_time_limit_outlives_its_test() -> Iterator[None]:
+    """Each test ends with no TimeLimit deadline armed.
+
+    Dramatiq's TimeLimit keeps a deadline per thread id in a monitor thread that runs for the rest of the
+    process. A test that interrupts a delivery's after-hooks (an injected ``TimeLimitExceeded``) leaves its
+    thread's deadline set; ten minutes later the monitor raises into whatever thread then has that id, such
+    as another test's worker or pytest-timeout's timer, which hung CI twice.
+    """
+    yield
+    for thread in threading.enumerate():
+        manager = getattr(thread, "deadlines", None)
+        if isinstance(manager, dict) and type(thread).__module__ == TimeLimit.__module__:
+            with thread.mu:  # type: ignore[attr-defined]  # Dramatiq's monitor thread, unannotated
+                manager.clear()
 
 
 @pytest.fixture

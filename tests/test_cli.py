@@ -75,7 +75,7 @@ def dead_lease(leases: Leases, client: redis.Redis, key: str) -> Lease:
 def test_list_shows_every_lease_with_holder_fence_and_state(
     capsys: pytest.CaptureFixture[str], redis_server: EmbeddedRedis, leases: Leases, redis_client: redis.Redis
 ) -> None:
-    acquire(leases, "invoice:1", meta=META)
+    first = acquire(leases, "invoice:1", meta=META)
     acquire(leases, "invoice:3", ttl=1_000)
     redis_client.persist(leases.lease_name("invoice:3"))  # someone removed its TTL: it would never expire
     dead_lease(leases, redis_client, "invoice:2")
@@ -94,7 +94,7 @@ def test_list_shows_every_lease_with_holder_fence_and_state(
     lines = {line.split()[0]: line for line in out.splitlines()}
     assert lines["KEY"].split()[:4] == ["KEY", "ACTOR", "MESSAGE", "HOLDER"]
     assert lines["invoice:1"].split()[1:4] == ["send_invoice", "msg-1", "web-7:4242"]
-    assert lines["invoice:1"].split()[-2:] == ["1", "alive"]
+    assert lines["invoice:1"].split()[-2:] == [str(first.fence), "alive"]
     assert lines["invoice:2"].endswith("holder_dead")
     assert lines["invoice:3"].endswith("no_ttl") and " none " in lines["invoice:3"]
     assert lines["invoice:4"].endswith("past_max_hold")
@@ -123,7 +123,7 @@ def test_list_shows_every_lease_with_holder_fence_and_state(
     }
     assert rows["invoice:1"]["message_id"] == "msg-1"
     assert rows["invoice:1"]["holder"] == "web-7:4242"
-    assert rows["invoice:1"]["fence"] == 1
+    assert rows["invoice:1"]["fence"] > 10**15  # the grant's server time in µs
     assert 0 < rows["invoice:1"]["ttl_left"] <= 30_000
     assert rows["invoice:5"]["holder_deadline"] == rows["invoice:5"]["renewed_at"] + 54.0
     assert rows[f"{leases.prefix}:lease:by-hand"]["problem"] == "a string key, not a lease hash"
@@ -182,17 +182,18 @@ def test_redis_url_defaults_to_the_environment(
 def test_show_prints_every_field_and_the_fence_counter(
     capsys: pytest.CaptureFixture[str], redis_server: EmbeddedRedis, leases: Leases
 ) -> None:
-    leases.release(acquire(leases, "invoice:1"))
+    first = acquire(leases, "invoice:1")
+    leases.release(first)
     lease = acquire(leases, "invoice:1", meta=META)
 
     code, out, _ = cli(capsys, redis_server, "show", "invoice:1")
     assert code == 0
     fields = dict(re.split(r" {2,}", line, maxsplit=1) for line in out.splitlines())
     assert fields["key"] == "invoice:1"
-    assert fields["fence"] == "2"
+    assert fields["fence"] == str(lease.fence)
     assert fields["state"].startswith("alive")
     assert fields["message_id"] == "msg-1" and fields["host"] == "web-7" and fields["pid"] == "4242"
-    assert fields["fence counter"] == "last fence 2, last released 1"
+    assert fields["fence counter"] == f"last fence {lease.fence}, last released {first.fence}"
     assert fields["renew interval"] == "10.0s"
     assert fields["overdue after"] == "20.5s without a heartbeat (a warning: the holder may still run)"
     assert re.fullmatch(r"\S+ \(in 2[67]\.\ds\): no holder trusts the lease after it", fields["holder deadline"])
@@ -203,7 +204,7 @@ def test_show_prints_every_field_and_the_fence_counter(
     assert code == 0
     data = json.loads(out)
     assert data["token"] == lease.token
-    assert data["fence_state"] == {"fence": 2, "released": 1}
+    assert data["fence_state"] == {"fence": lease.fence, "released": first.fence}
     assert data["state"] == "alive" and data["leaked"] is False and data["actor"] == "send_invoice"
     assert data["overdue_after"] == 20.5 and 29 < data["deadline_in"] <= 30
     assert data["holder_deadline"] == data["renewed_at"] + 27.0
@@ -217,7 +218,7 @@ def test_show_shows_the_line_of_waiters(
     assert dict(re.split(r" {2,}", line, maxsplit=1) for line in out.splitlines())["line"] == "empty"
     server_ms = int(leases.client.time()[0]) * 1000
     for n, first in ((1, server_ms - 5_000), (2, server_ms - 1_000)):
-        assert not leases._line.join("invoice:2", 10_000, meta=META, waiter=f"m{n}:0", first_ms=first)
+        assert not leases.line.join("invoice:2", 10_000, meta=META, waiter=f"m{n}:0", first_ms=first)
     code, out, _ = cli(capsys, redis_server, "show", "invoice:2")
     line = dict(re.split(r" {2,}", row, maxsplit=1) for row in out.splitlines())["line"]
     assert re.fullmatch(r"2 waiting \(2 parked\); head m1:0; oldest waiting [56]\.\ds", line), line
@@ -237,10 +238,11 @@ def test_show_missing_lease_exits_3(
         "",
         "dramatiq-leases: no lease on 'invoice:9' under prefix 'dramatiq-leases'\n",
     )
-    leases.release(acquire(leases, "invoice:9"))
+    last = acquire(leases, "invoice:9")
+    leases.release(last)
     code, _, err = cli(capsys, redis_server, "show", "invoice:9", "--json")
     assert code == 3
-    assert "the last grant had fence 1" in err
+    assert f"the last grant had fence {last.fence}" in err
 
 
 def test_show_says_what_is_wrong_with_a_key_of_the_wrong_type_rather_than_blame_redis(
@@ -285,15 +287,17 @@ def test_release_owner_releases_only_for_the_holding_token(
 
     code, out, err = cli(capsys, redis_server, "release", "invoice:1", "--owner", "not-the-token")
     assert (code, out) == (1, "")
-    assert err.startswith("dramatiq-leases: refused: 'invoice:1' is held by another owner (fence 1, web-7:4242)")
+    assert err.startswith(
+        f"dramatiq-leases: refused: 'invoice:1' is held by another owner (fence {lease.fence}, web-7:4242)"
+    )
     info = leases.inspect("invoice:1")
     assert info is not None and info.token == lease.token, "a refused release must not touch the lease"
 
     code, out, _ = cli(capsys, redis_server, "release", "invoice:1", "--owner", lease.token)
     assert code == 0
-    assert out == "released 'invoice:1' (fence 1, held by web-7:4242): the token matched.\n"
+    assert out == f"released 'invoice:1' (fence {lease.fence}, held by web-7:4242): the token matched.\n"
     assert leases.inspect("invoice:1") is None
-    assert leases.fence_state("invoice:1")["released"] == 1  # a release, not an expiry, for the fence history
+    assert leases.fence_state("invoice:1")["released"] == lease.fence  # a release, not an expiry, for the fence history
 
 
 def test_show_explains_each_state(
@@ -336,7 +340,7 @@ def test_release_if_dead_refuses_a_live_holder_and_says_why(
 
     code, out, err = cli(capsys, redis_server, "release", "invoice:1", "--if-dead")
     assert (code, out) == (1, "")
-    assert "refused: the holder of 'invoice:1' (fence 1, web-7:4242) is alive" in err
+    assert f"refused: the holder of 'invoice:1' (fence {lease.fence}, web-7:4242) is alive" in err
     assert re.search(
         r"its last heartbeat was 0\.0s ago, and it relies on the lease until its deadline plus the safety margin its actor has to stop, in "
         r"(29|30)\.\ds \(\S+\); nothing changed",
@@ -369,7 +373,9 @@ def test_release_if_dead_spares_an_overdue_holder_until_its_deadline(
 
     code, out, err = cli(capsys, redis_server, "release", "invoice:1", "--if-dead")
     assert (code, out) == (1, "")
-    assert err.startswith("dramatiq-leases: refused: the heartbeat of 'invoice:1' (fence 1, web-7:4242) is overdue")
+    assert err.startswith(
+        f"dramatiq-leases: refused: the heartbeat of 'invoice:1' (fence {lease.fence}, web-7:4242) is overdue"
+    )
     assert re.search(
         r"its holder may still be running under the lease until its deadline plus the safety margin its actor has to stop, in 5\d\.\ds \(\S+\)",
         err,
@@ -387,12 +393,12 @@ def test_release_if_dead_spares_an_overdue_holder_until_its_deadline(
     code, out, _ = cli(capsys, redis_server, "release", "invoice:2", "--if-dead")
     assert code == 0
     assert re.fullmatch(
-        r"released 'invoice:2' \(fence 1, held by web-7:4242\): its holder's deadline and safety margin passed "
+        rf"released 'invoice:2' \(fence {short.fence}, held by web-7:4242\): its holder's deadline and safety margin passed "
         r"\d+\.\ds ago, so no holder could still be running under it\.\n",
         out,
     ), out
     assert leases.inspect("invoice:2") is None
-    assert leases.fence_state("invoice:2")["released"] == 1
+    assert leases.fence_state("invoice:2")["released"] == short.fence
 
 
 def test_release_if_dead_releases_leaked_leases(
@@ -534,13 +540,13 @@ def test_list_shows_a_row_per_holder_and_how_full_each_key_is(
     capsys: pytest.CaptureFixture[str], redis_server: EmbeddedRedis, leases: Leases
 ) -> None:
     held = wide(leases, "report:1", 2)
-    acquire(leases, "invoice:1", meta=META)
+    one = acquire(leases, "invoice:1", meta=META)
     code, out, _ = cli(capsys, redis_server, "list")
     rows = out.splitlines()
     assert code == 0 and rows[0].split()[-3:] == ["HELD", "FENCE", "STATE"]
     assert [row.split()[0] for row in rows[1:]] == ["invoice:1", "report:1", "report:1"]
     assert [row.split()[-3:] for row in rows[1:]] == [
-        ["1/1", "1", "alive"],
+        ["1/1", str(one.fence), "alive"],
         ["2/3", str(held[0].fence), "alive"],
         ["2/3", str(held[1].fence), "alive"],
     ]

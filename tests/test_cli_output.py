@@ -118,7 +118,7 @@ def test_list_shows_a_forging_key_and_hostile_metadata_escaped(
 def test_show_escapes_the_key_the_metadata_and_the_line(redis_server: EmbeddedRedis, leases: Leases) -> None:
     lease = acquire(leases, HOSTILE)
     waiter = f"w{ERASE}{CONTROLS}:0"
-    assert isinstance(leases._line.join(HOSTILE, 60_000, meta=META, waiter=waiter, first_ms=1, ready=0), Busy)
+    assert isinstance(leases.line.join(HOSTILE, 60_000, meta=META, waiter=waiter, first_ms=1, ready=0), Busy)
     code, out, err = run(redis_server, "show", HOSTILE)
     assert (code, err) == (0, b"")
     text = assert_clean(out)

@@ -274,7 +274,7 @@ def test_a_wait_in_place_ends_before_the_cluster_client_times_out(cluster: Redis
     the wait (after redis-py's retries, each refreshing the cluster's layout) instead of ending it."""
     leases = Leases(cluster.client(socket_timeout=1))
     started = time.monotonic()
-    assert leases._line.wait_turn("invoice:1", "m-1:0", 8_000) is False  # nobody wakes it: it ends, unwoken
+    assert leases.line.wait_turn("invoice:1", "m-1:0", 8_000) is False  # nobody wakes it: it ends, unwoken
     assert time.monotonic() - started < 1.0
     leases.client.close()
 
@@ -287,7 +287,7 @@ def test_a_wait_in_place_that_fails_sends_the_message_back_without_failing_it(
     caplog.set_level(logging.WARNING)
     jobs = Jobs(cluster, broker_server, "wait-fails", threads=4)
     leases = jobs.leases
-    wait_turn = leases._line.wait_turn
+    wait_turn = leases.line.wait_turn
     failed: list[str] = []
 
     def failing_once(key: str, waiter: str, block_ms: int) -> bool:
@@ -296,7 +296,7 @@ def test_a_wait_in_place_that_fails_sends_the_message_back_without_failing_it(
             raise LeaseUnavailableError(f"could not wait for {key!r}: ConnectionError: injected", key=key)
         return wait_turn(key, waiter, block_ms)
 
-    leases._line.wait_turn = failing_once  # type: ignore[method-assign]
+    leases.line.wait_turn = failing_once  # type: ignore[method-assign]
     try:
         jobs.stack.start()
         jobs.send("invoice:1", "long", 1.0, lock_ttl=HOLDER_TTL)
@@ -358,7 +358,7 @@ def test_cli_and_exporter_see_and_release_leases_on_every_master(cluster: RedisC
             held[key] = lease
         # ... the first of which has two messages waiting in its line, on the same master.
         for n in range(2):
-            busy = leases._line.join(keys[0], 60_000, meta=WAITER_META, waiter=f"{keys[0]}-m{n}:0")
+            busy = leases.line.join(keys[0], 60_000, meta=WAITER_META, waiter=f"{keys[0]}-m{n}:0")
             assert isinstance(busy, Busy) and busy.line == n + 1
     contended = [keys[0] for keys in spread.values()]
     # Debris on the third key of the first master: a hash written by hand, without TTL (a leak).
@@ -659,9 +659,9 @@ def test_a_master_that_fails_costs_only_its_own_leases(how: str) -> None:
             # A wait in place for a key of the failed master fails in one socket timeout (redis-py's cluster
             # client took 22 s), so the message goes back; one for a key elsewhere just waits its time.
             with pytest.raises(LeaseUnavailableError):
-                leases._line.wait_turn(next(iter(failed)), "waiter", 200)
+                leases.line.wait_turn(next(iter(failed)), "waiter", 200)
             assert time.monotonic() - stopped_at < 4 * 0.5, "the wait outlasted the socket timeout"
-            assert leases._line.wait_turn(next(iter(healthy)), "waiter", 200) is False
+            assert leases.line.wait_turn(next(iter(healthy)), "waiter", 200) is False
 
             def renewed_since_the_stop(lease: Lease) -> bool:
                 # Confirmed by a renewal sent a second or more after the stop.
@@ -815,7 +815,7 @@ def test_a_line_in_a_slot_half_moved_is_read_at_its_new_master_and_no_master_is_
     [key] = cluster.in_slot(leases.lease_name, slot, 1, (f"invoice:{i}" for i in itertools.count()))
     assert isinstance(leases.try_acquire(key, 60_000, meta=META), Lease)
     for n in range(2):
-        assert isinstance(leases._line.join(key, 60_000, meta=WAITER_META, waiter=f"m{n}:0"), Busy)
+        assert isinstance(leases.line.join(key, 60_000, meta=WAITER_META, waiter=f"m{n}:0"), Busy)
     move = SlotMove(cluster, slot, target)
     move.begin()
     try:

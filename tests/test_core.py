@@ -26,9 +26,11 @@ from dramatiq_leases.core import (
     scripts,
 )
 from dramatiq_leases.core.client import ThreadConnections
-from dramatiq_leases.core.keys import fence_name, lease_name
+from dramatiq_leases.core.keys import lease_name, script_names
 from dramatiq_leases.embedded import EmbeddedRedis, free_port
+from tools import slot_tags
 
+from .support.scriptcalls import grant_call
 from .support.waiting import wait_for
 
 CORE = pathlib.Path(__file__).parents[1] / "dramatiq_leases" / "core"
@@ -48,9 +50,13 @@ def calls_during(client: redis.Redis, action) -> dict[str, int]:  # type: ignore
     return diff
 
 
-@pytest.fixture
-def leases(redis_client: redis.Redis) -> Leases:
-    return Leases(redis_client)
+@pytest.fixture(params=["plain", "general"])
+def leases(redis_client: redis.Redis, request: pytest.FixtureRequest) -> Leases:
+    """A store as users make it (a grant or release without options runs the plain scripts first), and one held
+    to the general scripts only: the same promises hold for both."""
+    leases = Leases(redis_client)
+    leases.grants.plain = request.param == "plain"
+    return leases
 
 
 def test_acquire_busy_release_is_owner_checked(leases: Leases) -> None:
@@ -176,7 +182,15 @@ def test_renewing_many_leases_is_one_round_trip(leases: Leases, redis_client: re
 
 def test_all_keys_of_a_lease_share_one_hash_slot() -> None:
     for key in ["invoice:42", "a{b}c", "}x{", "{", "tenant:{7}:user:9", "ünïcødé", "x" * 1000]:
-        assert key_slot(lease_name("p", key).encode()) == key_slot(fence_name("p", key).encode()), key
+        slot = key_slot(lease_name("p", key).encode())
+        assert {key_slot(name.encode()) for name in script_names("p", key)} == {slot}, key
+
+
+def test_each_slot_has_its_epoch_record_tag_as_the_tool_writes_them() -> None:
+    """``core/slot_tags.txt`` names one tag per Cluster slot, in slot order (``tools/slot_tags.py``)."""
+    written = (pathlib.Path(scripts.__file__).parent / "slot_tags.txt").read_text(encoding="ascii").split()
+    assert written == slot_tags.tags()
+    assert [key_slot(f"{{{tag}}}".encode()) for tag in written] == list(range(16_384))
 
 
 def test_scan_lists_leases_and_states(leases: Leases, redis_client: redis.Redis) -> None:
@@ -279,25 +293,31 @@ def test_bad_numbers_are_refused_before_any_write(
 
 
 @pytest.mark.parametrize(
-    "args",
+    "named",
     [
-        [*head, "", "0 0 2 1000 1000 0 1 0"]
-        for head in (
-            ["t", "1500.5", "0", "0", "0"],
-            ["t", "1000", "-1", "0", "0"],
-            ["t", "1000", "0", "0", "1000"],
-            ["", "1000", "0", "0", "0"],
-            ["t", "1e300", "0", "0", "0"],
-        )
-    ]
-    + [["t", "1000", "0", "0", "0", "", "0 0 2 1000 1000", "odd-metadata"]],
+        {"ttl_ms": "1500.5"},
+        {"max_hold_ms": "-1"},
+        {"margin_ms": "60000"},
+        {"token": ""},
+        {"ttl_ms": "1e300"},
+        {"retention_ms": "-1"},
+        {"history": str(scripts.MAX_HISTORY + 1)},
+        {"unique": "1"},  # without a waiter
+        {"order": "5"},  # the plain build takes none
+        {"grace_ms": "-1"},
+        {"failover_ms": "0.5"},
+    ],
 )
 def test_the_acquire_script_checks_every_argument_before_writing(
-    leases: Leases, redis_client: redis.Redis, args: list[str]
+    redis_client: redis.Redis, named: dict[str, Any]
 ) -> None:
     """Lua is not a transaction: a script that failed halfway would keep its first writes."""
     with pytest.raises(redis.ResponseError, match="dramatiq-leases: invalid"):
-        redis_client.eval(scripts.ACQUIRE, 2, leases.lease_name("k"), leases.fence_name("k"), *args)
+        redis_client.eval(*grant_call(**named))
+    with pytest.raises(redis.ResponseError, match="dramatiq-leases: invalid fields"):
+        redis_client.eval(*grant_call(), "odd-metadata")
+    with pytest.raises(redis.ResponseError, match=r"dramatiq-leases: invalid epoch record \(KEYS\[5\]\)"):
+        redis_client.eval(*grant_call(failover_ms=1_000, keys=list(script_names("t", "k"))[:4]))
     assert redis_client.keys("*") == []
 
 

@@ -79,7 +79,7 @@ def test_demo_runs_its_story_passes_its_checks_and_cleans_up() -> None:
     assert fences is not None
     for per_key in re.findall(r"invoice:\d ([\d,]+)", fences.group(1)):
         values = [int(v) for v in per_key.split(",")]
-        assert values == sorted(set(values)) and values[0] == 1, "each grant of a key gets a higher fence"
+        assert values == sorted(set(values)), "each grant of a key gets a higher fence"
     assert summary.rstrip().endswith("demo OK")
 
     # The live part of the story was shown as it happened.

@@ -209,7 +209,7 @@ def test_a_worker_killed_mid_export_locks_the_button_for_the_rest_of_the_ttl_the
     driver.find_element("id", "seconds").send_keys("0.5")
     click_export(driver)
     again, again_message = fence_and_message(in_state(driver, "queued", "running"))
-    assert again == fence + 1
+    assert again > fence
     done = in_state(driver, "done", timeout=20)
     screenshot(driver, "chaos-4-done")
     assert f"fence {again}" in done
@@ -237,7 +237,7 @@ def test_redis_away_shows_unavailable_and_a_retry_works_once_it_is_back(system: 
     # and the page follows its message there.
     done = in_state(driver, "done", timeout=20)
     ran = system.runs(message_id)["finished"]["fence"]
-    assert ran in (fence, fence + 1) and f"fence {ran}" in done
+    assert ran >= fence and f"fence {ran}" in done
 
 
 def test_the_one_command_starts_redis_a_worker_and_the_page_and_stops_them(tmp_path: Path) -> None:

@@ -126,7 +126,7 @@ def acquire(leases: Leases, key: str, ttl: int = 60_000, **kwargs: Any) -> Lease
 def wait_in_line(leases: Leases, key: str, waiters: int, first_ms: int, meta: dict[str, str]) -> None:
     """``waiters`` messages find ``key`` busy and take places in its line (first attempts from ``first_ms`` on)."""
     for n in range(waiters):
-        reply = leases._line.join(key, 60_000, meta=meta, waiter=f"{key}-m{n}:0", first_ms=first_ms + n)
+        reply = leases.line.join(key, 60_000, meta=meta, waiter=f"{key}-m{n}:0", first_ms=first_ms + n)
         assert isinstance(reply, Busy), reply
 
 
@@ -146,7 +146,7 @@ def test_the_busy_page_lists_leases_worst_first_with_their_lines_and_the_hottest
     redis_server: EmbeddedRedis, leases: Leases
 ) -> None:
     # The oldest grant first, then an overdue heartbeat, then the leaked one: age must not outrank worry.
-    acquire(leases, OLD, meta=WEB)
+    old_fence = acquire(leases, OLD, meta=WEB).fence
     acquire(leases, OVERDUE, interval=100, meta=WORK)  # renewed by nobody: overdue after 2 x 100 + 500 ms
     acquire(leases, LEAKED, 1_000, meta=WORK)
     leases.client.persist(leases.lease_name(LEAKED))  # no TTL: leaked once its holder's deadline (~1 s) passes
@@ -180,7 +180,7 @@ def test_the_busy_page_lists_leases_worst_first_with_their_lines_and_the_hottest
             "message_id": "msg-1",
             "host": "web-1",
             "pid": 4242,
-            "fence": 1,
+            "fence": old_fence,
             "state": "alive",
             "leaked": False,
             "age_seconds": old["age_seconds"],
@@ -527,7 +527,7 @@ def test_keys_of_the_wrong_type_are_counted_and_told_once_and_hide_nothing_else(
     acquire(leases, LEAKED, 1_000, meta=WORK)
     leases.client.persist(leases.lease_name(LEAKED))  # leaked (no_ttl) once its holder's deadline passes
     wait_in_line(leases, LEAKED, 2, server_ms(leases), WORK)
-    leases._line.wake(LEAKED, "crafted}")  # a wake list: {prefix}:line:{invoice:1}:w:crafted}
+    leases.line.wake(LEAKED, "crafted}")  # a wake list: {prefix}:line:{invoice:1}:w:crafted}
     wake_list = f"{PREFIX}:line:{{{LEAKED}}}:w:crafted}}"
     assert leases.client.type(wake_list) == b"list"
     broken_line = f"{PREFIX}:line:{{broken}}"

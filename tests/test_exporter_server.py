@@ -85,37 +85,43 @@ class Running:
 
 @contextmanager
 def exporter(redis_server: EmbeddedRedis, tmp_path: Path, *flags: str, host: str = "127.0.0.1") -> Iterator[Running]:
-    """``dramatiq-leases exporter`` on a free port of ``host``, serving /metrics, stopped on exit."""
-    port = free_port()
-    log = tmp_path / f"exporter-{port}.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [
-                *CLI,
-                "--redis-url",
-                redis_server.url(),
-                "exporter",
-                "--host",
-                host,
-                "--port",
-                str(port),
-                "--interval",
-                "0.2",
-                *flags,
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    try:
+    """``dramatiq-leases exporter`` on a free port of ``host``, serving /metrics, stopped on exit. A port found
+    free can be taken before the exporter binds it (another test's server): then another is tried."""
+    for attempt in range(3):
+        port = free_port()
+        log = tmp_path / f"exporter-{port}.log"
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(
+                [
+                    *CLI,
+                    "--redis-url",
+                    redis_server.url(),
+                    "exporter",
+                    "--host",
+                    host,
+                    "--port",
+                    str(port),
+                    "--interval",
+                    "0.2",
+                    *flags,
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
 
-        def serving() -> bool:
-            assert proc.poll() is None, log.read_text()
+        def serving(proc: subprocess.Popen[bytes] = proc, port: int = port) -> bool:
+            if proc.poll() is not None:
+                return True  # ended: told below
             try:
                 return get(port, "/metrics")[0] == 200
             except OSError:
                 return False
 
         wait_for(serving, timeout=30, interval=0.05, what="the exporter to serve /metrics")
+        if proc.poll() is None:
+            break
+        assert attempt < 2 and "Address already in use" in log.read_text(), log.read_text()
+    try:
         yield Running(port, log)
     finally:
         proc.terminate()
@@ -241,7 +247,7 @@ def test_a_token_file_guards_the_busy_view_on_any_bind(
 def test_hashed_keys_show_a_digest_and_no_inspect_command(
     redis_server: EmbeddedRedis, leases: Leases, tmp_path: Path
 ) -> None:
-    assert not leases._line.join(PERSONAL, 60_000, waiter="msg-10:0")  # a waiter: the key is a hot key too
+    assert not leases.line.join(PERSONAL, 60_000, waiter="msg-10:0")  # a waiter: the key is a hot key too
     digest = "sha256:" + hashlib.sha256(PERSONAL.encode()).hexdigest()[:16]
     with exporter(redis_server, tmp_path, "--busy-keys", "hashed") as running:
         doc = wait_for(lambda: (d := running.page())["hot_keys"] and d, what="the hot key")

@@ -14,7 +14,9 @@ import pytest
 import redis
 
 from dramatiq_leases import Lease, LeaseConfigError, LeaseMiddleware, Leases
+from dramatiq_leases.core.keys import epoch_name
 from dramatiq_leases.embedded import EmbeddedRedis
+from dramatiq_leases.exporter.observer import Ending, grant_ending
 
 from .support.waiting import wait_for
 
@@ -95,32 +97,44 @@ def test_every_write_to_a_counter_keeps_it_bounded(leases: Leases, redis_client:
 def test_many_keys_leave_nothing_behind(leases: Leases, redis_client: redis.Redis) -> None:
     for n in range(500):
         assert leases.release(grant(leases, f"user:{n}"))
-    # What is left is counters, each expiring (the first may be gone already: 500 cycles outlast the retention).
-    left = list(redis_client.scan_iter(count=1000))
-    assert left and all(name.startswith(b"dramatiq-leases:fence:") for name in left), left[:5]
+    # What is left is counters, each expiring (the first may be gone already: 500 cycles outlast the retention),
+    # and the epoch records of the slots granted in: at most one per Cluster slot whatever the keys, kept for ever.
+    left = list(redis_client.scan_iter(match="dramatiq-leases:fence:*", count=1000))
     ttls = [redis_client.pttl(name) for name in left]
-    assert all(ttl != -1 and ttl <= RETENTION_MS for ttl in ttls), ttls  # -2: expired meanwhile
-    wait_for(lambda: redis_client.dbsize() == 0, timeout=10, what="every idle counter to expire")
+    assert left and all(ttl != -1 and ttl <= RETENTION_MS for ttl in ttls), ttls  # -2: expired meanwhile
+    epochs = {name for name in redis_client.scan_iter(count=1000) if b":fence:" not in name}
+    assert epochs == {epoch_name(leases.prefix, f"user:{n}").encode() for n in range(500)}
+    assert len(epochs) <= 500
+    wait_for(lambda: redis_client.dbsize() == len(epochs), timeout=10, what="every idle counter to expire")
 
 
-def test_without_a_retention_counters_are_kept_and_count_from_one(redis_client: redis.Redis) -> None:
+def test_without_a_retention_counters_are_kept_and_fences_are_the_server_clock(redis_client: redis.Redis) -> None:
     leases = Leases(redis_client)
     fences = []
     for _ in range(3):
+        before = server_us(redis_client)
         lease = grant(leases, "k")
         fences.append(lease.fence)
+        assert before <= lease.fence <= server_us(redis_client), "the grant's server time in µs"
         assert leases.release(lease)
-    assert fences == [1, 2, 3]
+    assert fences == sorted(set(fences))
     assert redis_client.pttl(leases.fence_name("k")) == -1
 
 
 def test_a_process_without_the_retention_keeps_counting_up(leases: Leases, redis_client: redis.Redis) -> None:
-    """Mixed settings on one live counter: the one without a retention still hands out larger fences."""
-    timed = grant(leases, "k")
-    assert leases.release(timed)
+    """Mixed settings on one live counter, and a counter of small fences an older version wrote: every grant's
+    fence is larger than the last, never a step back (fences are the server's clock in µs, or the last + 1)."""
+    redis_client.hset(leases.fence_name("old"), mapping={"fence": 6, "released": 6})  # as an older version left it
     counting = Leases(redis_client)
-    later = grant(counting, "k")
-    assert later.fence == timed.fence + 1
+    fences = []
+    for store, key in [(counting, "old"), (leases, "k"), (counting, "k"), (leases, "k"), (counting, "old")]:
+        lease = grant(store, key)
+        assert store.release(lease)
+        fences.append((key, lease.fence))
+    for key in ("old", "k"):
+        mine = [f for k, f in fences if k == key]
+        assert mine == sorted(set(mine)) and mine[0] > 6, fences
+    assert all(f > 10**15 for _, f in fences), "from the server's clock, with or without a retention"
 
 
 @pytest.mark.parametrize("value", [0, -1, 1.5, "1000", True, 10**13])
@@ -162,9 +176,29 @@ def test_a_release_by_a_caller_without_the_retention_leaves_no_counter_without_t
     without = Leases(redis_client)
     lease = grant(leases, "invoice:9", ttl=60_000)
     if waited:
-        assert not isinstance(leases._line.join("invoice:9", ttl=5_000, waiter="m:0", may_wait=False), Lease)
+        assert not isinstance(leases.line.join("invoice:9", ttl=5_000, waiter="m:0", may_wait=False), Lease)
     counter = f"{leases.prefix}:fence:{{invoice:9}}"
     wait_for(lambda: redis_client.exists(counter) == 0, what="the idle counter to expire during the hold")
     assert without.release(lease)
     assert redis_client.pttl(counter) > 0, "the counter was made again without a TTL"
-    assert [k for k in redis_client.scan_iter(f"{leases.prefix}:*") if redis_client.pttl(k) == -1] == []
+    kept = [k for k in redis_client.scan_iter(f"{leases.prefix}:*") if redis_client.pttl(k) == -1]
+    assert kept == [epoch_name(leases.prefix, "invoice:9").encode()]  # the slot's epoch record only, kept for ever
+
+
+def test_a_release_recorded_in_a_counter_made_again_outlives_the_next_grant(
+    leases: Leases, redis_client: redis.Redis
+) -> None:
+    """The retention expires a counter during a long hold; the release makes it again to record itself. The
+    next grant must keep that record: a release asked again (its first reply lost, as a Runs retry after a
+    Redis error) is still answered "released earlier", not "not held", and the exporter still tells the
+    grant was released."""
+    first = grant(leases, "k", ttl=60_000)
+    counter = leases.fence_name("k")
+    wait_for(lambda: not redis_client.exists(counter), what="the counter to expire during the hold")
+    assert leases.line.release("k", first.token, fence=first.fence, slot=0)
+    assert leases.fence_state("k") == {"released": first.fence}
+    second = grant(leases, "k")
+    assert second.fence > first.fence
+    assert grant_ending(first.fence, leases.fence_state("k")) is Ending.RELEASED, leases.fence_state("k")
+    # The same release again, as a retry whose first reply was lost: it was released, by this token.
+    assert leases.line.release("k", first.token, fence=first.fence, slot=0), "told 'not held' for its own release"

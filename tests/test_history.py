@@ -26,6 +26,7 @@ from dramatiq_leases.exporter.observer import LeaseObserver
 from dramatiq_leases.exporter.server import BusyAccess, ExporterApp
 
 from .support.processes import Processes, clean_env, wait_until
+from .support.scriptcalls import grant_call, release_call
 
 CLI = str(Path(sys.executable).with_name("dramatiq-leases"))
 META = {"actor": "export", "message_id": "m1", "host": "web-1", "pid": "42"}
@@ -170,13 +171,13 @@ def test_each_change_of_a_key_appends_its_event(redis_client: redis.Redis) -> No
     assert isinstance(adopted, Lease)
     # A waiter replaced by a newer one (lock_on_busy="latest").
     for waiter, first in (("old:0", 1), ("new:0", 2)):
-        busy = leases._line.join(
+        busy = leases.line.join(
             "k", 60_000, waiter=waiter, first_ms=first, latest=True, order=first, meta={"actor": "export"}
         )
         assert isinstance(busy, Busy)
     redis_client.pexpire(leases.lease_name("k"), 1)  # the adopter's lease ends by its TTL, unreleased
     wait_until(lambda: not redis_client.exists(leases.lease_name("k")), timeout=5, what="the lease expiring")
-    leases._line.leave("k", ["new:0"])
+    leases.line.leave("k", ["new:0"])
     taker = leases.try_acquire("k", 60_000, meta={**META, "message_id": "m2"})
     assert isinstance(taker, Lease)
     assert leases.renew(adopted) is Renewal.STOLEN
@@ -225,14 +226,13 @@ def test_a_bad_history_argument_is_refused_before_the_first_write(redis_client: 
         Leases(redis_client, history=scripts.MAX_HISTORY + 1)
     leases = Leases(redis_client, prefix="t", history=5)
     name, fence = leases.lease_name("k"), leases.fence_name("k")
-    line = f"0 0 2 1000 1000 0 1 0 {scripts.MAX_HISTORY + 1}"
-    with pytest.raises(redis.ResponseError, match="invalid line_numbers"):
-        redis_client.eval(scripts.ACQUIRE, 2, name, fence, "tok", "1000", "0", "0", "100", "", line, "key", "k")
+    with pytest.raises(redis.ResponseError, match="invalid history"):
+        redis_client.eval(*grant_call(history=scripts.MAX_HISTORY + 1))
     assert not redis_client.exists(name, fence, history_name("t", "k"))
     lease = leases.try_acquire("k", 60_000)
     assert isinstance(lease, Lease)
     with pytest.raises(redis.ResponseError, match="invalid history"):
-        redis_client.eval(scripts.RELEASE, 2, name, fence, lease.token, "", "2", "1000", "0", "", "x")
+        redis_client.eval(*release_call(token=lease.token, history="x"))
     assert redis_client.exists(name)  # still held
     with pytest.raises(LeaseConfigError, match="event must be"):
         leases.record_history("k", "granted")

@@ -9,7 +9,18 @@ from typing import Any
 import pytest
 import redis
 
-from dramatiq_leases.core import Busy, Lease, LeaseConfigError, LeaseInfo, Leases, LeaseStateError, State, recovery
+from dramatiq_leases.core import (
+    Busy,
+    Lease,
+    LeaseConfigError,
+    LeaseInfo,
+    Leases,
+    LeaseStateError,
+    State,
+    recovery,
+    scripts,
+)
+from dramatiq_leases.core.keys import lease_name
 from dramatiq_leases.exporter import Exporter
 from dramatiq_leases.exporter.observer import grant_ending
 
@@ -35,7 +46,7 @@ def dead(leases: Leases, client: redis.Redis, key: str, *, limit: int = 3) -> Le
     """A holder of ``key`` whose deadline has passed while its hash is still there: a 1 s TTL (its holder stops
     trusting it 0.9 s after the grant), the hash's TTL then extended by hand."""
     lease = grant(leases, key, limit=limit, ttl=1_000, interval=300)
-    client.pexpire(leases._keys(key, lease.slot)[0], 60_000)
+    client.pexpire(lease_name(leases.prefix, key, lease.slot), 60_000)
     wait_for(
         lambda: (i := leases.inspect(key, slot=lease.slot)) is not None and i.state is State.HOLDER_DEAD,
         timeout=5,
@@ -114,7 +125,7 @@ def test_fence_state_keeps_each_slots_records_apart(leases: Leases) -> None:
 def test_the_latest_waiters_pointer_is_not_counted_as_a_waiter(leases: Leases) -> None:
     grant(leases, "sync:1", limit=1)
     for n in range(2):  # the second supersedes the first: one waiter, and the pointer to it
-        busy = leases._line.join("sync:1", 30_000, waiter=f"m{n}:0", meta=META, latest=True, order=n + 1)
+        busy = leases.line.join("sync:1", 30_000, waiter=f"m{n}:0", meta=META, latest=True, order=n + 1)
         assert isinstance(busy, Busy)
     line = leases.inspect_line("sync:1")
     assert line.length == 1 and line.head == "m1:0"
@@ -154,8 +165,10 @@ def test_release_if_dead_of_a_fence_whose_slot_another_grant_took_touches_nothin
     new = grant(leases, "report:4")
     assert new.slot == old.slot and new.fence > old.fence
 
+    script = leases.runner.register(scripts.RELEASE_IF_DEAD)
+
     def call(keys: list[str], args: list[Any]) -> Any:
-        return leases._call(leases._release_if_dead, keys, args)
+        return leases.runner.call(script, keys, args)
 
     result = recovery.release_if_dead(call, leases.prefix, 0, "report:4", stale)
     assert result == (False, None, new.fence)
@@ -221,7 +234,7 @@ def test_the_busy_page_has_a_row_per_holder_and_each_hot_key_says_how_full_it_is
     alive = grant(leases, "tenant:3")
     leaked = dead(leases, redis_client, "tenant:3")
     third = grant(leases, "tenant:3")
-    assert isinstance(leases._line.join("tenant:3", 30_000, waiter="m9:0", meta=META, limit=3), Busy)
+    assert isinstance(leases.line.join("tenant:3", 30_000, waiter="m9:0", meta=META, limit=3), Busy)
     exporter = Exporter(leases, host="127.0.0.1", port=0)
     try:
         exporter.observer.scan()

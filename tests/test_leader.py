@@ -74,26 +74,27 @@ def test_a_standby_waits_and_takes_over_at_the_leaders_release_with_a_larger_fen
     with pytest.raises(LeaseStateError, match="has not been granted its key"):
         _ = second.fence
     with first as leader:
-        assert leader is first and first.is_leader and first.fence == 1
+        assert leader is first and first.is_leader
+        fence = first.fence
         info = leases.inspect(KEY)
         assert info is not None and info.meta["pid"] == str(os.getpid()) and info.meta["host"]
         # Held for more than three TTLs: only its heartbeat can keep it (one grant: the fence stays).
         assert not second.wait(timeout=1.2)
         assert not second.is_leader and second.lease is None
         info = leases.inspect(KEY)
-        assert info is not None and info.fence == 1 and info.renewed_ms - info.acquired_ms > 600
+        assert info is not None and info.fence == fence and info.renewed_ms - info.acquired_ms > 600
         took: list[float] = []
         standby = threading.Thread(target=lambda: took.append(time.monotonic()) if second.wait(10) else None)
         standby.start()
         time.sleep(0.15)  # let it ask and be refused at least once
         released_at = time.monotonic()
-    assert not first.is_leader and first.fence == 1  # the last grant's fence stays readable
+    assert not first.is_leader and first.fence == fence  # the last grant's fence stays readable
     standby.join(10)
     assert took and took[0] - released_at < 0.1 + 0.2  # one poll (100 ms) and a loaded machine
-    assert second.is_leader and second.fence == 2
+    assert second.is_leader and second.fence > fence
     second.release()
     second.release()  # idempotent
-    assert leases.inspect(KEY) is None and leases.fence_state(KEY)["released"] == 2
+    assert leases.inspect(KEY) is None and leases.fence_state(KEY)["released"] == second.fence
 
 
 def test_a_lost_key_calls_the_callback_on_the_heartbeats_thread(redis_client: redis.Redis) -> None:
@@ -140,7 +141,7 @@ def test_a_stolen_key_raises_leaderlost_in_the_thread_that_entered(redis_client:
     thread.join(5)
     assert not thread.is_alive()
     [lost] = raised
-    assert (lost.key, lost.fence, lost.reason) == (KEY, 1, LostReason.STOLEN)
+    assert (lost.key, lost.fence, lost.reason) == (KEY, leader.fence, LostReason.STOLEN)
     assert "stolen" in str(lost) and "'scheduler'" in str(lost)
     assert time.monotonic() - stolen_at < 0.2 + 1.0  # one renew interval, and a loaded machine
 
@@ -608,7 +609,7 @@ def test_exit_mode_does_not_take_the_key_again_while_it_kills_its_children(
             proc.kill()
             proc.wait()
     fences = [e["fence"] for e in _events(events) if e["event"] == "leader"]
-    assert fences == [1], f"the exiting leader was granted the key again: fences {fences}"
+    assert len(fences) == 1, f"the exiting leader was granted the key again: fences {fences}"
     assert Leases(client).inspect(KEY) is None
     client.close()
 

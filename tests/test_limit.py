@@ -15,11 +15,14 @@ import redis
 
 from dramatiq_leases.core import Busy, Heartbeat, Lease, LeaseConfigError, Leases, Renewal, scripts
 from dramatiq_leases.core.info import text
-from dramatiq_leases.core.keys import fence_name, lease_name
+from dramatiq_leases.core.keys import epoch_name, fence_name, lease_name
 
+from .support.scriptcalls import grant_call
 from .support.waiting import wait_for
 
 TTL = 10_000
+#: The slot's epoch record (the failover grace's), kept for ever by design: the one key the TTL checks leave out.
+EPOCH = epoch_name("t", "k").encode()
 
 
 @pytest.fixture
@@ -157,7 +160,7 @@ def test_a_stale_holder_released_late_frees_nothing_of_the_newer_holder(
     assert leases.release(stale) is False
     assert leases.release_token("k", stale.token) is False  # slot=None: looked for in every slot
     assert leases.release_token("k", stale.token, slot=stale.slot) is False
-    assert leases._line.release("k", stale.token, waiter="") is False
+    assert leases.line.release("k", stale.token, waiter="") is False
     assert held_slots(redis_client) == {other.slot: other.token, newer.slot: newer.token}
     refused(leases.try_acquire("k", TTL, limit=2))
     assert f"r:{stale.slot}" not in counter(redis_client)  # nothing recorded as released either
@@ -249,10 +252,11 @@ def test_a_bad_limit_is_refused_before_redis_is_asked(leases: Leases, redis_clie
     with pytest.raises(LeaseConfigError, match="limit"):
         leases.try_acquire("k", TTL, limit=limit)
     with pytest.raises(LeaseConfigError, match="limit"):
-        leases._line.join("k", TTL, waiter="w", limit=limit)
+        leases.line.join("k", TTL, waiter="w", limit=limit)
     after = commandstats(redis_client)
     assert {k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)} == {"info": 1}
-    assert sorted(redis_client.keys("*")) == [fence_name("t", "warm").encode(), lease_name("t", "warm").encode()]
+    written = [epoch_name("t", "warm"), fence_name("t", "warm"), lease_name("t", "warm")]
+    assert sorted(redis_client.keys("*")) == [name.encode() for name in written]
 
 
 def test_the_limit_bounds_are_the_documented_ones(leases: Leases) -> None:
@@ -268,9 +272,8 @@ def test_the_acquire_script_refuses_a_bad_limit_itself_before_writing(
     leases: Leases, redis_client: redis.Redis, bad: str
 ) -> None:
     """Another client of the scripts (an older package, a hand call) is refused by the script too."""
-    names = [lease_name("t", "k"), fence_name("t", "k")]
-    with pytest.raises(redis.ResponseError, match="dramatiq-leases: invalid"):
-        redis_client.eval(scripts.ACQUIRE, 2, *names, "tok", "1000", "0", "0", "0", "", f"0 0 2 1000 1000 0 {bad} 0")
+    with pytest.raises(redis.ResponseError, match="dramatiq-leases: invalid limit"):
+        redis_client.eval(*grant_call(limit=bad))
     assert redis_client.keys("*") == []
 
 
@@ -284,14 +287,14 @@ def test_a_slot_key_of_another_type_counts_as_held_and_no_key_is_left_without_tt
     busy = refused(leases.try_acquire("k", TTL, limit=3))
     assert 0 < busy.ttl_left <= TTL  # the soonest TTL end of the holders that have one
     # Joining the line of the full key works too, and leaves TTLs on everything it wrote.
-    refused(leases._line.join("k", TTL, waiter="w", first_ms=1, may_wait=True, limit=3))
+    refused(leases.line.join("k", TTL, waiter="w", first_ms=1, may_wait=True, limit=3))
     assert leases.release_token("k", a.token) and leases.release_token("k", b.token)  # found past the odd slot
     # The line's head takes a freed slot, not the odd one.
-    w = leases._line.join("k", TTL, waiter="w", first_ms=1, may_wait=True, limit=3)
+    w = leases.line.join("k", TTL, waiter="w", first_ms=1, may_wait=True, limit=3)
     assert isinstance(w, Lease) and w.slot in (0, 2)
     assert redis_client.get(lease_name("t", "k", 1)) == b"x"  # left alone
     for name in redis_client.scan_iter("t:*"):
-        if name not in (lease_name("t", "k", 1).encode(), fence_name("t", "k").encode()):
+        if name not in (lease_name("t", "k", 1).encode(), fence_name("t", "k").encode(), EPOCH):
             assert redis_client.pttl(name) > 0, name
 
 
@@ -312,11 +315,33 @@ def test_with_a_fence_retention_every_key_written_has_a_ttl(redis_client: redis.
     leases = Leases(redis_client, prefix="t", fence_retention=60_000)
     redis_client.set(lease_name("t", "k", 2), "x")
     held = [grant(leases, limit=4) for _ in range(3)]
-    refused(leases._line.join("k", TTL, waiter="w", first_ms=1, may_wait=True, limit=4))
+    refused(leases.line.join("k", TTL, waiter="w", first_ms=1, may_wait=True, limit=4))
     assert leases.release(held[0])
     for name in redis_client.scan_iter("t:*"):
-        if name != lease_name("t", "k", 2).encode():
+        if name not in (lease_name("t", "k", 2).encode(), EPOCH):
             assert redis_client.pttl(name) > 0, name
+
+
+@pytest.mark.parametrize("waiter", ["", "m:0"], ids=["plain-release", "line-release"])
+def test_the_release_of_a_holder_from_before_the_key_was_wide_keeps_its_counter_for_the_others(
+    redis_client: redis.Redis, waiter: str
+) -> None:
+    """A holder granted while the key had one holder (its hash names no slot) releases after a limit-3 grant took
+    slot 1: the counter, whose width counts slot 1, must outlive that holder (retention 300 ms, its lease 60 s),
+    so that a limit-1 request is refused while slot 1 is held, not granted beside it."""
+    leases = Leases(redis_client, prefix="t", fence_retention=300)
+    narrow = leases.line.join("k", TTL, waiter=waiter) if waiter else leases.try_acquire("k", TTL)
+    assert isinstance(narrow, Lease) and narrow.slot == 0
+    wide = grant(leases)
+    assert wide.slot == 1
+    if waiter:
+        assert leases.line.release("k", narrow.token, waiter=waiter, fence=narrow.fence, slot=0)
+    else:
+        assert leases.release(narrow)
+    assert redis_client.pttl(fence_name("t", "k")) > 1_000, "the release shortened the counter below its holder"
+    time.sleep(0.5)  # past the retention: a counter cut to it would be gone now
+    refused(leases.try_acquire("k", TTL))
+    assert leases.release(wide)
 
 
 def test_a_lease_in_a_higher_slot_is_handed_over_and_adopted_in_its_slot(

@@ -20,9 +20,10 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from dramatiq_leases.core import Busy, Lease, Leases, LeaseUnavailableError, Renewal, Wait
+from dramatiq_leases.core import Busy, Lease, Leases, LeaseUnavailableError, Renewal, scripts
 from dramatiq_leases.core.keys import fence_name, lease_name
 from dramatiq_leases.core.lease import new_token
+from dramatiq_leases.core.protocol import Turn, Wait
 from dramatiq_leases.embedded import EmbeddedRedis
 
 from .support.lossy import LossyProxy, scripts_at_random
@@ -38,16 +39,21 @@ def leases(redis_client: redis.Redis) -> Leases:
     return Leases(redis_client, prefix="t")
 
 
+def turn(reply: Lease | Busy) -> Turn:
+    assert isinstance(reply, Turn), reply
+    return reply
+
+
 def granted(reply: Lease | Busy) -> Lease:
     assert isinstance(reply, Lease), reply
     return reply
 
 
-def join(leases: Leases, waiter: str, first_ms: int, *, key: str = "k", **options: Any) -> Lease | Busy:
+def join(leases: Leases, waiter: str, first_ms: int, *, key: str = "k", **options: Any) -> Lease | Turn:
     options.setdefault("may_wait", True)
     if options.get("latest"):
         options.setdefault("order", first_ms)  # sent in the order of their first attempts, unless told otherwise
-    return leases._line.join(key, TTL, waiter=waiter, first_ms=first_ms, **options)
+    return leases.line.join(key, TTL, waiter=waiter, first_ms=first_ms, **options)
 
 
 class Waits:
@@ -62,7 +68,7 @@ class Waits:
 
     def start(self, waiter: str, block_ms: int) -> None:
         def run() -> None:
-            woke = self.leases._line.wait_turn(self.key, waiter, block_ms)
+            woke = self.leases.line.wait_turn(self.key, waiter, block_ms)
             with self._lock:
                 if woke:
                     self.woken[waiter] = time.monotonic()
@@ -84,35 +90,35 @@ def test_the_line_grants_up_to_limit_at_once_in_first_attempt_order(leases: Leas
     holders = [granted(leases.try_acquire("k", TTL, limit=3)) for _ in range(3)]
     order = [("w3", 400), ("w0", 100), ("w5", 600), ("w2", 300), ("w1", 200), ("w4", 500)]
     for w, first_ms in order:
-        refused(join(leases, w, first_ms, limit=3, may_wait=False))
-    assert [refused(join(leases, f"w{i}", 100 * (i + 1), limit=3, may_wait=False)).place for i in range(6)] == list(
+        turn(join(leases, w, first_ms, limit=3, may_wait=False))
+    assert [turn(join(leases, f"w{i}", 100 * (i + 1), limit=3, may_wait=False)).place for i in range(6)] == list(
         range(6)
     )
     for lease in holders:
         assert leases.release(lease)
     # Three slots free: the first three of the line, in any order among them, and nobody else.
     refused(leases.try_acquire("k", TTL, limit=3))
-    refused(join(leases, "w3", 400, limit=3))
-    refused(join(leases, "late", 1_000, limit=3))
+    turn(join(leases, "w3", 400, limit=3))
+    turn(join(leases, "late", 1_000, limit=3))
     third = granted(join(leases, "w2", 300, limit=3))
     first = granted(join(leases, "w0", 100, limit=3))
-    refused(join(leases, "w3", 400, limit=3))  # one slot left: still w1's
+    turn(join(leases, "w3", 400, limit=3))  # one slot left: still w1's
     second = granted(join(leases, "w1", 200, limit=3))
     assert sorted([first.slot, second.slot, third.slot]) == [0, 1, 2]
-    refused(join(leases, "w3", 400, limit=3))  # full
+    turn(join(leases, "w3", 400, limit=3))  # full
     # A released slot goes to the front: w3, then w4, then the late one.
-    assert leases._line.release("k", second.token, waiter="w1", slot=second.slot)
-    refused(join(leases, "w4", 500, limit=3))
+    assert leases.line.release("k", second.token, waiter="w1", slot=second.slot)
+    turn(join(leases, "w4", 500, limit=3))
     refused(leases.try_acquire("k", TTL, limit=3))
     assert granted(join(leases, "w3", 400, limit=3)).slot == second.slot
-    assert leases._line.release("k", first.token, waiter="w0")  # slot found by token
+    assert leases.line.release("k", first.token, waiter="w0")  # slot found by token
     assert granted(join(leases, "w4", 500, limit=3)).slot == first.slot
 
 
 def test_releases_wake_as_many_waiters_in_place_as_slots_are_free(leases: Leases) -> None:
     holders = [granted(leases.try_acquire("k", 60_000, limit=3)) for _ in range(3)]
     # ready + limit - 1 = 4 may wait in place; the fifth parks.
-    answers = [refused(join(leases, f"w{i}", i + 1, limit=3, ready=2)) for i in range(5)]
+    answers = [turn(join(leases, f"w{i}", i + 1, limit=3, ready=2)) for i in range(5)]
     assert [a.wait for a in answers] == [Wait.IN_PLACE] * 4 + [Wait.PARK]
     waits = Waits(leases)
     for i in range(4):
@@ -128,13 +134,13 @@ def test_releases_wake_as_many_waiters_in_place_as_slots_are_free(leases: Leases
     assert set(waits.woken) == {"w0", "w1"}  # w2 and w3 blocked to the end of their block
     a, b = granted(join(leases, "w1", 2, limit=3)), granted(join(leases, "w0", 1, limit=3))
     assert {a.slot, b.slot} == {holders[0].slot, holders[1].slot}
-    refused(join(leases, "w2", 3, limit=3))
+    turn(join(leases, "w2", 3, limit=3))
     # One more release: one more waiter woken, the next of the line.
     waits = Waits(leases)
     waits.start("w2", 1_500)
     waits.start("w3", 1_500)
     time.sleep(0.1)
-    assert leases._line.release("k", a.token, waiter="w1", slot=a.slot)
+    assert leases.line.release("k", a.token, waiter="w1", slot=a.slot)
     wait_for(lambda: "w2" in waits.woken, timeout=1, what="w2 woken")
     waits.join()
     assert set(waits.woken) == {"w2"}
@@ -145,30 +151,30 @@ def test_releases_wake_as_many_waiters_in_place_as_slots_are_free(leases: Leases
 
 def test_a_newer_latest_waiter_supersedes_the_older_and_wakes_it(leases: Leases) -> None:
     holder = granted(leases.try_acquire("k", TTL))
-    old = refused(join(leases, "old", 100, latest=True))
+    old = turn(join(leases, "old", 100, latest=True))
     assert old.wait is Wait.IN_PLACE
     waits = Waits(leases)
     waits.start("old", 5_000)
     time.sleep(0.1)
     joined = time.monotonic()
-    new = refused(join(leases, "new", 200, latest=True))
+    new = turn(join(leases, "new", 200, latest=True))
     assert new.wait is Wait.IN_PLACE and new.place == 0 and new.line == 1
     wait_for(lambda: "old" in waits.woken, timeout=2, what="the superseded waiter to be woken")
     assert waits.woken["old"] - joined < 1
-    assert refused(join(leases, "old", 100, latest=True)).wait is Wait.SUPERSEDED
-    assert leases._line.hold("k", ["old", "new"], "chan:x") == ["s", "r"]
+    assert turn(join(leases, "old", 100, latest=True)).wait is Wait.SUPERSEDED
+    assert leases.line.hold("k", ["old", "new"], "chan:x") == ["s", "r"]
     assert leases.release(holder)
     assert granted(join(leases, "new", 200, latest=True))
-    assert refused(join(leases, "old", 100, latest=True)).wait is Wait.SUPERSEDED  # still, after the grant
+    assert turn(join(leases, "old", 100, latest=True)).wait is Wait.SUPERSEDED  # still, after the grant
 
 
 def test_an_older_latest_waiter_arriving_after_a_newer_is_superseded_itself(leases: Leases) -> None:
     holder = granted(leases.try_acquire("k", TTL, limit=2))
     granted(leases.try_acquire("k", TTL, limit=2))
-    refused(join(leases, "new", 200, latest=True, limit=2))
-    assert refused(join(leases, "old", 100, latest=True, limit=2)).wait is Wait.SUPERSEDED
-    assert refused(join(leases, "new", 200, latest=True, limit=2)).place == 0  # untouched
-    assert leases._line.hold("k", ["old"], "chan:x") == ["s"]
+    turn(join(leases, "new", 200, latest=True, limit=2))
+    assert turn(join(leases, "old", 100, latest=True, limit=2)).wait is Wait.SUPERSEDED
+    assert turn(join(leases, "new", 200, latest=True, limit=2)).place == 0  # untouched
+    assert leases.line.hold("k", ["old"], "chan:x") == ["s"]
     assert leases.release(holder)
     assert granted(join(leases, "new", 200, latest=True, limit=2)).slot == holder.slot
 
@@ -176,27 +182,27 @@ def test_an_older_latest_waiter_arriving_after_a_newer_is_superseded_itself(leas
 def test_a_superseded_parked_waiter_is_told_on_its_holders_channel(leases: Leases, redis_client: redis.Redis) -> None:
     granted(leases.try_acquire("k", TTL))
     # ready=0: nobody waits in place; both park.
-    assert refused(join(leases, "old", 100, latest=True, may_wait=False, ready=0)).wait is Wait.PARK
-    assert leases._line.hold("k", ["old"], "chan:x", ready=0) == ["p"]
+    assert turn(join(leases, "old", 100, latest=True, may_wait=False, ready=0)).wait is Wait.PARK
+    assert leases.line.hold("k", ["old"], "chan:x", ready=0) == ["p"]
     pubsub = redis_client.pubsub()  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
     try:
         pubsub.subscribe("chan:x")
         wait_for(lambda: pubsub.get_message(timeout=0.1) is not None, what="the subscription")
-        refused(join(leases, "new", 200, latest=True, may_wait=False, ready=0))
+        turn(join(leases, "new", 200, latest=True, may_wait=False, ready=0))
         message: Any = wait_for(lambda: pubsub.get_message(timeout=0.1), timeout=2, what="the PUBLISH")
         assert message["channel"] == b"chan:x" and message["data"] == b"old"
     finally:
         pubsub.close()
-    assert leases._line.hold("k", ["old"], "chan:x", ready=0) == ["s"]
+    assert leases.line.hold("k", ["old"], "chan:x", ready=0) == ["s"]
 
 
 def test_waiters_that_are_not_latest_are_never_superseded(leases: Leases) -> None:
     holder = granted(leases.try_acquire("k", TTL))
-    refused(join(leases, "a", 100, ready=4))
-    refused(join(leases, "b", 200, latest=True, ready=4))
-    refused(join(leases, "c", 300, ready=4))
-    refused(join(leases, "d", 400, latest=True, ready=4))  # supersedes b only
-    assert leases._line.hold("k", ["a", "b", "c", "d"], "chan:x", ready=4) == ["r", "s", "r", "r"]
+    turn(join(leases, "a", 100, ready=4))
+    turn(join(leases, "b", 200, latest=True, ready=4))
+    turn(join(leases, "c", 300, ready=4))
+    turn(join(leases, "d", 400, latest=True, ready=4))  # supersedes b only
+    assert leases.line.hold("k", ["a", "b", "c", "d"], "chan:x", ready=4) == ["r", "s", "r", "r"]
     assert leases.release(holder)
     assert granted(join(leases, "a", 100))
 
@@ -204,32 +210,32 @@ def test_waiters_that_are_not_latest_are_never_superseded(leases: Leases) -> Non
 def test_a_grant_outside_the_line_keeps_the_latest_pointer(leases: Leases) -> None:
     a = granted(leases.try_acquire("k", TTL, limit=2))
     b = granted(leases.try_acquire("k", TTL, limit=2))
-    refused(join(leases, "old", 100, latest=True, limit=2))
+    turn(join(leases, "old", 100, latest=True, limit=2))
     assert leases.release(a) and leases.release(b)  # two free slots, one waiter at the front
     outsider = granted(leases.try_acquire("k", TTL, limit=2))  # takes the slot the front leaves
     assert leases.release(outsider)
     granted(join(leases, "new", 200, latest=True, limit=2))  # the newest runs
-    assert refused(join(leases, "old", 100, latest=True, limit=2)).wait is Wait.SUPERSEDED  # and the older must not
+    assert turn(join(leases, "old", 100, latest=True, limit=2)).wait is Wait.SUPERSEDED  # and the older must not
 
 
 def test_a_latest_waiter_is_as_new_as_its_order_not_its_first_attempt(leases: Leases) -> None:
     """The newest is the one sent last (its order), whenever each reached the key: one sent before the key's
     latest waiter supersedes itself on arrival, naming it; one sent after it supersedes it."""
     granted(leases.try_acquire("k", TTL))
-    assert refused(join(leases, "a:0", 0, latest=True, order=200)).wait is Wait.IN_PLACE  # placed at the server's now
-    stale = refused(join(leases, "b:0", 0, latest=True, order=100))  # sent before a, arrives after it
+    assert turn(join(leases, "a:0", 0, latest=True, order=200)).wait is Wait.IN_PLACE  # placed at the server's now
+    stale = turn(join(leases, "b:0", 0, latest=True, order=100))  # sent before a, arrives after it
     assert (stale.wait, stale.newer) == (Wait.SUPERSEDED, "a")
-    assert refused(join(leases, "a:0", 0, latest=True, order=200)).wait is Wait.IN_PLACE  # untouched, asks again
-    assert leases._line.hold("k", ["a:0", "b:0"], "chan:x") == ["r", "s"]
-    newer = refused(join(leases, "c:0", 1, latest=True, order=300))  # sent after a: its first attempt is older
+    assert turn(join(leases, "a:0", 0, latest=True, order=200)).wait is Wait.IN_PLACE  # untouched, asks again
+    assert leases.line.hold("k", ["a:0", "b:0"], "chan:x") == ["r", "s"]
+    newer = turn(join(leases, "c:0", 1, latest=True, order=300))  # sent after a: its first attempt is older
     assert newer.wait is Wait.IN_PLACE and newer.place == 0
-    again = refused(join(leases, "a:0", 0, latest=True, order=200))
+    again = turn(join(leases, "a:0", 0, latest=True, order=200))
     assert (again.wait, again.newer) == (Wait.SUPERSEDED, "c")
 
 
 def test_inspect_line_does_not_count_the_latest_pointer(leases: Leases) -> None:
     granted(leases.try_acquire("k", TTL))
-    refused(join(leases, "w", 100, latest=True, meta={"actor": "sync"}))
+    turn(join(leases, "w", 100, latest=True, meta={"actor": "sync"}))
     line = leases.inspect_line("k")
     assert line.length == 1
     assert line.states == {"in_place": 1}
@@ -298,8 +304,8 @@ def lossy_leases(proxy: LossyProxy, *, retries: int = 0, **options: Any) -> Leas
     """A store whose client talks through ``proxy``; redis-py retries ``retries`` times itself (0: only ours)."""
     client = redis.Redis(port=proxy.port, socket_timeout=2, retry=Retry(NoBackoff(), retries))
     leases = Leases(client, prefix="t", **options)
-    for script in (leases._acquire, leases._release):
-        client.script_load(script.script)  # a lost NOSCRIPT reply would be a command that did not run
+    for source in (scripts.ACQUIRE, scripts.RELEASE):
+        client.script_load(source)  # a lost NOSCRIPT reply would be a command that did not run
     return leases
 
 
@@ -496,22 +502,28 @@ def test_a_line_grant_asked_again_after_a_lost_reply_still_says_it_came_from_the
         leases = lossy_leases(proxy)
         holder = granted(leases.try_acquire("k", TTL, limit=2))
         granted(leases.try_acquire("k", TTL, limit=2))
-        refused(leases._line.join("k", TTL, waiter="w", first_ms=1, limit=2))
+        turn(leases.line.join("k", TTL, waiter="w", first_ms=1, limit=2))
         assert leases.release(holder)
-        proxy.lose, armed = lose_once(leases._acquire.sha)
+        proxy.lose, armed = lose_once(leases.runner.register(scripts.ACQUIRE).sha)
         armed.set()
         token = new_token()
         with pytest.raises(LeaseUnavailableError):
-            leases._line.join("k", TTL, waiter="w", first_ms=1, limit=2, token=token)
-        again = granted(leases._line.join("k", TTL, waiter="w", first_ms=1, limit=2, token=token))
+            leases.line.join("k", TTL, waiter="w", first_ms=1, limit=2, token=token)
+        again = granted(leases.line.join("k", TTL, waiter="w", first_ms=1, limit=2, token=token))
         assert again.slot == holder.slot
         assert again.from_line
 
 
-def test_a_with_block_whose_release_reply_was_lost_does_not_claim_an_overlap(server: EmbeddedRedis) -> None:
+@pytest.mark.parametrize("plain", [True, False])
+def test_a_with_block_whose_release_reply_was_lost_does_not_claim_an_overlap(
+    server: EmbeddedRedis, plain: bool
+) -> None:
+    """The release answered again says released earlier, by the plain script as by the general one."""
     with LossyProxy(server.port) as proxy:
         leases = lossy_leases(proxy, retries=3)
-        proxy.lose, armed = lose_once(leases._release.sha)
+        leases.grants.plain = plain
+        script = scripts.RELEASE_PLAIN if plain else scripts.RELEASE
+        proxy.lose, armed = lose_once(leases.runner.register(script).sha)
         with leases.lease("k", TTL):
             armed.set()
         assert proxy.lost == 1

@@ -319,7 +319,7 @@ def exporter_exposition(tmp_path_factory: pytest.TempPathFactory) -> Iterator[st
             assert leases.try_acquire(EXPIRING_KEY, 1_000, interval=300, meta=work)
             # Two messages of the web actor wait in the line of the live lease.
             for n in (1, 2):
-                assert not leases._line.join(ALIVE_KEY, 60_000, meta=web, waiter=f"m{n}:0", first_ms=n)
+                assert not leases.line.join(ALIVE_KEY, 60_000, meta=web, waiter=f"m{n}:0", first_ms=n)
 
             def seen_all() -> str | None:
                 text = http_get(url)

@@ -18,7 +18,7 @@ META = {"actor": "send_invoice", "queue": "default", "message_id": "msg-1", "hos
 def hold_with_a_line(leases: Leases, key: str) -> None:
     """``key`` held, with one waiter parked in its line."""
     assert isinstance(leases.try_acquire(key, 60_000, meta=META), Lease)
-    reply = leases._line.join(key, 60_000, meta=META, waiter="m1:0", first_ms=1, ready=0)
+    reply = leases.line.join(key, 60_000, meta=META, waiter="m1:0", first_ms=1, ready=0)
     assert isinstance(reply, Busy), reply
 
 

@@ -3,14 +3,23 @@
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import threading
+import time
 from typing import Any
 
+import dramatiq
 import pytest
+from dramatiq.middleware import Middleware
+from dramatiq.middleware.time_limit import TimeLimitExceeded
 
+from dramatiq_leases.core.lease import Lease
 from dramatiq_leases.core.metrics import LeaseMetrics
 from dramatiq_leases.embedded import EmbeddedRedis
+from dramatiq_leases.middleware import runs as runs_module
 from dramatiq_leases.middleware.releasing import Releaser
+from dramatiq_leases.middleware.runs import Runs as Runs_
 
 from .support.runs import Runs
 from .support.stack import MakeStack, Stack
@@ -208,3 +217,188 @@ def test_a_release_handed_over_while_the_releaser_stops_is_still_sent() -> None:
     go.set()
     stopper.join(10)
     assert sorted(sent) == ["late", "pending"]  # the late one sent by its own thread, the pending one by the releaser
+
+
+def test_a_waiter_whose_release_waits_past_its_ttl_is_still_remembered_as_done(make_stack: MakeStack) -> None:
+    """Review: the lease was untracked when handed over, so a release queued (or slow) past the TTL found it
+    expired and skipped the waiter's 'done' record: a stray copy of the message then ran again. The lease
+    is renewed until the releaser sends its release (for one more TTL at most)."""
+    stack = make_stack(threads=1)
+    runs = Runs()
+    ttl = 1_000
+
+    @stack.actor(lock_key="invoice:{n}", lock_ttl=ttl, max_retries=0)
+    def charge(n: int) -> None:
+        runs.add(n=n)
+
+    go = held_releases(stack)
+    try:
+        stack.start()
+        holder = stack.leases.try_acquire("invoice:1", ttl=10_000)
+        assert isinstance(holder, Lease)
+        message = charge.send(1)
+        wait_for(lambda: stack.leases.inspect_line("invoice:1").length == 1, what="the message to wait in line")
+        assert stack.leases.release(holder)
+        assert stack.recorder.wait_settled(message.message_id) == "acked"
+        returned = time.monotonic()
+        # Its release is held by the releaser past the TTL (a releaser behind others, a slow Redis).
+        wait_for(lambda: time.monotonic() > returned + 1.2 * ttl / 1000, what="more than a TTL to pass")
+        assert stack.leases.inspect("invoice:1") is not None, "a lease handed to the releaser expired unreleased"
+        go.set()
+        wait_for(lambda: stack.leases.inspect("invoice:1") is None, what="the release to be sent")
+        stack.broker.enqueue(message.copy())  # the copy a crash would have left in the broker
+        assert stack.recorder.wait_settled(message.message_id) == "acked"
+        assert runs.count() == 1, "a stray copy of a message that waited and ran ran again"
+    finally:
+        go.set()
+
+
+def test_a_release_the_releaser_never_sends_leaves_the_key_to_its_ttl_not_renewed_for_ever(
+    make_stack: MakeStack, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A handed-over lease is renewed while its release waits, but not past one more TTL: a releaser that never
+    sends it (dead, hung without a socket timeout) does not hold the key until the actor's max hold."""
+    stack = make_stack(threads=1)
+    ttl = 500
+
+    @stack.actor(lock_key="report:{n}", lock_ttl=ttl, max_retries=0, time_limit=600_000)
+    def report(n: int) -> None:
+        pass
+
+    go = held_releases(stack)
+    try:
+        stack.start()
+        message = report.send(1)
+        assert stack.recorder.wait_settled(message.message_id) == "acked"
+        wait_for(
+            lambda: stack.leases.inspect("report:1") is None,
+            timeout=2 * ttl / 1000 + 1.0,
+            what="the unreleased lease to expire within two TTLs of the actor's return",
+        )
+        assert stack.leases_mw.heartbeat.tracked() == []
+        assert not [r for r in caplog.records if " lost: " in r.getMessage()], "an ended hold counted as lost"
+    finally:
+        go.set()
+
+
+class TimeLimitInEnd(Middleware):
+    """Raises ``TimeLimitExceeded`` at the *n*-th Python function entry or C function return within ``Runs.end``
+    after the actor returned, a different *n* for each message: swept over the hand-over, at the points where
+    CPython can deliver Dramatiq's asynchronous exceptions."""
+
+    def __init__(self) -> None:
+        self.end = Runs_.end.__code__
+        self.next_n = 1
+        self.calls = 0
+        self.target = 0
+        self.fired: list[str] = []
+
+    def arm(self) -> None:
+        """Called by the actor as it returns."""
+        self.calls, self.target = 0, self.next_n
+        self.next_n += 1
+        sys.setprofile(self._profile)
+
+    def _profile(self, frame: Any, event: str, arg: Any) -> None:
+        # A Python function's entry, or a C function's return (a C lock's __exit__ has released it by then).
+        if event not in ("call", "c_return"):
+            return
+        outer = frame
+        while outer is not None and outer.f_code is not self.end:
+            outer = outer.f_back
+        if outer is None:
+            return
+        self.calls += 1
+        if self.calls == self.target:
+            sys.setprofile(None)
+            self.fired.append(frame.f_code.co_name if event == "call" else getattr(arg, "__name__", "?"))
+            raise TimeLimitExceeded
+
+    def after_process_message(
+        self, broker: dramatiq.Broker, message: Any, *, result: Any = None, exception: BaseException | None = None
+    ) -> None:
+        sys.setprofile(None)
+
+
+def test_an_interruption_anywhere_in_the_hand_over_sends_one_release_counted_once(
+    redis_server: EmbeddedRedis, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Review: an interruption landing in ``Releaser.submit`` after its put (its ``time.sleep(0)`` is where a
+    pending one is delivered) left the run not marked released; the retried end handed the release over again,
+    and a release that failed was then counted (and logged) twice."""
+    monkeypatch.setattr(runs_module, "RELEASE_PAUSE_S", 0.001)
+    lease_server = EmbeddedRedis().start()
+    errors = ReleaseErrors()
+    stack = Stack(redis_server.url(0), lease_server.url(0), threads=1, metrics=errors, metrics_endpoint=False)
+    injector = TimeLimitInEnd()
+    stack.broker.add_middleware(injector)
+    returned: list[int] = []
+
+    @stack.actor(lock_key="sweep:{n}", lock_ttl=60_000, max_retries=0)
+    def sweep(n: int) -> int:
+        returned.append(n)
+        injector.arm()
+        return n
+
+    inline: list[str] = []
+    go = threading.Event()
+    send = stack.leases_mw.runs.send_release
+
+    def held_send(item: Any) -> None:
+        if threading.current_thread().name != "dramatiq-leases-releaser":
+            inline.append(injector.fired[-1])
+        else:
+            go.wait(30)
+        send(item)
+
+    stack.leases_mw.runs.releaser = Releaser(held_send)
+    try:
+        stack.start()
+        messages = [sweep.send(n) for n in range(25)]
+        outcomes = [stack.recorder.wait_settled(m.message_id) for m in messages]
+        assert outcomes == ["acked"] * len(messages), "an actor that returned was failed by an interruption"
+        # Every call of the hand-over was hit, the last messages' targets lay past its end.
+        assert 8 <= len(injector.fired) < len(messages), f"the sweep missed the hand-over: {injector.fired}"
+        # Thread.is_alive() interrupted (CPython before 3.13) can release a live thread's state lock: the releaser
+        # then looked dead for good, every release was sent inline, and the stop no longer waited for any.
+        assert inline == [], f"a release was sent by its worker thread after an interruption in {inline[0]}"
+        assert runs_module.RELEASE_TRIES > 1
+        lease_server.stop()  # every release now fails: each must be counted once
+        go.set()
+        assert stack.leases_mw.runs.releaser.stop()
+        failed = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Could not release lease")]
+        twice = sorted({m.split("'")[1] for m in failed if failed.count(m) > 1})
+        assert twice == [], f"a failed release logged twice (interrupted at {injector.fired})"
+        assert len(failed) == len(messages)
+        assert errors.count == len(messages), f"a failed release counted twice (interrupted at {injector.fired})"
+    finally:
+        go.set()
+        stack.stop()
+        lease_server.close()
+
+
+def test_a_release_submitted_in_a_forked_child_is_sent_there() -> None:
+    """The releaser thread does not survive a fork(): in the child, a release is sent by the thread submitting
+    it, not put on a queue no thread reads (nor stuck behind a lock held at the fork)."""
+    sent: list[str] = []
+    releaser: Releaser[str] = Releaser(sent.append)
+    releaser.start()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report what it sent, and leave without pytest's teardown
+        code = 1
+        try:
+            releaser.submit("child")
+            os.write(write, ",".join(sent).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write)
+    try:
+        with os.fdopen(read, "rb") as pipe:
+            reported = pipe.read().decode()
+        _, status = os.waitpid(pid, 0)
+    finally:
+        releaser.stop()
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    assert reported == "child", "a release submitted in a forked child was never sent"

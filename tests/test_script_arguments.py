@@ -15,6 +15,8 @@ from dramatiq_leases.core import Busy, Lease, Leases, scripts
 from dramatiq_leases.core.errors import LeaseUnavailableError
 from dramatiq_leases.core.keys import fence_name, lease_name, line_name, wake_name
 
+from .support.scriptcalls import acquire, release_call
+
 
 def sibling(kind: str, key: str) -> str:
     """A key of the line the scripts derive from the lease's name (``waiters``, ``done``), as they do."""
@@ -45,18 +47,23 @@ def test_the_line_refuses_a_holder_that_would_split_a_waiters_entry(
     """Each entry is "state deadline holder actor": a space in the holder would shift the actor into it, and
     the promotion be published on a channel nobody listens to."""
     assert isinstance(leases.try_acquire("k", 60_000), Lease)
-    busy = leases._line.join("k", 60_000, waiter="w1", first_ms=1, ready=0, meta={"actor": "send_invoice"})
+    busy = leases.line.join("k", 60_000, waiter="w1", first_ms=1, ready=0, meta={"actor": "send_invoice"})
     assert isinstance(busy, Busy)
     entry = redis_client.hget(sibling("waiters", "k"), "w1")
     with pytest.raises(redis.ResponseError, match="dramatiq-leases: invalid holder"):
         redis_client.eval(scripts.LINE, 1, leases.lease_name("k"), "hold", holder, "1000", "2", "1000", "w1")
     assert redis_client.hget(sibling("waiters", "k"), "w1") == entry
-    assert leases._line.hold("k", ["w1"], "channel", park_ms=1_000, ready=0) == ["p"]
+    assert leases.line.hold("k", ["w1"], "channel", park_ms=1_000, ready=0) == ["p"]
 
 
 def no_ttl(redis_client: redis.Redis, prefix: str = "t") -> list[bytes]:
-    """Keys of the prefix without a TTL, but the fence counters (kept for ever without a retention)."""
-    return [k for k in redis_client.scan_iter(f"{prefix}:*") if redis_client.pttl(k) == -1 and b":fence:" not in k]
+    """Keys of the prefix without a TTL, but the fence counters (kept for ever without a retention) and the
+    slots' epoch records (kept for ever, one per Cluster slot at most)."""
+    return [
+        k
+        for k in redis_client.scan_iter(f"{prefix}:*")
+        if redis_client.pttl(k) == -1 and b":fence:" not in k and b":epoch:" not in k
+    ]
 
 
 def test_acquire_refuses_a_line_key_of_another_type_before_its_first_write(
@@ -67,7 +74,7 @@ def test_acquire_refuses_a_line_key_of_another_type_before_its_first_write(
     assert isinstance(leases.try_acquire("k", 60_000), Lease)
     redis_client.set(sibling("waiters", "k"), "written by hand")
     with pytest.raises(LeaseUnavailableError, match="invalid waiters"):
-        leases._line.join("k", 60_000, waiter="w1", first_ms=1)
+        leases.line.join("k", 60_000, waiter="w1", first_ms=1)
     assert no_ttl(redis_client) == [sibling("waiters", "k").encode()]  # only the hand-written key
 
 
@@ -76,13 +83,13 @@ def test_a_wake_list_of_another_type_does_not_stop_the_release_waking_its_waiter
 ) -> None:
     holder = leases.try_acquire("k", 60_000)
     assert isinstance(holder, Lease)
-    busy = leases._line.join("k", 60_000, waiter="w1", first_ms=1, may_wait=True)
+    busy = leases.line.join("k", 60_000, waiter="w1", first_ms=1, may_wait=True)
     assert isinstance(busy, Busy)
     wake_list = wake_name("t", "k", "w1")
     redis_client.set(wake_list, "written by hand")
     assert leases.release(holder)
     assert redis_client.type(wake_list) == b"list" and redis_client.pttl(wake_list) > 0
-    assert leases._line.wait_turn("k", "w1", 100)  # woken
+    assert leases.line.wait_turn("k", "w1", 100)  # woken
     assert no_ttl(redis_client) == []
 
 
@@ -94,34 +101,19 @@ def test_release_with_a_line_key_of_another_type_still_releases_and_wakes(
     it failed, and the head of the line was not woken."""
     holder = leases.try_acquire("k", 60_000)
     assert isinstance(holder, Lease)
-    assert isinstance(leases._line.join("k", 60_000, waiter="w1", first_ms=1, may_wait=True), Busy)
+    assert isinstance(leases.line.join("k", 60_000, waiter="w1", first_ms=1, may_wait=True), Busy)
     name = f"t:{kind}:{{k}}"
     if kind == "waiters":
         redis_client.delete(name)
     redis_client.set(name, "written by hand")
-    assert leases._line.release("k", holder.token, waiter="m:0")
+    assert leases.line.release("k", holder.token, waiter="m:0")
     assert not redis_client.exists(leases.lease_name("k"))
     if kind == "done":
-        assert leases._line.wait_turn("k", "w1", 100)  # the head was woken
+        assert leases.line.wait_turn("k", "w1", 100)  # the head was woken
     assert no_ttl(redis_client) == [name.encode()]  # only the hand-written key
 
 
 # Each constant the Lua uses, seen from the server -------------------------------------------------------------
-
-
-def acquire(
-    client: redis.Redis,
-    key: str,
-    token: str = "t",
-    ttl: int = 60_000,
-    waiter: str = "",
-    line: str = "0 0 2 1000 1000 0 1 0",
-) -> Any:
-    """The acquire script as the store calls it: token, ttl_ms, max_hold_ms, interval_ms, margin_ms, waiter,
-    line_numbers ("first_ms mode ready park_ms promote_ms retention_ms limit latest")."""
-    return client.eval(
-        scripts.ACQUIRE, 2, lease_name("t", key), fence_name("t", key), token, ttl, 0, 0, 0, waiter, line
-    )
 
 
 def ttls_set(client: redis.Redis, call: Callable[[], Any], *names: str) -> tuple[list[int], int]:
@@ -136,25 +128,13 @@ def ttls_set(client: redis.Redis, call: Callable[[], Any], *names: str) -> tuple
 @pytest.mark.parametrize(
     ("good", "bad", "refused"),
     [
-        ({"ttl": scripts.MAX_MS}, {"ttl": scripts.MAX_MS + 1}, "ttl_ms"),
+        ({"ttl_ms": scripts.MAX_MS}, {"ttl_ms": scripts.MAX_MS + 1}, "ttl_ms"),
+        ({"first_ms": scripts.MAX_TIMESTAMP_MS}, {"first_ms": scripts.MAX_TIMESTAMP_MS + 1}, "first_ms"),
+        ({"ready": scripts.MAX_READY}, {"ready": scripts.MAX_READY + 1}, "ready"),
+        ({"limit": scripts.MAX_LIMIT}, {"limit": scripts.MAX_LIMIT + 1}, "limit"),
         (
-            {"line": f"{scripts.MAX_TIMESTAMP_MS} 0 2 1 1 0 1 0"},
-            {"line": f"{scripts.MAX_TIMESTAMP_MS + 1} 0 2 1 1 0 1 0"},
-            "line_numbers",
-        ),
-        (
-            {"line": f"0 0 {scripts.MAX_READY} 1 1 0 1 0"},
-            {"line": f"0 0 {scripts.MAX_READY + 1} 1 1 0 1 0"},
-            "line_numbers",
-        ),
-        (
-            {"line": f"0 0 2 1 1 0 {scripts.MAX_LIMIT} 0"},
-            {"line": f"0 0 2 1 1 0 {scripts.MAX_LIMIT + 1} 0"},
-            "line_numbers",
-        ),
-        (
-            {"waiter": "w" * scripts.MAX_ID_LENGTH, "line": "0 1 2 1 1 0 1 0"},
-            {"waiter": "w" * (scripts.MAX_ID_LENGTH + 1), "line": "0 1 2 1 1 0 1 0"},
+            {"waiter": "w" * scripts.MAX_ID_LENGTH, "mode": 1},
+            {"waiter": "w" * (scripts.MAX_ID_LENGTH + 1), "mode": 1},
             "waiter",
         ),
     ],
@@ -173,17 +153,23 @@ def test_acquire_takes_each_bound_python_declares_and_refuses_one_past_it(
 
 def test_release_and_the_line_take_the_same_bounds(redis_client: redis.Redis) -> None:
     name = lease_name("t", "k")
-    release: list[Any] = [scripts.RELEASE, 2, name, fence_name("t", "k"), "nobody"]
-    assert redis_client.eval(*release, "w" * scripts.MAX_ID_LENGTH, scripts.MAX_READY, scripts.MAX_MS, 0) == 0
-    wrong: list[tuple[list[Any], str]] = [
-        (["", scripts.MAX_READY + 1, 1, 0], "ready"),
-        (["", 0, scripts.MAX_MS + 1, 0], "promote_ms"),
-        (["", 0, 1, scripts.MAX_MS + 1], "retention_ms"),
-        (["w" * (scripts.MAX_ID_LENGTH + 1), 0, 1, 0], "waiter"),
+    bounds: dict[str, Any] = {
+        "waiter": "w" * scripts.MAX_ID_LENGTH,
+        "ready": scripts.MAX_READY,
+        "promote_ms": scripts.MAX_MS,
+    }
+    assert redis_client.eval(*release_call(token="nobody", **bounds)) == 0
+    wrong: list[tuple[dict[str, Any], str]] = [
+        ({"ready": scripts.MAX_READY + 1}, "ready"),
+        ({"promote_ms": scripts.MAX_MS + 1}, "promote_ms"),
+        ({"retention_ms": scripts.MAX_MS + 1}, "retention_ms"),
+        ({"waiter": "w" * (scripts.MAX_ID_LENGTH + 1)}, "waiter"),
+        ({"by": "b" * (scripts.MAX_ID_LENGTH + 1)}, "by"),
+        ({"grant": "x"}, "grant"),
     ]
-    for args, refused in wrong:
+    for named, refused in wrong:
         with pytest.raises(redis.ResponseError, match=f"invalid {refused}"):
-            redis_client.eval(*release, *args)
+            redis_client.eval(*release_call(token="nobody", **named))
     hold: list[Any] = [scripts.LINE, 1, name, "hold", "h" * scripts.MAX_ID_LENGTH, scripts.MAX_MS, scripts.MAX_READY, 1]
     assert redis_client.eval(*hold, "w" * scripts.MAX_ID_LENGTH) == [b"x"]
     with pytest.raises(redis.ResponseError, match="invalid holder"):
@@ -196,8 +182,8 @@ def test_release_and_the_line_take_the_same_bounds(redis_client: redis.Redis) ->
 def test_a_waiter_in_place_blocks_by_the_block_constants(redis_client: redis.Redis) -> None:
     """MAX_BLOCK_MS (a key without TTL), BLOCK_SLACK_MS (past the holder's TTL) and READY_SLACK_MS (the place
     kept past the block), read from the reply and the waiter's entry: exact, whatever the machine's speed."""
-    assert acquire(redis_client, "k", "holder")[0] == 1
-    reply = acquire(redis_client, "k", "t1", waiter="w1", line="1 2 2 1000 1000 0 1 0")
+    assert acquire(redis_client, "k", token="holder")[0] == 1
+    reply = acquire(redis_client, "k", token="t1", waiter="w1", first_ms=1, mode=2, ready=2)
     pttl, now, action, block = int(reply[1]), int(reply[3]), int(reply[4]), int(reply[7])
     assert action == 1 and block == min(scripts.MAX_BLOCK_MS, pttl + scripts.BLOCK_SLACK_MS)
     entry = redis_client.hget(sibling("waiters", "k"), "w1")
@@ -205,21 +191,21 @@ def test_a_waiter_in_place_blocks_by_the_block_constants(redis_client: redis.Red
     state, deadline = entry.split()[:2]
     assert state == b"r" and int(deadline) == now + block + scripts.READY_SLACK_MS
     redis_client.persist(lease_name("t", "k"))  # a key without TTL: no expiry to wait for
-    reply = acquire(redis_client, "k", "t2", waiter="w2", line="2 2 2 1000 1000 0 1 0")
+    reply = acquire(redis_client, "k", token="t2", waiter="w2", first_ms=2, mode=2, ready=2)
     assert int(reply[4]) == 1 and int(reply[7]) == scripts.MAX_BLOCK_MS
 
 
 def test_the_line_keys_live_as_long_as_the_constants_say(redis_client: redis.Redis) -> None:
     """LINE_TTL_MS (the line and its waiters), WAKE_TTL_MS (a wake-up), DONE_MS (a waiter that ran)."""
-    assert acquire(redis_client, "k", "holder")[0] == 1
+    assert acquire(redis_client, "k", token="holder")[0] == 1
     pttls, lost = ttls_set(
         redis_client,
-        lambda: acquire(redis_client, "k", "t1", waiter="w1", line="1 2 2 1000 1000 0 1 0"),
+        lambda: acquire(redis_client, "k", token="t1", waiter="w1", first_ms=1, mode=2, ready=2),
         line_name("t", "k"),
         sibling("waiters", "k"),
     )
     assert all(scripts.LINE_TTL_MS - lost <= pttl <= scripts.LINE_TTL_MS for pttl in pttls), pttls
-    release: list[Any] = [scripts.RELEASE, 2, lease_name("t", "k"), fence_name("t", "k"), "holder", "w0", 2, 1000, 0]
+    release = release_call(token="holder", waiter="w0", ready=2)
     (wake, done), lost = ttls_set(
         redis_client, lambda: redis_client.eval(*release), wake_name("t", "k", "w1"), sibling("done", "k")
     )
@@ -227,19 +213,22 @@ def test_the_line_keys_live_as_long_as_the_constants_say(redis_client: redis.Red
     assert scripts.DONE_MS - lost <= done <= scripts.DONE_MS  # w0, which ran
 
 
-@pytest.mark.parametrize("script", ["release", "release_if_dead"])
+@pytest.mark.parametrize("script", ["release", "release_plain", "release_if_dead"])
 def test_a_counter_made_again_by_a_release_keeps_record_ms(redis_client: redis.Redis, script: str) -> None:
     """RECORD_MS: the counter a release writes again after it expired, for a caller that knows no retention."""
     names = [lease_name("t", "k"), fence_name("t", "k")]
-    assert acquire(redis_client, "k")[0] == 1
+    granted = acquire(redis_client, "k")
+    assert granted[0] == 1
     redis_client.delete(names[1])  # expired during the hold
-    args: list[Any] = ["t", "", 2, 1000, 0]
+    call = release_call()
+    if script == "release_plain":
+        call = [scripts.RELEASE_PLAIN, 3, *names, line_name("t", "k"), "tok", "", 0]
     if script == "release_if_dead":
-        args = [0]
+        call = [scripts.RELEASE_IF_DEAD, 2, *names, 0]
         redis_client.persist(names[0])
         redis_client.hset(names[0], "renewed_ms", 1)  # its holder's deadline long past
-    (pttl,), lost = ttls_set(redis_client, lambda: redis_client.eval(scripts.ALL[script], 2, *names, *args), names[1])
-    assert redis_client.hget(names[1], "released") == b"1"
+    (pttl,), lost = ttls_set(redis_client, lambda: redis_client.eval(*call), names[1])
+    assert redis_client.hget(names[1], "released") == str(granted[1]).encode()
     assert scripts.RECORD_MS - lost <= pttl <= scripts.RECORD_MS
 
 

@@ -195,7 +195,7 @@ def test_one_export_per_user_the_worker_adopts_the_lease_and_releases_it(stack: 
     third = wait_for(accepted_again, timeout=15, interval=0.1, what="a 202 once the export is over")
     assert third is not None  # for mypy: wait_for returns only a truthy value
     assert "finished" in runs(client, accepted["message_id"]), "a new export started before the first ended"
-    assert third.json()["fence"] == accepted["fence"] + 1
+    assert third.json()["fence"] > accepted["fence"]
     assert leases.fence_state(key)["released"] >= accepted["fence"], "the job released its lease, not its TTL"
 
 
@@ -233,7 +233,7 @@ def test_the_lease_expires_by_its_ttl_when_no_worker_takes_the_job(stack: Stack,
 
     third = post(url, user, 1.0)
     assert third.status_code == 202, third.text
-    assert third.json()["fence"] == fence + 1
+    assert third.json()["fence"] > fence
     assert leases.fence_state(key)["expired"] == fence, "the fence history records that the grant expired"
 
 

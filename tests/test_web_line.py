@@ -14,6 +14,7 @@ import pytest
 
 from dramatiq_leases import web
 from dramatiq_leases.core import Busy, Lease, Leases
+from dramatiq_leases.core.protocol import Turn
 from dramatiq_leases.embedded import EmbeddedRedis
 
 from .support.waiting import wait_for
@@ -41,7 +42,7 @@ def server_ms(leases: Leases) -> int:
     return int(seconds) * 1000 + int(micros) // 1000
 
 
-def worker_asks(leases: Leases, waiter: str) -> Lease | Busy:
+def worker_asks(leases: Leases, waiter: str) -> Lease | Turn:
     """A worker's message asking for the key (it joins the line if busy), as the middleware does.
 
     In a millisecond of its own: the line orders by first attempt in ms, and ties by name, so a worker asking
@@ -49,7 +50,7 @@ def worker_asks(leases: Leases, waiter: str) -> Lease | Busy:
     """
     before = server_ms(leases)
     wait_for(lambda: server_ms(leases) > before, what="the server's clock to pass a millisecond")
-    return leases._line.join(KEY, TTL, waiter=waiter, may_wait=False)
+    return leases.line.join(KEY, TTL, waiter=waiter, may_wait=False)
 
 
 def locked(answer: Lease | web.Locked) -> web.Locked:
@@ -62,7 +63,7 @@ def test_without_its_ticket_a_web_caller_takes_no_place_and_is_told_to_take_one(
     assert not worker_asks(leases, "m1:0")
     answer = locked(web.try_acquire(leases, KEY, TTL))
     assert web.valid_ticket(answer.ticket) == answer.ticket
-    assert (answer.busy.place, answer.busy.line) == (-1, 1)
+    assert (answer.place, answer.busy.line) == (-1, 1)
     assert leases.inspect_line(KEY).length == 1, "a request without a ticket leaves nothing in the line"
     # Honest: waiting for the holder's TTL would not help, the line goes first; take a place now.
     assert web.locked_response_headers(answer) == {"Retry-After": "1", web.TICKET_HEADER: answer.ticket}
@@ -82,25 +83,25 @@ def test_with_its_ticket_a_web_caller_gets_the_key_in_its_turn_while_workers_kee
     assert not worker_asks(leases, "m1:0")
     ticket = locked(web.try_acquire(leases, KEY, TTL)).ticket
     placed = locked(web.try_acquire(leases, KEY, TTL, ticket=ticket))
-    assert placed.ticket == ticket and (placed.busy.place, placed.busy.line) == (1, 2)
+    assert placed.ticket == ticket and (placed.place, placed.busy.line) == (1, 2)
     assert not worker_asks(leases, "m2:0"), "a worker that came later queues behind the web caller"
     again = locked(web.try_acquire(leases, KEY, TTL, ticket=ticket))
-    assert (again.busy.place, again.busy.line) == (1, 3), "asking again keeps the place, and takes no other"
+    assert (again.place, again.busy.line) == (1, 3), "asking again keeps the place, and takes no other"
 
     leases.release(holder)
     first = worker_asks(leases, "m1:0")
     assert isinstance(first, Lease)
     answer = locked(web.try_acquire(leases, KEY, TTL, ticket=ticket))
-    assert answer.busy.place == 0
+    assert answer.place == 0
     # The holder's TTL is 30 s, but the key may be released at any moment: come back in time to keep the place.
     assert web.retry_after(answer) == web.KEEP_PLACE_S
     assert web.locked_body(answer)["place"] == 0 and "next in line" in web.locked_body(answer)["detail"]
     assert not worker_asks(leases, "m3:0")
 
-    leases._line.release(KEY, first.token, waiter="m1:0")
+    leases.line.release(KEY, first.token, waiter="m1:0")
     assert not worker_asks(leases, "m2:0"), "the free key waits for its head, the web caller"
     freed = locked(web.try_acquire(leases, KEY, TTL))
-    assert freed.busy.place == -1, "and not for a request without a place"
+    assert freed.place == -1, "and not for a request without a place"
     granted = web.try_acquire(leases, KEY, TTL, ticket=ticket)
     assert isinstance(granted, Lease) and granted.from_line
     line = leases.inspect_line(KEY)
@@ -130,7 +131,7 @@ def test_anything_but_a_ticket_of_ours_takes_no_place_nor_a_workers(leases: Leas
     holder = hold(leases)
     assert not worker_asks(leases, "m1:0")
     answer = locked(web.try_acquire(leases, KEY, TTL, ticket=forged))
-    assert answer.busy.place == -1 and answer.ticket != forged
+    assert answer.place == -1 and answer.ticket != forged
     line = leases.inspect_line(KEY)
     assert (line.length, line.head) == (1, "m1:0")
     leases.release(holder)
@@ -140,7 +141,7 @@ def test_anything_but_a_ticket_of_ours_takes_no_place_nor_a_workers(leases: Leas
 def test_a_ticket_not_sent_back_loses_its_place_and_the_workers_go_on(leases: Leases) -> None:
     holder = hold(leases)
     ticket = locked(web.try_acquire(leases, KEY, TTL)).ticket
-    assert locked(web.try_acquire(leases, KEY, TTL, ticket=ticket)).busy.place == 0
+    assert locked(web.try_acquire(leases, KEY, TTL, ticket=ticket)).place == 0
     assert not worker_asks(leases, "m1:0")
     leases.release(holder)
     # The web client went away (tab closed): the free key waits for it 10 s at most, then goes on down the line.
@@ -153,4 +154,4 @@ def test_a_ticket_not_sent_back_loses_its_place_and_the_workers_go_on(leases: Le
     assert isinstance(granted, Lease)  # for mypy: wait_for returns only a truthy value, here the Lease
     assert granted.from_line
     comeback = locked(web.try_acquire(leases, KEY, TTL, ticket=ticket))
-    assert comeback.busy.place == 0 and comeback.ticket == ticket, "back late, it joins again (the line was empty)"
+    assert comeback.place == 0 and comeback.ticket == ticket, "back late, it joins again (the line was empty)"

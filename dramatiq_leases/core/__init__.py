@@ -15,7 +15,7 @@ from .heartbeat import Heartbeat
 from .history import HistoryEvent
 from .info import LeaseInfo, State, stale_after
 from .keys import DEFAULT_PREFIX, KeyTemplate
-from .lease import Busy, Lease, LostReason, Renewal, Wait
+from .lease import Busy, Lease, LostReason, Renewal
 from .reading import LineInfo, ReadGaps
 from .recovery import DeadRelease
 from .store import Leases
@@ -44,6 +44,5 @@ __all__ = [
     "RedisClient",
     "Renewal",
     "State",
-    "Wait",
     "stale_after",
 ]

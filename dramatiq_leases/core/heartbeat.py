@@ -7,7 +7,7 @@ confirmed renewal (Redis unreachable, or the maximum hold reached), so the
 verdict never waits on a hung socket; it also replaces a renewer that died or
 hangs.
 
-:meth:`Heartbeat.track` and :meth:`Heartbeat.untrack` are called on worker
+:meth:`Heartbeat.track`, :meth:`Heartbeat.untrack` and :meth:`Heartbeat.renew_until` are called on worker
 threads, where an asynchronous exception (Dramatiq's ``TimeLimitExceeded`` or
 ``Shutdown``, a ``LeaseLost``) can land between any two bytecodes. So they
 take no lock: each changes shared state with one operation that is atomic
@@ -31,7 +31,7 @@ from itertools import islice
 
 from . import tracing
 from .errors import LeaseUnavailableError
-from .lease import Lease, LostReason, Renewal
+from .lease import Lease, LostReason, Renewal, declare_lost
 from .metrics import NULL_METRICS, LeaseMetrics
 from .store import Leases
 
@@ -56,9 +56,9 @@ MIN_HUNG_AFTER = 0.25
 
 
 class _Entry:
-    """One tracked lease. Worker threads write only ``ended_at``; heartbeat threads the rest."""
+    """One tracked lease. Worker threads write only ``ended_at`` and ``ends_by``; heartbeat threads the rest."""
 
-    __slots__ = ("context", "counted", "ended_at", "lease", "next_due", "on_lost", "started")
+    __slots__ = ("context", "counted", "ended_at", "ends_by", "lease", "next_due", "on_lost", "started")
 
     def __init__(self, lease: Lease, on_lost: LostCallback) -> None:
         self.lease = lease
@@ -68,6 +68,8 @@ class _Entry:
         self.started = time.monotonic()
         self.next_due = self.started + lease.interval / 1000
         self.ended_at: float | None = None
+        # Renewed until then at the latest (monotonic): see Heartbeat.renew_until.
+        self.ends_by = math.inf
         self.counted = False
 
 
@@ -163,6 +165,20 @@ class Heartbeat:
         entry.ended_at = time.monotonic()
         return True
 
+    def renew_until(self, lease: Lease, deadline: float) -> bool:
+        """Renew ``lease`` until :meth:`untrack`, but not past ``deadline`` (``time.monotonic()``): then it is
+        untracked as if :meth:`untrack` had been called at ``deadline``. Returns ``False`` if it was not tracked.
+
+        For a lease whose holder is done but whose release another thread sends: kept alive until that
+        release, and left to its TTL after ``deadline`` should the release never come. Safe on a thread
+        that can be interrupted, and idempotent (the earliest deadline given stands): one store.
+        """
+        entry = self._entries.get(lease.token)
+        if entry is None or entry.ended_at is not None:
+            return False
+        entry.ends_by = min(entry.ends_by, deadline)
+        return True
+
     @property
     def running(self) -> bool:
         """Whether a heartbeat thread (the renewer or the watchdog) is alive."""
@@ -209,12 +225,17 @@ class Heartbeat:
         thread.start()
 
     def _sweep(self) -> list[_Entry]:
-        """Drop ended entries, count new ones; return the live entries."""
+        """Drop ended entries (and those past their :meth:`renew_until`), count new ones; return the live entries."""
         live: list[_Entry] = []
+        now = time.monotonic()
         with self._lock:
             for entry in list(self._entries.values()):
-                if entry.ended_at is not None:
-                    self._drop(entry, entry.ended_at)
+                ends_by = entry.ends_by
+                if entry.ended_at is None and ends_by <= now:
+                    entry.ended_at = ends_by
+                ended_at = entry.ended_at
+                if ended_at is not None:
+                    self._drop(entry, ended_at)
                     continue
                 if not entry.counted:
                     entry.counted = True
@@ -373,11 +394,13 @@ class Heartbeat:
         # The holder is told before anything is logged: a log handler can block (a full stderr pipe, a
         # stalled log shipper), and the loss must not wait on it.
         try:
-            entry.on_lost(lease, reason)  # before _lost(): whoever reads remaining() == 0 next finds the reason set
+            entry.on_lost(
+                lease, reason
+            )  # before declare_lost(): whoever reads remaining() == 0 next finds the reason set
         except Exception:
             logger.exception("Lost-lease callback failed for %r.", lease.key)
         finally:
-            lease._lost()
+            declare_lost(lease)
             logger.error("Lease %r (fence %d) lost: %s.", lease.key, lease.fence, reason.description)
             self.metrics.lost(lease.meta, reason.value)
 

@@ -11,11 +11,20 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .scripts import MAX_LIMIT
+import redis
+
+from . import scripts
+from .client import unavailable
+from .errors import LeaseConfigError, LeaseStateError
+from .info import meta_args
+from .keys import history_name, lease_name, validate_key
+from .numbers import whole_count, whole_ms
+from .runner import ScriptRunner
+from .scripts import MAX_ID_LENGTH, MAX_LIMIT
 
 #: Every event a history holds, in the words :attr:`HistoryEvent.event` uses.
 EVENTS = (
@@ -166,3 +175,83 @@ def parse(entries: Iterable[str | bytes]) -> list[HistoryEvent]:
             )
         out.append(event)
     return out
+
+
+class History:
+    """The histories of a store's keys under ``prefix``: read, and appended to outside the scripts (for the store,
+    not a user API). ``cap``: how many events each key's history keeps (0: none kept)."""
+
+    def __init__(self, runner: ScriptRunner, prefix: str, cap: int) -> None:
+        self.runner = runner
+        self.prefix = prefix
+        self.cap = cap
+        self._script = runner.register(scripts.HISTORY)
+
+    def read(self, key: str) -> list[HistoryEvent]:
+        """:meth:`~.store.Leases.history`."""
+        name = history_name(self.prefix, validate_key(key))
+        with unavailable(f"read the history of {key!r}", key):
+            try:
+                entries = self.runner.client.lrange(name, 0, -1)
+            except redis.ResponseError as e:
+                if "WRONGTYPE" not in str(e):
+                    raise
+                raise LeaseStateError(f"the history of {key!r} ({name}) is not a list: {e}", key=key) from None
+        return parse(entries)
+
+    def record(
+        self, key: str, event: str, *, fence: int, reason: str, meta: Mapping[str, str] | None, waited_ms: int
+    ) -> None:
+        """:meth:`~.store.Leases.record_history`."""
+        if not self.cap:
+            return
+        validate_key(key)
+        if event not in ("skipped", "failed", "gave_up"):
+            raise LeaseConfigError(f"record_history: event must be 'skipped', 'failed' or 'gave_up', got {event!r}")
+        fence = whole_count(fence, "fence", maximum=2**53, owner="record_history")
+        if not isinstance(reason, str) or len(reason.encode()) > MAX_ID_LENGTH:  # the scripts count bytes
+            raise LeaseConfigError(f"record_history: reason must be a string of at most {MAX_ID_LENGTH} bytes")
+        waited_ms = whole_ms(waited_ms, "waited_ms", minimum=0, owner="record_history")
+        packed = meta_args(key, dict(meta or {}))  # checked as a lease's metadata is
+        args = [self.cap, event, fence, reason, packed[3] if len(packed) > 2 else "", waited_ms]
+        with unavailable(f"record the history of {key!r}", key):
+            self.runner.call(self._script, [lease_name(self.prefix, key)], args)
+
+
+class Histories:
+    """The history methods of a :class:`~.store.Leases` (one of its base classes), through its :class:`History`."""
+
+    def __init__(self, history: History) -> None:
+        self._history = history
+
+    def history(self, key: str) -> list[HistoryEvent]:
+        """The history of ``key``, oldest event first (empty if it has none: the store's ``history`` is off,
+        or nothing happened to the key for a week). Readable whatever this store's own ``history`` setting.
+
+        Raises:
+          LeaseStateError: the history's Redis key is of another type (written by hand).
+          LeaseUnavailableError: Redis could not be asked.
+        """
+        return self._history.read(key)
+
+    def record_history(
+        self,
+        key: str,
+        event: str,
+        *,
+        fence: int = 0,
+        reason: str = "",
+        meta: Mapping[str, str] | None = None,
+        waited_ms: int = 0,
+    ) -> None:
+        """Append an event decided outside the scripts (``skipped``, ``failed``, ``gave_up``) to the history of
+        ``key``, stamped with the server's time; nothing (no call) if this store keeps no history. ``meta``: the
+        message's metadata (``message_id``, ``actor``, ``host``, ``pid``), named in the event; ``waited_ms``:
+        how long it had waited for the key.
+
+        Raises:
+          LeaseConfigError: an unknown ``event``, a ``fence`` or ``waited_ms`` that is not a whole number, a
+            ``reason`` over 512 bytes (UTF-8), or ``meta`` that is not strings.
+          LeaseUnavailableError: Redis could not be asked.
+        """
+        self._history.record(key, event, fence=fence, reason=reason, meta=meta, waited_ms=waited_ms)

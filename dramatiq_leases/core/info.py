@@ -170,6 +170,10 @@ _CORE_FIELDS = frozenset(
         "waiter",
     }
 )
+#: Hash fields the scripts own that came after metadata names were checked against :data:`_CORE_FIELDS` (a
+#: metadata entry may still use the name: it is stored in ``meta``): never shown as metadata. ``wide``: the
+#: holder was granted while its key had one holder, and the key has had several since (``lua/acquire.lua``).
+_LATER_FIELDS = frozenset({"wide"})
 
 
 def text(value: Any) -> str:
@@ -225,7 +229,7 @@ def meta_args(key: str, meta: Mapping[str, str]) -> list[str]:
 
 def _meta(raw: Mapping[str, str]) -> dict[str, str]:
     """The holder metadata of a lease hash: its ``meta`` JSON, plus any other non-core field (older leases)."""
-    meta = {k: v for k, v in raw.items() if k not in _CORE_FIELDS}
+    meta = {k: v for k, v in raw.items() if k not in _CORE_FIELDS and k not in _LATER_FIELDS}
     packed = meta.pop("meta", None)
     if packed is not None:
         try:

@@ -8,10 +8,13 @@ or from a callable taking the same arguments as the function.
 
 from __future__ import annotations
 
+import binascii
+import functools
 import hashlib
 import inspect
 import string
 from collections.abc import Callable, Mapping
+from importlib.resources import files
 from typing import Any
 
 from .errors import LeaseConfigError, LeaseKeyError
@@ -33,7 +36,7 @@ def validate_key(key: object, *, what: str = "lease key") -> str:
 
 
 #: The kinds of Redis key a lease key has, named ``{prefix}:{kind}:{tag}`` (see :func:`lease_name` and its siblings).
-KEY_KINDS = ("lease", "fence", "line", "waiters", "done", "history")
+KEY_KINDS = ("lease", "fence", "line", "waiters", "done", "history", "epoch")
 
 _GLOB = "glob characters in the SCAN patterns that `list` and the exporter build from the prefix would match other keys"
 
@@ -115,6 +118,37 @@ def fence_name(prefix: str, key: str) -> str:
 def line_name(prefix: str, key: str) -> str:
     """The Redis key of the line of waiters for ``key`` (a sorted set by first attempt)."""
     return f"{prefix}:line:{{{hash_tag(key)}}}"
+
+
+def done_name(prefix: str, key: str) -> str:
+    """The Redis key of the waiters of ``key`` that ran (a sorted set by expiry; see :mod:`.line`)."""
+    return f"{prefix}:done:{{{hash_tag(key)}}}"
+
+
+@functools.cache
+def _slot_tags() -> tuple[str, ...]:
+    """For each Redis Cluster slot, a hash tag in it (``tools/slot_tags.py`` wrote them)."""
+    return tuple(files(__package__).joinpath("slot_tags.txt").read_text(encoding="ascii").split())
+
+
+def epoch_name(prefix: str, key: str) -> str:
+    """The Redis key of the epoch record of the Cluster slot ``key`` is in (the failover grace, in
+    ``lua/acquire.lua``): one record per slot, named with that slot's tag, so a script on the key declares it."""
+    slot = binascii.crc_hqx(hash_tag(key).encode(), 0) % 16_384  # Redis Cluster's CRC16 (XMODEM) of the tag
+    return f"{prefix}:epoch:{{{_slot_tags()[slot]}}}"
+
+
+@functools.lru_cache(maxsize=1024)
+def script_names(prefix: str, key: str) -> tuple[str, str, str, str, str]:
+    """The lease (slot 0), fence, line, done and epoch names of ``key``: the grant's ``KEYS`` (the release's are
+    the first four), built once for the last 1 024 keys (per-invoice keys must not grow it without bound)."""
+    return (
+        lease_name(prefix, key),
+        fence_name(prefix, key),
+        line_name(prefix, key),
+        done_name(prefix, key),
+        epoch_name(prefix, key),
+    )
 
 
 def unique_name(prefix: str, key: str) -> str:

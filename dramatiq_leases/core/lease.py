@@ -13,12 +13,20 @@ from __future__ import annotations
 import math
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum
-from typing import Literal
+from typing import Literal, Protocol
 
-from .numbers import margin_ms
+#: Part of the TTL a holder keeps as a safety margin: it stops trusting its lease
+#: ``ttl * SAFETY_MARGIN`` before the key can expire on the server, so an actor
+#: interrupted at its deadline has that long to stop before anyone else is granted the key.
+SAFETY_MARGIN = 0.1
+
+
+def margin_ms(ttl: int) -> int:
+    """The safety margin of a lease with this TTL, in whole milliseconds (always below the TTL)."""
+    return int(ttl * SAFETY_MARGIN)
 
 
 def new_token() -> str:
@@ -117,40 +125,31 @@ class Lease:
         """Seconds this process may still rely on the lease (0 once it must not)."""
         return max(0.0, self._valid_until - time.monotonic())
 
-    def _confirm(self, sent_at: float) -> None:
-        """Record a renewal that Redis confirmed; ``sent_at`` is when it was sent (monotonic)."""
-        if self._ended:
-            return  # declared lost: a late reply never revives it
-        # max: a slow reply to an earlier renewal must not pull back what a later one confirmed.
-        self._valid_until = max(self._valid_until, min(sent_at + (self.ttl - self.margin) / 1000, self._hold_until))
-
-    def _lost(self) -> None:
-        """The lease was declared lost: this process must not rely on it any more (``remaining()`` is 0)."""
-        self._ended = True
-        self._valid_until = -math.inf
-
     def __repr__(self) -> str:
         return f"Lease(key={self.key!r}, fence={self.fence}, ttl={self.ttl}, remaining={self.remaining():.3f}s)"
 
 
-class Wait(str, Enum):
-    """What a waiter of a key's line should do with a busy answer."""
+def confirm(lease: Lease, sent_at: float) -> None:
+    """Record a renewal of ``lease`` that Redis confirmed; ``sent_at`` is when it was sent (monotonic)."""
+    if lease._ended:
+        return  # declared lost: a late reply never revives it
+    # max: a slow reply to an earlier renewal must not pull back what a later one confirmed.
+    until = min(sent_at + (lease.ttl - lease.margin) / 1000, lease._hold_until)
+    lease._valid_until = max(lease._valid_until, until)
 
-    #: Not in the line (asked without a waiter id).
-    NONE = "none"
-    #: Wait in place: block on the waiter's wake list, then ask again.
-    IN_PLACE = "in_place"
-    #: Park: leave the worker thread; the waiter is asked to come back when its turn nears.
-    PARK = "park"
-    #: Near the front, but not allowed to wait in place: park, as :attr:`PARK` (promoted at the next release).
-    SOON = "soon"
-    #: This waiter already ran: the message is a stray copy and must not run.
-    DUPLICATE = "duplicate"
-    #: A newer waiter of the key took this one's place (``lock_on_busy="latest"``): it must not run.
-    SUPERSEDED = "superseded"
-    #: Another copy of this message (the same waiter) holds the key and runs: ask again later, outside the
-    #: line (a redelivery of a crashed run then runs once that lease ends; a stray copy finds it ran).
-    COPY_HOLDS = "copy_holds"
+
+def declare_lost(lease: Lease) -> None:
+    """``lease`` was declared lost: this process must not rely on it any more (``remaining()`` is 0)."""
+    lease._ended = True
+    lease._valid_until = -math.inf
+
+
+class Tracker(Protocol):
+    """What keeps a lease alive while a :meth:`~.store.Leases.lease` block runs: a :class:`~.heartbeat.Heartbeat`."""
+
+    def track(self, lease: Lease, on_lost: Callable[[Lease, LostReason], None]) -> None: ...
+
+    def untrack(self, lease: Lease) -> object: ...
 
 
 @dataclass(frozen=True)
@@ -162,23 +161,14 @@ class Busy:
       ttl_left: the holder's remaining TTL in milliseconds (-1: the key has no TTL).
       fence: the holder's fencing token (0 if unknown).
       now_ms: the Redis server's clock when it answered (Unix ms; 0 if unknown).
-      wait: what the waiter should do (:class:`Wait`).
-      place: the waiter's place in the line (0: its head; -1: not in it).
       line: how many wait in the key's line.
-      block_ms: with :attr:`Wait.IN_PLACE`, how long to block before asking again.
-      newer: with :attr:`Wait.SUPERSEDED`, the message id of the newest message of the key that reached
-        the lease (``""`` if unknown).
     """
 
     key: str
     ttl_left: int
     fence: int
     now_ms: int = 0
-    wait: Wait = Wait.NONE
-    place: int = -1
     line: int = 0
-    block_ms: int = 0
-    newer: str = ""
 
     @property
     def retry_after(self) -> int:

@@ -17,47 +17,42 @@ message never runs again. Every decision is taken inside one script.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
-
-from redis.cluster import RedisCluster
+from typing import Any
 
 from .client import MAX_BLOCK_S, connection_kwargs, pool_connection, unavailable
 from .errors import LeaseConfigError
+from .grants import Grants
 from .keys import lease_name, order_name, validate_key, wake_name
-from .lease import Busy, Lease
-from .scripts import ORDER, WAKE_TTL_MS
+from .lease import Lease, new_token
+from .numbers import check_numbers
+from .protocol import DEFAULT_PARK_MS, DEFAULT_READY, PROMOTE_MS, GrantRequest, Join, Released, ReleaseRequest, Turn
+from .runner import ScriptRunner
+from .scripts import LINE, ORDER, WAKE_TTL_MS
 
-if TYPE_CHECKING:
-    from .store import Leases
-
-#: How many waiters of one key may wait in place (holding a thread) by default.
-DEFAULT_READY = 2
-
-#: How long a parked waiter stays away at most, by default (ms).
-DEFAULT_PARK_MS = 300_000
-
-#: How long a waiter asked to come back (promoted) has to show up, in ms (as in ``lua/*.lua``).
-PROMOTE_MS = 10_000
+__all__ = ["DEFAULT_PARK_MS", "DEFAULT_READY", "PROMOTE_MS", "Line"]
 
 
 class Line:
-    """The line of waiters of a :class:`~dramatiq_leases.core.store.Leases` (its ``_line`` part).
+    """The line of waiters of a :class:`~dramatiq_leases.core.store.Leases` (its :attr:`~.store.Leases.line`).
 
     For the package's integrations (the middleware, the web helpers), not a public API: joining a line
     means promising to wait as the line expects (block in place, or park a copy and listen on a channel).
-    Every call goes through the store's one call path (its thread's connection, a Cluster's node, or the
-    pool). ``ready``, ``park_ms`` and ``promote_ms`` are rules every process must share (the scripts
-    decide for all waiters with them): callers keep the defaults; tests shorten them.
+    Every call goes through the store's ``runner`` (its thread's connection, a Cluster's node, or the
+    pool), grants and releases through its ``grants``. ``ready``, ``park_ms`` and ``promote_ms`` are rules
+    every process must share (the scripts decide for all waiters with them): callers keep the defaults;
+    tests shorten them.
     """
 
-    def __init__(self, store: Leases) -> None:
-        self._store = store
-        self.client = store.client
-        self.prefix = store.prefix
-        self._order_script = store.client.register_script(ORDER)
+    def __init__(self, runner: ScriptRunner, grants: Grants) -> None:
+        self.runner = runner
+        self.grants = grants
+        self.client = runner.client
+        self.prefix = grants.prefix
+        self._order_script = runner.register(ORDER)
+        self._line_script = runner.register(LINE)
 
     def _call(self, script: Any, keys: list[str], args: list[Any]) -> Any:
-        return self._store._call(script, keys, args)
+        return self.runner.call(script, keys, args)
 
     def _line_keys(self, key: str) -> list[str]:
         return [lease_name(self.prefix, key)]  # the script derives the line's keys from it
@@ -82,40 +77,45 @@ class Line:
         latest: bool = False,
         order: int | None = None,
         final: bool = False,
-    ) -> Lease | Busy:
+        unique: bool = False,
+    ) -> Lease | Turn:
         """:meth:`Leases.try_acquire` as ``waiter`` of ``key``'s line: granted at the head, else a place.
 
         ``waiter`` is a message id and its retry count; ``first_ms`` its first attempt (server Unix ms;
         0 for now), which orders the line; ``may_wait``: it may wait in place (block on its wake list)
-        when among the ``ready`` first, else it parks. The :class:`Busy` answer's ``wait`` says how.
+        when among the ``ready`` first, else it parks. The :class:`~.protocol.Turn` answer's ``wait`` says how.
         ``joins``: ``False`` asks as ``waiter`` (a copy of one that ran is still told so) but never joins
-        the line: a busy answer is then :attr:`Wait.NONE`. ``limit``: how many may hold the key at once
+        the line: a busy answer is then :attr:`~.protocol.Wait.NONE`. ``limit``: how many may hold the key at once
         (then ``ready + limit - 1`` may wait in place);
         ``latest``: the key keeps only its newest waiter that joined so (the older one's answer, or its
         holder's :meth:`hold`, becomes ``superseded``), newest by ``order`` (needed then: when its message was
         sent, :meth:`send_order`); a message whose order is below the newest that reached the lease (granted, or
-        waiting so) is superseded itself, wherever it meets the key, and :attr:`Busy.newer` names that one;
+        waiting so) is superseded itself, wherever it meets the key, and :attr:`~.protocol.Turn.newer` names that one;
         ``final`` (with ``joins=False``): a busy answer is
-        remembered as this waiter's outcome, so a copy of its message asking later is told it is a duplicate.
+        remembered as this waiter's outcome, so a copy of its message asking later is told it is a duplicate;
+        ``unique``: the grant ends the message's queued unique record (``lock_unique``) in the same step.
         """
         if not isinstance(waiter, str) or not waiter:
             raise LeaseConfigError(f"a waiter of {key!r} needs a non-empty id, got {waiter!r}", key=key)
-        return self._store._grant(
+        ttl, interval, max_hold = check_numbers(ttl, interval, max_hold)
+        request = GrantRequest(
             key,
+            token or new_token(),
             ttl,
             interval=interval,
             max_hold=max_hold,
-            meta=meta,
-            token=token,
+            meta=meta or {},
             waiter=waiter,
             first_ms=first_ms,
-            mode=(2 if may_wait else 1) if joins else 0,
+            join=(Join.IN_PLACE if may_wait else Join.PARK) if joins else Join.NEVER,
             rules=(ready, park_ms, promote_ms),
             limit=limit,
             latest=latest,
-            order=order,
+            order=order or 0,
             final=final,
+            unique=unique,
         )
+        return self.grants.grant(request)
 
     def send_order(self, key: str) -> int:
         """The order of a message of ``key`` sent now, for :meth:`join` with ``latest``: above every order handed
@@ -141,10 +141,8 @@ class Line:
         remembered as having run (for an hour), so a stray copy of its message never runs again. ``slot``: the
         grant's (``None``: looked for by token). ``True`` also when an earlier try released it (its reply lost:
         known by ``fence``, with ``slot``)."""
-        code = self._store._release_token(
-            key, token, fence=fence, slot=slot, waiter=waiter, ready=ready, promote_ms=promote_ms
-        )
-        return code != 0
+        request = ReleaseRequest(key, token, fence=fence, slot=slot, waiter=waiter, ready=ready, promote_ms=promote_ms)
+        return self.grants.release(request) is not Released.NOT_HELD
 
     def hold(
         self,
@@ -168,7 +166,7 @@ class Line:
         validate_key(key)
         with unavailable(f"hold waiters of {key!r}", key):
             args = ["hold", channel, park_ms, ready, promote_ms, *waiters]
-            reply = self._call(self._store._line_script, self._line_keys(key), args)
+            reply = self._call(self._line_script, self._line_keys(key), args)
         return [r.decode() if isinstance(r, bytes) else str(r) for r in reply]
 
     def leave(
@@ -178,13 +176,13 @@ class Line:
         validate_key(key)
         keys, args = self._line_keys(key), ["leave", "", 1, ready, promote_ms, *waiters]
         with unavailable(f"leave the line of {key!r}", key):
-            return int(self._call(self._store._line_script, keys, args))
+            return int(self._call(self._line_script, keys, args))
 
     def wake(self, key: str, waiter: str) -> None:
         """Wake ``waiter`` if it waits in place (it then asks again); for a process shutting down."""
         name = wake_name(self.prefix, validate_key(key), waiter)
         with unavailable(f"wake a waiter of {key!r}", key):
-            pipe = self._node_of(name).pipeline(transaction=False)
+            pipe = self.runner.node_of(name).pipeline(transaction=False)
             pipe.lpush(name, 0)
             pipe.pexpire(name, WAKE_TTL_MS)
             pipe.execute()
@@ -201,17 +199,11 @@ class Line:
         """
         name = wake_name(self.prefix, key, waiter)
         with unavailable(f"wait for {key!r}", key):
-            if self._store._threads is not None:
-                return self._store._threads.blpop(name, block_ms)
+            if self.runner.threads is not None:
+                return self.runner.threads.blpop(name, block_ms)
             limit = (connection_kwargs(self.client).get("socket_timeout") or MAX_BLOCK_S + 1) - 0.5
             timeout = max(0.05, min(block_ms / 1000, limit))
-            return _blpop(self._node_of(name), name, timeout)
-
-    def _node_of(self, name: str) -> Any:
-        """The client for the Redis key ``name``: the master of its slot, on a Cluster (without retries)."""
-        if isinstance(self.client, RedisCluster):
-            return self.client.get_node_from_key(name).redis_connection  # type: ignore[no-untyped-call]
-        return self.client
+            return _blpop(self.runner.node_of(name), name, timeout)
 
 
 def _blpop(client: Any, name: str, timeout: float) -> bool:

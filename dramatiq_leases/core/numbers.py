@@ -8,11 +8,6 @@ from typing import Any
 from .errors import LeaseConfigError
 from .scripts import MAX_MS
 
-#: Part of the TTL a holder keeps as a safety margin: it stops trusting its lease
-#: ``ttl * SAFETY_MARGIN`` before the key can expire on the server, so an actor
-#: interrupted at its deadline has that long to stop before anyone else is granted the key.
-SAFETY_MARGIN = 0.1
-
 
 def whole_ms(value: Any, name: str, *, minimum: int = 1, owner: str = "", maximum: int = MAX_MS) -> int:
     """Return ``value`` as an ``int`` if it is a whole number of milliseconds in ``[minimum, maximum]``.
@@ -36,11 +31,6 @@ def whole_ms(value: Any, name: str, *, minimum: int = 1, owner: str = "", maximu
             f"{prefix}{name} must be a whole number of milliseconds from {minimum} to {maximum}, got {value!r}"
         )
     return int(value)
-
-
-def margin_ms(ttl: int) -> int:
-    """The safety margin of a lease with this TTL, in whole milliseconds (always below the TTL)."""
-    return int(ttl * SAFETY_MARGIN)
 
 
 def whole_count(value: Any, name: str, *, maximum: int, owner: str = "") -> int:
@@ -73,3 +63,11 @@ def whole_limit(value: Any, name: str, *, maximum: int, owner: str = "") -> int:
         prefix = f"{owner}: " if owner else ""
         raise LeaseConfigError(f"{prefix}{name} must be a whole number (an int) from 1 to {maximum}, got {value!r}")
     return value
+
+
+def check_numbers(ttl: Any, interval: Any, max_hold: Any) -> tuple[int, int, int]:
+    """Validated ``(ttl, interval or 0, max_hold or 0)`` of a grant: every number is checked before any write."""
+    ttl = whole_ms(ttl, "ttl")
+    interval = 0 if interval is None else whole_ms(interval, "interval")
+    max_hold = 0 if max_hold is None else whole_ms(max_hold, "max_hold")
+    return ttl, interval, max_hold

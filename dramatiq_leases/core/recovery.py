@@ -5,10 +5,15 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+from . import scripts
 from .client import unavailable
 from .errors import LeaseStateError
 from .info import LeaseInfo
 from .keys import fence_name, lease_name, validate_key
+from .numbers import whole_count
+from .protocol import operator_name
+from .reading import Reader
+from .runner import ScriptRunner
 
 
 class DeadRelease(NamedTuple):
@@ -27,6 +32,38 @@ class DeadRelease(NamedTuple):
     released: bool | None
     deadline_in: float | None
     fence: int
+
+
+class Recovery:
+    """:meth:`~.store.Leases.release_if_dead` of a store's keys under ``prefix`` (for the store, not a user API):
+    the holders read with ``reader``, the script run by ``runner``. ``fence_retention`` and ``history`` are the
+    store's (0: none)."""
+
+    def __init__(
+        self, runner: ScriptRunner, reader: Reader, prefix: str, *, fence_retention: int, history: int
+    ) -> None:
+        self.runner = runner
+        self.reader = reader
+        self.prefix = prefix
+        self.fence_retention = fence_retention
+        self.history = history
+        self._script = runner.register(scripts.RELEASE_IF_DEAD)
+
+    def call(self, keys: list[str], args: list[Any]) -> Any:
+        """Run the ``RELEASE_IF_DEAD`` script with ``keys`` and ``args``."""
+        return self.runner.call(self._script, keys, args)
+
+    def release_if_dead(self, key: str, *, fence: int | None, by: str | None) -> DeadRelease:
+        """:meth:`~.store.Leases.release_if_dead`."""
+        who = operator_name(by)
+        if fence is not None:
+            fence = whole_count(fence, "fence", maximum=2**53, owner="release_if_dead")
+        holder = target(validate_key(key), self.reader.holders(key), fence)
+        if holder is None:
+            return DeadRelease(None, None, 0)
+        return release_if_dead(
+            self.call, self.prefix, self.fence_retention, key, holder, history=self.history or -1, by=who
+        )
 
 
 def target(key: str, holders: Sequence[LeaseInfo], fence: int | None) -> LeaseInfo | None:

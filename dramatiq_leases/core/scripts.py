@@ -1,6 +1,10 @@
 """Lua scripts behind every lease operation, built once from ``core/lua/*.lua``.
 
-Each operation is one script and one round trip. A ``.lua`` file begins with
+Each operation is one script and one round trip, but for two: a grant or a
+release that uses no option runs a plain script of a few commands first
+(``lua/acquire_plain.lua``, ``lua/release_plain.lua``), which answers
+:data:`NOT_PLAIN` without writing when the key is busy, lined or wide; the
+general script then decides, a round trip later. A ``.lua`` file begins with
 its header: its KEYS and ARGV, one per line (``--   N name: what it is``, the
 name the script gives it), then what it returns. The helpers the scripts share
 are written once, in sections of ``lua/prelude.lua``; a script names those it
@@ -24,13 +28,14 @@ see :func:`dramatiq_leases.core.keys.hash_tag`):
   was adopted) and the holder's metadata. It always carries a TTL. A key
   several may hold at once (``limit``) has a hash per holder slot: slot 0 is
   ``P:lease:{T}``, slot ``s`` is ``P:lease:{T}:s``; each also names its
-  ``slot`` and the ``limit`` it was granted under.
-* ``P:fence:{T}``: a hash that outlives every grant: ``fence`` (the last
-  fencing token handed out, across all slots), ``released`` (the last fence
-  released), ``released_ms`` (when) and ``expired`` (the last fence seen
-  ending by TTL). Once a key was held by several, ``width`` (how many slots
-  may be held) and per slot ``g:s``, ``r:s``, ``e:s`` (granted, released,
-  expired) instead; it then outlives every holder, whatever the retention.
+  ``slot`` and the ``limit`` it was granted under. A holder granted while the key had one holder is marked
+  ``wide`` once the key has several: its release and renewals then keep the counter as a slot's do.
+* ``P:fence:{T}``: a hash that outlives every grant: ``fence`` (the last fencing token handed out, across all
+  slots), ``released`` (the last fence released; 0, written by the counter's first grant, until one was; a counter a
+  release made again keeps that release's),
+  ``released_ms`` (when) and ``expired`` (the last fence seen ending by TTL). Once a key was held by several,
+  ``width`` (how many slots may be held) and per slot ``g:s``, ``r:s``, ``e:s`` (granted, released, expired)
+  instead; it then outlives every holder, whatever the retention.
 * ``P:line:{T}``: the line of waiters, a sorted set by first attempt;
   ``P:waiters:{T}``: each waiter's state, ``"<p|m|r> <deadline_ms> <holder> <actor>"``
   (parked, promoted, waiting in place); ``P:line:{T}:w:<waiter>``: the list a
@@ -44,9 +49,13 @@ see :func:`dramatiq_leases.core.keys.hash_tag`):
 * ``P:order:{T}``: the key's order record (``lock_on_busy="latest"`` only), a hash: ``seq`` (the last order
   handed to a send, ``lua/order.lua``), ``seen`` and ``by`` (the newest order that reached the lease, granted or
   waiting as the key's latest, and its waiter, ``lua/acquire.lua``); kept :data:`ORDER_MS` after its last change.
-* ``P:unique:{T}``: the key's unique records (``lock_unique``), a sorted set of ``q:<message id>``
-  (queued) and ``d:<message id>`` (until done) by the server time each ends; its TTL is its last
+* ``P:unique:{T}``: the key's unique records (``lock_unique``), a sorted set of ``q:<attempt>:<message id>``
+  (queued) and ``d:<attempt>:<message id>`` (until done) by the server time each ends; its TTL is its last
   record's. See :mod:`.unique`.
+* ``P:epoch:{S}``: the epoch record of Cluster slot ``S``'s keys (``S``, a tag in that slot:
+  ``core/slot_tags.txt``), a string ``"<rid> <since>"``: the server's replication id a grant last saw, and
+  when a grant first saw it replace another (the failover grace; ``failover_left`` in ``lua/prelude.lua``).
+  Kept for ever, like a fence counter: at most one per slot, 16 384.
 
 The holder's deadline. A holder stops trusting its lease ``margin_ms`` before
 the key can expire: at ``min(renewed_ms + ttl, max_hold_until_ms) - margin_ms``
@@ -111,6 +120,14 @@ ORDER_MS = 7 * 86_400_000
 #: order from Redis): one further ahead counts as this far, so that it cannot hold newer messages back for longer.
 ORDER_AHEAD_MS = 60_000
 
+#: The acquire script's answers: granted, or busy with what its waiter should do (``lease.Wait``, in this order).
+GRANTED, BUSY = 1, 0
+WAIT_NONE, WAIT_IN_PLACE, WAIT_PARK, WAIT_SOON, WAIT_DUPLICATE, WAIT_SUPERSEDED, WAIT_COPY_HOLDS, WAIT_GRACE = range(8)
+#: The release script's answers (``protocol.Released``): not held (nothing touched), released, released earlier.
+NOT_HELD, RELEASED, RELEASED_EARLIER = 0, 1, 2
+#: The plain scripts' answer when a request is not theirs to decide (nothing written): the general script decides.
+NOT_PLAIN = -1
+
 #: Every constant the Lua uses, by the name it uses: the loader declares those a script names.
 LUA_CONSTANTS: dict[str, int] = {
     "MAX_MS": MAX_MS,
@@ -131,6 +148,20 @@ LUA_CONSTANTS: dict[str, int] = {
     "MAX_ORDER": MAX_ORDER,
     "ORDER_MS": ORDER_MS,
     "ORDER_AHEAD_MS": ORDER_AHEAD_MS,
+    "GRANTED": GRANTED,
+    "BUSY": BUSY,
+    "WAIT_NONE": WAIT_NONE,
+    "WAIT_IN_PLACE": WAIT_IN_PLACE,
+    "WAIT_PARK": WAIT_PARK,
+    "WAIT_SOON": WAIT_SOON,
+    "WAIT_DUPLICATE": WAIT_DUPLICATE,
+    "WAIT_SUPERSEDED": WAIT_SUPERSEDED,
+    "WAIT_COPY_HOLDS": WAIT_COPY_HOLDS,
+    "WAIT_GRACE": WAIT_GRACE,
+    "NOT_HELD": NOT_HELD,
+    "RELEASED": RELEASED,
+    "RELEASED_EARLIER": RELEASED_EARLIER,
+    "NOT_PLAIN": NOT_PLAIN,
 }
 
 _INCLUDE = re.compile(r"^--#include((?: \w+)+)\n", re.MULTILINE)
@@ -190,10 +221,14 @@ _SECTIONS = _sections()
 ACQUIRE = _load("acquire")
 #: Acquire as ``lock_on_busy="latest"``: ``lua/acquire.lua`` with its ``--#if latest`` parts (the order record).
 ACQUIRE_LATEST = _load("acquire", "latest")
+#: Grant a plainly free key of one holder, or answer NOT_PLAIN (``lua/acquire_plain.lua``).
+ACQUIRE_PLAIN = _load("acquire_plain")
 #: Renew many leases of one slot (``lua/renew_many.lua``).
 RENEW_MANY = _load("renew_many")
 #: Release by owner token (``lua/release.lua``).
 RELEASE = _load("release")
+#: Release a plain holder of a key without a line, or answer NOT_PLAIN (``lua/release_plain.lua``).
+RELEASE_PLAIN = _load("release_plain")
 #: Release only a lease nobody can still be running under (``lua/release_if_dead.lua``).
 RELEASE_IF_DEAD = _load("release_if_dead")
 #: Adopt a handed-over lease, once (``lua/adopt.lua``).
@@ -213,8 +248,10 @@ HISTORY = _load("history")
 ALL = {
     "acquire": ACQUIRE,
     "acquire_latest": ACQUIRE_LATEST,
+    "acquire_plain": ACQUIRE_PLAIN,
     "renew_many": RENEW_MANY,
     "release": RELEASE,
+    "release_plain": RELEASE_PLAIN,
     "release_if_dead": RELEASE_IF_DEAD,
     "adopt": ADOPT,
     "inspect_many": INSPECT_MANY,

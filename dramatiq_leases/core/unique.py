@@ -11,16 +11,14 @@ instant in which neither the record nor the lease is held. Only a message's own 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
 from . import scripts
 from .client import unavailable
 from .errors import LeaseConfigError
 from .keys import fence_name, lease_name, unique_name, validate_key
 from .numbers import whole_limit, whole_ms
-
-if TYPE_CHECKING:
-    from .store import Leases
+from .runner import ScriptRunner
 
 #: What a record waits for: ``"queued"`` ends when its message starts, ``"until_done"`` when it is done for good.
 UNIQUE_MODES = ("queued", "until_done")
@@ -46,6 +44,19 @@ class UniqueRecord:
     attempt: int = 0
 
 
+class Store(Protocol):
+    """What the records take from their :class:`~.store.Leases`: its prefix, history cap and script runner."""
+
+    @property
+    def prefix(self) -> str: ...
+
+    @property
+    def history_cap(self) -> int: ...
+
+    @property
+    def runner(self) -> ScriptRunner: ...
+
+
 class UniqueRecords:
     """The unique records of a lease store's keys.
 
@@ -53,15 +64,16 @@ class UniqueRecords:
       leases: the store whose keys (and prefix, client, Cluster handling) the records live beside.
     """
 
-    def __init__(self, leases: Leases) -> None:
+    def __init__(self, leases: Store) -> None:
         self.leases = leases
-        self._script = leases.client.register_script(scripts.UNIQUE)
+        self.runner = leases.runner
+        self._script = self.runner.register(scripts.UNIQUE)
 
     def _run(self, what: str, key: str, args: list[str | int]) -> list[object]:
         validate_key(key)
         prefix = self.leases.prefix
         with unavailable(f"{what} the unique record of {key!r}", key):
-            reply: list[object] = self.leases._call(
+            reply: list[object] = self.runner.call(
                 self._script, [lease_name(prefix, key), fence_name(prefix, key)], args
             )
         return reply
@@ -139,7 +151,7 @@ class UniqueRecords:
         """The records of ``key`` as stored, oldest end first (some may be over, not yet swept by a send)."""
         validate_key(key)
         with unavailable(f"read the unique records of {key!r}", key):
-            rows: Any = self.leases.client.zrange(unique_name(self.leases.prefix, key), 0, -1, withscores=True)
+            rows: Any = self.runner.client.zrange(unique_name(self.leases.prefix, key), 0, -1, withscores=True)
         found = []
         for member, score in rows:
             text = member.decode() if isinstance(member, bytes) else str(member)

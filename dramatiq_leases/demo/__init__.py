@@ -30,7 +30,7 @@ from typing import TextIO
 
 from ..core import Leases, stale_after
 from ..core.keys import DEFAULT_PREFIX
-from ..core.numbers import margin_ms
+from ..core.lease import margin_ms
 from ..urls import redact_url
 from . import report
 from .chaos import KILL_AFTER, PREFER_SINGLE_FOR, Chaos

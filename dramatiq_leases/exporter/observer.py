@@ -213,7 +213,7 @@ class LeaseObserver(Collector):
         their master did not answer (not known to have ended)."""
         now = {info.redis_key: info.fence for info in infos}
         gone = [old for name, old in self._previous.items() if now.get(name) != old.fence]
-        node_name = self.leases._reader.node_name
+        node_name = self.leases.reader.node_name
         unseen = [old for old in gone if old.redis_key not in now and node_name(old.redis_key) in gaps.nodes]
         blind = {old.redis_key for old in unseen}
         # A key that was no grant (debris, fence 0) has nothing to judge.
@@ -228,7 +228,7 @@ class LeaseObserver(Collector):
             return [], unseen + gone  # the masters of these grants did not answer: judged when they do
         endings = []
         for old, state in zip(gone, states):
-            if self.leases._reader.node_name(old.redis_key) in gaps.nodes:  # its master failed meanwhile
+            if self.leases.reader.node_name(old.redis_key) in gaps.nodes:  # its master failed meanwhile
                 unseen.append(old)
             elif fence_name(self.leases.prefix, old.key) in gaps.keys:  # not a counter: it says nothing
                 endings.append((old, Ending.UNKNOWN))

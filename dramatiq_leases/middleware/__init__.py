@@ -1,7 +1,8 @@
 """The Dramatiq middleware: each message of an actor with ``lock_key`` runs under its lease.
 
 A small package, one idea a module: :mod:`.options` (names, defaults,
-checks), :mod:`.backoff` (how a busy message waits), :mod:`.acquiring` (one
+checks), :mod:`.backoff` (how a busy message waits), :mod:`.context` (what
+the parts share), :mod:`.delivery` (a delivery's start), :mod:`.acquiring` (one
 delivery's way to its lease), :mod:`.guard` (the run of an actor under its
 lease, safe from asynchronous exceptions), :mod:`.busy` (a busy key: back to
 the queue), :mod:`.outages` (sending a message back through a broker outage),

@@ -12,24 +12,23 @@ import math
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn
 
 import dramatiq
 from dramatiq.middleware import SkipMessage
 
 from ..core.errors import LeaseUnavailableError
-from ..core.lease import Busy, Lease, Wait, new_token
+from ..core.lease import Lease, new_token
+from ..core.protocol import Turn, Wait
 from ..core.scripts import MAX_LIMIT
 from .busy import SKIP_MARK, gives_up, mark_skipped, on_busy, record_history, send_back
+from .context import Context
 from .declarations import latest_handoff
 from .errors import LeaseBusyFailed, LeaseLimitError, LeaseOptionError
 from .guard import Run
 from .options import ATTEMPTS_OPTION, FIRST_ATTEMPT_OPTION, LEASE_OPTION, SENT_BACK_OPTION, Options
 from .ordering import order_of
 from .waiting import LINE_OPTION, MAX_IN_PLACE, waiter_id
-
-if TYPE_CHECKING:
-    from .hooks import LeaseMiddleware
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +43,7 @@ class Acquisition:
 
     def __init__(
         self,
-        middleware: LeaseMiddleware,
+        ctx: Context,
         broker: dramatiq.Broker,
         message: Any,
         *,
@@ -54,7 +53,7 @@ class Acquisition:
         limit: int,
         hook_started: float,
     ) -> None:
-        self.mw = middleware
+        self.ctx = ctx
         self.broker = broker
         self.message = message
         self.key = key
@@ -64,7 +63,7 @@ class Acquisition:
             "actor": message.actor_name,
             "queue": message.queue_name,
             "message_id": message.message_id,
-            "host": middleware.host,
+            "host": ctx.host,
             "pid": str(os.getpid()),
         }
         # Registered before Redis is asked: if anything interrupts us from here on, the
@@ -72,8 +71,8 @@ class Acquisition:
         self.run = Run(key, new_token(), threading.get_ident())
         # A unique record's end, at the message's ack, looks at whether its lease is still held: released first.
         self.run.release_inline = opts.unique is not None
-        middleware.runs.register(self.run)
-        declarations = middleware.declarations
+        ctx.runs.register(self.run)
+        declarations = ctx.declarations
         self.max_hold = declarations.max_hold(opts, message, actor)
         self.waiter = waiter_id(message)
         self.first = int(message.options.get(FIRST_ATTEMPT_OPTION) or 0)
@@ -89,15 +88,15 @@ class Acquisition:
 
     def acquire(self) -> Lease:
         """Ask until granted, waiting in place while near the head of the line; else send back and skip."""
-        waiting = self.mw.waiting
+        waiting = self.ctx.waiting
         if self.opts.on_busy == "latest":
             try:
                 self.order = order_of(self.message)
                 if self.message.options.get(LEASE_OPTION) is not None:  # a producer without the middleware
                     raise LeaseOptionError(latest_handoff(self.message.actor_name), actor=self.message.actor_name)
             except LeaseOptionError as e:
-                self.mw.runs.not_granted()
-                self.mw.unique.release_handed(self.message, self.key)  # never adopted: not held until its TTL
+                self.ctx.runs.not_granted()
+                self.ctx.unique.release_handed(self.message, self.key)  # never adopted: not held until its TTL
                 refuse(self.message, e)
         try:
             while True:
@@ -113,7 +112,7 @@ class Acquisition:
         finally:
             waiting.forget_thread()  # its place to wait in place, however the attempt ends
 
-    def _ask(self, may_wait: bool) -> Lease | Busy:
+    def _ask(self, may_wait: bool) -> Lease | Turn:
         """Adopt the lease handed over with the message, if it still holds; else join the key's line."""
         key, opts, options = self.key, self.opts, self.message.options
         handed = options.get(LEASE_OPTION)
@@ -121,7 +120,7 @@ class Acquisition:
         if not (isinstance(slot, int) and not isinstance(slot, bool) and 0 <= slot < MAX_LIMIT):
             slot = -1  # not a slot: input from whoever wrote the message, never a key name
         if isinstance(handed, dict) and handed.get("key") == key and handed.get("token") and slot >= 0:
-            adopted = self.mw.leases.adopt(
+            adopted = self.ctx.leases.adopt(
                 key,
                 handed["token"],
                 opts.ttl,
@@ -133,6 +132,8 @@ class Acquisition:
             )
             if isinstance(adopted, Lease):
                 return adopted
+            if isinstance(adopted, Turn) and adopted.wait is Wait.GRACE:
+                return adopted  # sent back with its token, to adopt the lease once the grace is over
             # Ended, or held by another token (an earlier adopter: a token replaced never holds again). Its
             # copies must not carry it: the message waits in the key's line like any other.
             options.pop(LEASE_OPTION, None)
@@ -142,7 +143,7 @@ class Acquisition:
                 self.meta["message_id"],
                 "ended" if adopted is None else "been adopted or taken by another holder",
             )
-        return self.mw.leases._line.join(
+        return self.ctx.leases.line.join(
             key,
             opts.ttl,
             interval=opts.renew_interval,
@@ -159,13 +160,15 @@ class Acquisition:
             # A copy sent back (a Redis error, an interruption) may have a sibling in the broker: refused, it
             # is the message's outcome, and the sibling must not run after it.
             final=opts.on_busy in ("skip", "fail") and bool(options.get(SENT_BACK_OPTION)),
+            # Its queued unique record ends with the grant; an actor without lock_unique pays nothing for it.
+            unique=opts.unique is not None,
         )
 
     def _unavailable(self, error: Exception) -> NoReturn:
         """Redis could not be asked. Fail closed: no lease, no run; back later, with growing backoff."""
-        mw, message = self.mw, self.message
-        mw.metrics.acquire(self.meta, "error", time.monotonic() - self.started)
-        mw.metrics.redis_error("acquire")
+        ctx, message = self.ctx, self.message
+        ctx.metrics.acquire(self.meta, "error", time.monotonic() - self.started)
+        ctx.metrics.redis_error("acquire")
         # One WARNING per message, not per round: an outage would otherwise log one every backoff.
         repeated = bool(message.options.get(SENT_BACK_OPTION))
         logger.log(
@@ -176,14 +179,22 @@ class Acquisition:
             error,
             " (again)" if repeated else ", with growing backoff",
         )
-        mw.waiting.forget_thread()
+        ctx.waiting.forget_thread()
         send_back(self.broker, message, self.opts, self.send_back_by, count_attempt=True, remember=True)
         skip(message, f"lease {self.key!r} unavailable: {error}")
 
-    def _busy(self, result: Busy) -> None:
+    def _busy(self, result: Turn) -> None:
         """The key is busy: wait in place (then ask again) if near the head, else go back to the broker."""
-        mw, message, opts = self.mw, self.message, self.opts
-        mw.metrics.acquire(self.meta, "busy", time.monotonic() - self.started)
+        ctx, message, opts = self.ctx, self.message, self.opts
+        if result.wait is Wait.GRACE:  # not busy for skip or fail: the store cannot vouch for the key yet
+            self._unavailable(
+                LeaseUnavailableError(
+                    f"the lease store restarted or failed over and may have forgotten grants: it grants none of "
+                    f"this key for {result.ttl_left} ms more (restart_grace, failover_grace)",
+                    key=self.key,
+                )
+            )
+        ctx.metrics.acquire(self.meta, "busy", time.monotonic() - self.started)
         if result.wait is Wait.SUPERSEDED or (result.wait is Wait.NONE and opts.on_busy in ("skip", "fail")):
             self._not_run(result)
         if not self.first:
@@ -195,26 +206,26 @@ class Acquisition:
             and result.place < self.limit
             and not self.front
             and self.in_place < self.budget
-            and not mw.waiting.stopping
+            and not ctx.waiting.stopping
         ):
             # Among the next to run but no place here: parked, it would leave a slot idle until its copy came
             # back (two enqueues). Asked again at once, it may take a place of the front.
             self.front = True
             return
-        if result.wait is Wait.IN_PLACE and not gives_up(opts, self.first, result.now_ms) and not mw.waiting.stopping:
+        if result.wait is Wait.IN_PLACE and not gives_up(opts, self.first, result.now_ms) and not ctx.waiting.stopping:
             block_ms = min(result.block_ms, max(1, int((self.budget - self.in_place) * 1000)))
             if opts.max_wait is not None:  # wake up in time to give up
                 block_ms = max(1, min(block_ms, self.first + opts.max_wait - result.now_ms))
             if opts.unique is not None:  # its unique record outlives the wait (a grant or a park is kept again)
-                mw.unique.waiting(message, self.key, opts.unique_ttl, block_ms)
+                ctx.unique.waiting(message, self.key, opts.unique_ttl, block_ms)
             started = time.monotonic()
             try:
-                mw.waiting.wait_in_place(self.key, self.waiter, block_ms)
+                ctx.waiting.wait_in_place(self.key, self.waiter, block_ms)
             except LeaseUnavailableError as e:
                 # Ask once more, not waiting in place again: Redis away sends the message back with backoff,
                 # as a failed acquire does. Raised from here, the error would fail the message: Dramatiq logs
                 # it and calls the actor, whose guard fails it for want of a lease.
-                mw.metrics.redis_error("acquire")
+                ctx.metrics.redis_error("acquire")
                 logger.warning(
                     "Could not wait in place for lease %r for message %s: %s.", self.key, message.message_id, e
                 )
@@ -222,33 +233,33 @@ class Acquisition:
                 return
             self.in_place += time.monotonic() - started
             return
-        mw.waiting.forget_thread()
-        mw.runs.not_granted()
+        ctx.waiting.forget_thread()
+        ctx.runs.not_granted()
         on_busy(
             self.broker,
             message,
             opts,
             result,
             meta=self.meta,
-            metrics=mw.metrics,
-            waiting=mw.waiting,
+            metrics=ctx.metrics,
+            waiting=ctx.waiting,
             first_ms=self.first,
             deadline=self.send_back_by,
         )
         skip(message, f"lease {self.key!r} is busy")
 
-    def _not_run(self, result: Busy) -> NoReturn:
+    def _not_run(self, result: Turn) -> NoReturn:
         """The key is full and this message's policy says it does not run: acknowledged (skip, superseded) or
         dead-lettered (fail), with an INFO line naming the key's holders and a count by reason."""
-        mw, message, opts = self.mw, self.message, self.opts
-        mw.waiting.forget_thread()
-        mw.runs.not_granted()
+        ctx, message, opts = self.ctx, self.message, self.opts
+        ctx.waiting.forget_thread()
+        ctx.runs.not_granted()
         reason = "superseded" if result.wait is Wait.SUPERSEDED else "skipped" if opts.on_busy == "skip" else "failed"
-        not_run(mw, message, self.key, reason, f"lock_on_busy={opts.on_busy!r}", meta=self.meta, newer=result.newer)
+        not_run(ctx, message, self.key, reason, f"lock_on_busy={opts.on_busy!r}", meta=self.meta, newer=result.newer)
         if reason != "superseded":  # a superseded waiter is recorded by the script that replaced it
             waited = max(0, result.now_ms - self.first) if self.first else 0
             record_history(
-                mw.waiting, self.key, reason, self.meta, reason=f"lock_on_busy={opts.on_busy}", waited_ms=waited
+                ctx.waiting, self.key, reason, self.meta, reason=f"lock_on_busy={opts.on_busy}", waited_ms=waited
             )
         if reason == "failed":
             message.fail()
@@ -259,19 +270,19 @@ class Acquisition:
 
     def granted(self, lease: Lease) -> None:
         """Hand the granted ``lease`` to the run, count it, and clear the delivery's wait clock."""
-        mw, message, first = self.mw, self.message, self.first
+        ctx, message, first = self.ctx, self.message, self.first
         if first or lease.from_line or message.options.get(SENT_BACK_OPTION):
             # It waited in the line (this delivery or another copy of it), or was sent back: remembered as
             # having run when released, so a copy of it parked or sent back twice never runs again.
             self.run.waiter = self.waiter
-        mw.runs.granted(self.run, lease)
-        mw.metrics.acquire(self.meta, "acquired", time.monotonic() - self.started)
+        ctx.runs.granted(self.run, lease)
+        ctx.metrics.acquire(self.meta, "acquired", time.monotonic() - self.started)
         if lease.handoff is not None:
-            mw.metrics.handoff(self.meta, lease.handoff)
+            ctx.metrics.handoff(self.meta, lease.handoff)
         # The wait clock belongs to this delivery: a retry of it (Retries) starts a new one.
         for name in (FIRST_ATTEMPT_OPTION, ATTEMPTS_OPTION, SENT_BACK_OPTION, LINE_OPTION):
             message.options.pop(name, None)
-        mw.metrics.wait(self.meta, max(0.0, lease.acquired_at - first / 1000) if first else 0.0)
+        ctx.metrics.wait(self.meta, max(0.0, lease.acquired_at - first / 1000) if first else 0.0)
         logger.debug("Acquired lease %r (fence %d) for message %s.", self.key, lease.fence, message.message_id)
 
 
@@ -283,12 +294,12 @@ _NOT_RUN_WHY = {
 
 
 def not_run(
-    mw: LeaseMiddleware, message: Any, key: str, reason: str, said: str, *, meta: dict[str, str], newer: str = ""
+    ctx: Context, message: Any, key: str, reason: str, said: str, *, meta: dict[str, str], newer: str = ""
 ) -> None:
     """The trace of a message that does not run: an INFO line (actor, message, key, its holders, the reason and
     the option that said so; ``newer``: the newest message of the key, of a superseded one) and
     ``dramatiq_lease_not_run_total{reason}``."""
-    mw.metrics.not_run(meta, reason)
+    ctx.metrics.not_run(meta, reason)
     why = _NOT_RUN_WHY[reason]
     if newer:
         why += f" (message {newer}, the newest of the key to reach the lease)"
@@ -300,14 +311,14 @@ def not_run(
         why,
         said,
         key,
-        holders_of(mw, key),
+        holders_of(ctx, key),
     )
 
 
-def holders_of(mw: LeaseMiddleware, key: str) -> str:
+def holders_of(ctx: Context, key: str) -> str:
     """Who holds ``key`` now, for a log line: each holder's message id and actor (read once, best effort)."""
     try:
-        infos = mw.leases.holders(key)
+        infos = ctx.leases.holders(key)
     except Exception as e:
         return f"holders unknown ({type(e).__name__})"
     if not infos:
@@ -336,7 +347,7 @@ def refuse(message: Any, error: Exception) -> NoReturn:
     skip(message, str(error))
 
 
-def limit_failed(mw: LeaseMiddleware, message: Any, key: str, error: LeaseLimitError) -> NoReturn:
+def limit_failed(ctx: Context, message: Any, key: str, error: LeaseLimitError) -> NoReturn:
     """The actor's ``lock_limit`` callable raised: the message fails as if its actor had raised, without its lease.
 
     ``error`` is raised on, out of ``before_process_message``: a ``MiddlewareError``, so Dramatiq neither
@@ -347,7 +358,7 @@ def limit_failed(mw: LeaseMiddleware, message: Any, key: str, error: LeaseLimitE
     """
     error.key = key
     meta = {"actor": message.actor_name, "queue": message.queue_name}
-    mw.metrics.not_run(meta, "limit_error")
+    ctx.metrics.not_run(meta, "limit_error")
     if message.failed:  # already failed by an earlier middleware: dead-lettered, so never retried
         refuse(message, error)
     cause = error.__cause__
@@ -364,7 +375,7 @@ def limit_failed(mw: LeaseMiddleware, message: Any, key: str, error: LeaseLimitE
         # It had a place in the key's line; the retry is a new waiter (a new retry count). Left now, or the
         # key's next grant could wait for it until its place lapses.
         try:
-            mw.leases._line.leave(key, [waiter_id(message)])
+            ctx.leases.line.leave(key, [waiter_id(message)])
         except Exception as e:
             logger.warning("Could not take message %s out of the line of %r: %s", message.message_id, key, e)
     raise error

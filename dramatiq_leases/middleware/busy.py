@@ -10,8 +10,8 @@ import dramatiq
 from dramatiq.middleware import Interrupt
 
 from ..core.errors import LeaseError
-from ..core.lease import Busy, Wait
 from ..core.metrics import LeaseMetrics
+from ..core.protocol import Turn, Wait
 from .backoff import backoff_delay
 from .errors import LeaseWaitExceeded
 from .options import ATTEMPTS_OPTION, FIRST_ATTEMPT_OPTION, SENT_BACK_OPTION, Options
@@ -71,7 +71,7 @@ def on_busy(
     broker: dramatiq.Broker,
     message: Any,
     opts: Options,
-    busy: Busy,
+    busy: Turn,
     *,
     meta: dict[str, str],
     metrics: LeaseMetrics,
@@ -101,7 +101,7 @@ def on_busy(
     if gives_up(opts, first_ms, now_ms):
         waited = now_ms - first_ms
         try:
-            waiting.leases._line.leave(busy.key, [waiter_id(message)])
+            waiting.leases.line.leave(busy.key, [waiter_id(message)])
         except Exception as e:  # its place then lapses by its deadline
             logger.warning("Could not take message %s out of the line of %r: %s", message.message_id, busy.key, e)
         metrics.gave_up(meta)

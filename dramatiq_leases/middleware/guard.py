@@ -22,7 +22,6 @@ jumps and retried a bounded number of times, once per interrupt source.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import itertools
 import threading
@@ -33,6 +32,7 @@ from typing import Any
 from dramatiq.middleware import Interrupt
 from dramatiq.threading import raise_thread_exception
 
+from ..core.interrupts import cancel_async_exc
 from ..core.lease import Lease, LostReason
 
 READY, RUNNING, DONE = "ready", "running", "done"
@@ -85,6 +85,7 @@ class Run:
         "lock",
         "lost_reason",
         "release_inline",
+        "release_sent",
         "release_tried",
         "released",
         "returned",
@@ -109,6 +110,8 @@ class Run:
         self.lost_reason: LostReason | None = None
         self.injected = False
         self.release_tried = False
+        # Set once a release of the run was sent to the end (Runs.send_release): a second copy sends nothing.
+        self.release_sent = False
         self.released = False
         # Released by the worker thread itself, not handed to the releaser (see Runs.end).
         self.release_inline = False
@@ -137,7 +140,7 @@ class Run:
             self.state = DONE
             if self.injected:
                 # Cancel a LeaseLost injected but not yet delivered: the actor has finished.
-                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.thread_id), None)
+                cancel_async_exc(self.thread_id)
 
     def lost(self, lease: Lease, reason: LostReason) -> None:
         """The heartbeat's callback: record the loss, and interrupt the actor if it is running."""

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import inspect
 import logging
-import math
 import socket
-import time
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import Any
 
 import dramatiq
 from dramatiq.asyncio import async_to_sync
@@ -16,6 +14,7 @@ from dramatiq.middleware import Interrupt, Middleware
 
 from ..core.client import client_from_url, connection_kwargs
 from ..core.errors import LeaseConfigError, LeaseKeyError
+from ..core.grants import DEFAULT_FAILOVER_GRACE
 from ..core.heartbeat import Heartbeat
 from ..core.keys import DEFAULT_PREFIX
 from ..core.numbers import whole_count, whole_ms
@@ -24,12 +23,12 @@ from ..core.store import Leases
 from ..exposition import WorkerExposition
 from ..otel_tracing import record_keys
 from ..prometheus import LeaseMetrics, PrometheusMetrics
-from .acquiring import Acquisition, limit_failed, refuse, skip
+from . import delivery
 from .backoff import DEFAULT_MAX_BACKOFF, DEFAULT_MIN_BACKOFF
-from .busy import REQUEUED_MARK, RoutineSkipFilter, send_back
+from .busy import RoutineSkipFilter
+from .context import Context
 from .declarations import Declarations
 from .dramatiq_metrics import DramatiqPrometheus
-from .errors import LeaseLimitError, LeaseOptionError
 from .options import (
     ACTOR_OPTIONS,
     ATTEMPTS_OPTION,
@@ -132,6 +131,18 @@ class LeaseMiddleware(Middleware):
       history: keep each key's history, its newest ``history`` events (0 to
         10 000), for a week after the last (:class:`Leases`' ``history``;
         ``dramatiq-leases show KEY --history``). Default ``None``: none.
+      restart_grace: for a lease store without persistence: after the
+        server starts, a key it knows nothing of is not granted until it has
+        been up this long (ms; set it to the longest ``lock_ttl``), so that
+        no message runs beside a holder the restart made it forget
+        (:class:`Leases`' ``restart_grace``; an actor with a longer
+        ``lock_ttl`` is named in a warning when declared). Default ``None``:
+        none.
+      failover_grace: after the lease store's replication id changes (a
+        failover, a restart from a snapshot), no key is granted for this long
+        (ms; :class:`Leases`' ``failover_grace``; set it to the longest
+        ``lock_ttl``, an actor with a longer one is named in a warning when
+        declared; ``None`` or 0 turns it off). Default 30 000.
       trace_keys: record lease keys in span attributes (``lease.key``).
         Off by default, since keys often carry user ids; ``None`` leaves
         the process-wide setting (``DRAMATIQ_LEASES_TRACE_KEYS``) as it is.
@@ -173,6 +184,8 @@ class LeaseMiddleware(Middleware):
         min_replicas: int = 0,
         replica_timeout: int = DEFAULT_REPLICA_TIMEOUT_MS,
         history: int | None = None,
+        restart_grace: int | None = None,
+        failover_grace: int | None = DEFAULT_FAILOVER_GRACE,
     ) -> None:
         if (redis_url is None) == (client is None):
             raise LeaseConfigError("LeaseMiddleware needs exactly one of redis_url or client")
@@ -209,6 +222,8 @@ class LeaseMiddleware(Middleware):
             min_replicas=min_replicas,
             replica_timeout=replica_timeout,
             history=history,
+            restart_grace=restart_grace,
+            failover_grace=failover_grace,
         )
         self.metrics = metrics if metrics is not None else PrometheusMetrics()
         self.heartbeat = Heartbeat(self.leases, metrics=self.metrics)
@@ -216,10 +231,20 @@ class LeaseMiddleware(Middleware):
         # Dramatiq's own Prometheus middleware, if the broker has it: not to count busy rounds.
         self.dramatiq_prometheus = DramatiqPrometheus(self)
         self.waiting = Waiting(self.leases, on_drop=self.dramatiq_prometheus.left_delay_queue)
-        self.unique = Uniqueness(self)
+        self.unique = Uniqueness(self.declarations, self.leases, self.metrics)
+        self.host = socket.gethostname()  # named in every lease's metadata
+        # What the parts read, instead of this middleware: the same objects as the attributes above.
+        self.context = Context(
+            leases=self.leases,
+            metrics=self.metrics,
+            declarations=self.declarations,
+            runs=self.runs,
+            waiting=self.waiting,
+            unique=self.unique,
+            host=self.host,
+        )
         self._exposition = WorkerExposition(metrics_endpoint)
         self._booted = False
-        self.host = socket.gethostname()  # named in every lease's metadata
         logging.getLogger("dramatiq.worker.WorkerThread").addFilter(_skip_filter)
 
     @property
@@ -237,6 +262,21 @@ class LeaseMiddleware(Middleware):
         """Check the actor's lease options and prepare its key template; raises :class:`LeaseOptionError`."""
         if not self.declarations.declare(broker, actor):
             return
+        ttl = self.declarations.options(actor.actor_name, actor.options).ttl
+        for name, grace, when in (
+            ("restart_grace", self.leases.restart_grace, "a restart"),
+            ("failover_grace", self.leases.failover_grace, "a failover"),
+        ):
+            if 0 < grace < ttl:  # a grace covers holders of its length only
+                logger.warning(
+                    "actor %r: lock_ttl=%d is longer than %s=%d: after %s of the lease store, its key may be "
+                    "granted while a holder the store forgot still runs",
+                    actor.actor_name,
+                    ttl,
+                    name,
+                    grace,
+                    when,
+                )
         fn = actor.fn
         original = getattr(fn, "__wrapped__", None)
         if original is not None and inspect.iscoroutinefunction(original):
@@ -310,7 +350,7 @@ class LeaseMiddleware(Middleware):
             logger.debug("Message %s is enqueued again as sent; its delivery will refuse it: %s", message.message_id, e)
             return
         self.unique.before_enqueue(broker, message, delay, resent=resent)
-        stamp(self, broker, message, delay, resent=resent)
+        stamp(self.context, broker, message, delay, resent=resent)
 
     def _resent(self, message: Any) -> bool:
         """Whether this enqueue is of a message sent before: a copy of the delivery this thread processes (a
@@ -333,85 +373,18 @@ class LeaseMiddleware(Middleware):
     # Processing -------------------------------------------------------------
 
     def before_process_message(self, broker: dramatiq.Broker, message: Any) -> None:
-        """Acquire (or adopt) the message's lease, or send the message back and skip it."""
-        # Every skip is marked where it is raised (whose skip it is, for Dramatiq's Prometheus middleware and
-        # logs): a handler here that ran code after a copy was sent back would be one more place for an
-        # interruption to land, and reach Retries.
+        """Acquire (or adopt) the message's lease, or send the message back and skip it (see :mod:`.delivery`)."""
+        # Caught here, not in a function this calls: its entry would be one more place for an interruption to
+        # land, and reach Retries. Every skip is marked where it is raised (whose skip it is, for Dramatiq's
+        # Prometheus middleware and logs): a handler here that ran code after a copy was sent back would be one
+        # more place too.
         try:
-            self._acquire_or_skip(broker, message)
+            delivery.acquire_or_skip(self.context, broker, message)
         except Interrupt as e:
             try:
-                self._interrupted(broker, message, e)
+                delivery.interrupted(self.context, broker, message, e)
             except Interrupt as again:  # a second source (TimeLimit after Shutdown) while settling: the same
-                self._interrupted(broker, message, again)
-
-    def _interrupted(self, broker: dramatiq.Broker, message: Any, error: Interrupt) -> NoReturn:
-        """``Shutdown`` or ``TimeLimitExceeded`` before the actor started: the message goes back, keeping its place.
-
-        Raised on, the interruption would reach Retries, which sends a retry with a new retry count: a new
-        waiter that has lost its place, and beside a copy already sent back, a double run. A lease the
-        interrupted call may have been granted is released by the after-hooks (by this delivery's token).
-        """
-        if message.actor_name not in self.declarations.actors:
-            raise error  # not a leased actor: Dramatiq's usual handling
-        self.waiting.forget_thread()  # its place to wait in place, if it held one: given back at once
-        if not (message.options.get(REQUEUED_MARK) or message.failed):  # else: settled before the interruption
-            logger.info(
-                "Message %s was interrupted (%s) before its actor started; sending it back.",
-                message.message_id,
-                type(error).__name__,
-            )
-            try:
-                actor = broker.get_actor(message.actor_name)
-                opts = self.declarations.message_options(message, actor)
-                limit = self.declarations.time_limit(message, actor)
-            except Exception as e:  # options the interruption came before checking: refused, as they would be
-                refuse(message, e)
-            first = int(message.options.get(FIRST_ATTEMPT_OPTION) or 0)
-            send_back(
-                broker,
-                message,
-                opts,
-                time.monotonic() + (math.inf if limit is None else limit / 2000),
-                count_attempt=True,
-                first_ms=first or None,
-                now_ms=int(time.time() * 1000),
-                remember=True,
-            )
-        skip(message, f"interrupted ({type(error).__name__}) before the actor started")
-
-    def _acquire_or_skip(self, broker: dramatiq.Broker, message: Any) -> None:
-        hook_started = time.monotonic()
-        self.unique.delivered(message)
-        # Until a lease is registered below, the guarded actor refuses to run in this thread.
-        self.runs.pending()
-        self.waiting.forget_thread()
-        try:
-            template = self.declarations.template(message.actor_name, message.options)
-        except LeaseOptionError as e:
-            refuse(message, e)
-        if template is None:
-            self.runs.unleased()
-            return
-        actor = broker.get_actor(message.actor_name)
-        try:
-            opts = self.declarations.message_options(message, actor)
-            key = template.render(tuple(message.args), message.kwargs)
-        except (LeaseConfigError, LeaseKeyError) as e:
-            refuse(message, e)
-        try:
-            limit = self.declarations.limit(opts, message)
-        except LeaseLimitError as e:  # the callable raised: a passing failure, for Retries
-            limit_failed(self, message, key, e)
-        except LeaseOptionError as e:  # it returned a bad value: a bad setting, dead-lettered
-            self.metrics.not_run({"actor": message.actor_name, "queue": message.queue_name}, "limit_error")
-            refuse(message, e)
-        attempt = Acquisition(
-            self, broker, message, actor=actor, key=key, opts=opts, limit=limit, hook_started=hook_started
-        )
-        attempt.granted(attempt.acquire())
-        if opts.unique is not None:
-            self.unique.granted(broker, message, key, opts.unique, opts.unique_ttl)
+                delivery.interrupted(self.context, broker, message, again)
 
     def after_process_message(
         self, broker: dramatiq.Broker, message: Any, *, result: Any = None, exception: BaseException | None = None
@@ -431,33 +404,8 @@ class LeaseMiddleware(Middleware):
         self.runs.forget()
 
     def after_worker_shutdown(self, broker: dramatiq.Broker, worker: dramatiq.Worker) -> None:
-        """Release every lease this process holds for an actor no longer running.
-
-        An actor still running (or about to) after the worker's shutdown timeout keeps its
-        lease, renewed, until the process exits; it then expires within its
-        TTL. Releasing it would let another worker run the same key while
-        this one still does.
-        """
-        # The releases handed over by the worker threads first; any later one is sent by its own thread.
-        self.runs.releaser.stop()
-        # Not only running actors: one still being set up (its lease taken, its actor about to start) too.
-        running = self.runs.active_tokens()
-        for lease in self.heartbeat.tracked():
-            if lease.token in running:
-                logger.warning(
-                    "Actor holding lease %r is still running at shutdown; the lease is kept until "
-                    "this process exits, then expires within %d ms.",
-                    lease.key,
-                    lease.ttl,
-                )
-                continue
-            self.heartbeat.untrack(lease)
-            try:
-                self.leases.release(lease)
-            except Exception as e:
-                logger.warning("Could not release lease %r at shutdown: %s.", lease.key, e)
-        if not running:
-            self.heartbeat.stop()
+        """Release every lease this process holds for an actor no longer running (see :meth:`Runs.shutdown`)."""
+        self.runs.shutdown()
         self._exposition.shutdown()
 
 

@@ -35,18 +35,16 @@ message; as the newest, it would hold newer messages back.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import dramatiq
 
 from ..core.errors import LeaseUnavailableError
 from ..core.scripts import MAX_ORDER
+from .context import Context
 from .errors import LeaseOptionError
 from .options import ATTEMPTS_OPTION, FIRST_ATTEMPT_OPTION, ORDER_OPTION, SENT_BACK_OPTION
 from .waiting import LINE_OPTION
-
-if TYPE_CHECKING:
-    from .hooks import LeaseMiddleware
 
 logger = logging.getLogger(__name__)
 
@@ -54,9 +52,7 @@ logger = logging.getLogger(__name__)
 _LATER = (ATTEMPTS_OPTION, FIRST_ATTEMPT_OPTION, SENT_BACK_OPTION, LINE_OPTION, "retries")
 
 
-def stamp(
-    mw: LeaseMiddleware, broker: dramatiq.Broker, message: Any, delay: int | None, *, resent: bool = False
-) -> None:
+def stamp(ctx: Context, broker: dramatiq.Broker, message: Any, delay: int | None, *, resent: bool = False) -> None:
     """Give a first send of a ``lock_on_busy="latest"`` message its order; check one it carries already.
 
     A later enqueue (a retry, a copy sent back or parked, a delayed copy leaving its delay queue) keeps what
@@ -77,7 +73,7 @@ def stamp(
         return
     if any(name in options for name in _LATER) or (delay is None and "eta" in options):
         return
-    declarations = mw.declarations
+    declarations = ctx.declarations
     template = declarations.template(message.actor_name, options)
     if template is None:
         return
@@ -86,7 +82,7 @@ def stamp(
         return
     key = template.render(tuple(message.args), message.kwargs)
     try:
-        options[ORDER_OPTION] = mw.leases._line.send_order(key)
+        options[ORDER_OPTION] = ctx.leases.line.send_order(key)
     except LeaseUnavailableError as e:
         logger.warning(
             "Message %s of actor %r is sent without an order from Redis (%s): lock_on_busy='latest' orders it by "

@@ -98,6 +98,33 @@ class Runs:
         tokens = {r.token for r in list(self._runs.values()) if r is not None and r.state != DONE}
         return tokens | set(self._deferred)
 
+    def shutdown(self) -> None:
+        """At the worker's stop: release every lease this process holds for an actor no longer running.
+
+        An actor still running (or about to) keeps its lease, renewed, until the process exits; it then
+        expires within its TTL. Releasing it would let another worker run the same key while this one still does.
+        """
+        # The releases handed over by the worker threads first; any later one is sent by its own thread.
+        self.releaser.stop()
+        # Not only running actors: one still being set up (its lease taken, its actor about to start) too.
+        running = self.active_tokens()
+        for lease in self.heartbeat.tracked():
+            if lease.token in running:
+                logger.warning(
+                    "Actor holding lease %r is still running at shutdown; the lease is kept until "
+                    "this process exits, then expires within %d ms.",
+                    lease.key,
+                    lease.ttl,
+                )
+                continue
+            self.heartbeat.untrack(lease)
+            try:
+                self.leases.release(lease)
+            except Exception as e:
+                logger.warning("Could not release lease %r at shutdown: %s.", lease.key, e)
+        if not running:
+            self.heartbeat.stop()
+
     def guarded(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """Wrap an actor's function so it runs only under its message's lease, released the moment it returns."""
         runs = self._runs
@@ -131,8 +158,9 @@ class Runs:
         return start
 
     def end(self, run: Run) -> None:
-        """Stop renewing and hand the release over to the releaser (:mod:`.releasing`). Idempotent, and never
-        raises but for an interruption.
+        """Hand the release over to the releaser (:mod:`.releasing`), which stops the renewals as it sends it;
+        or, for an actor that raised (or ``release_inline``), stop renewing and release here. Idempotent, and
+        never raises but for an interruption.
 
         Nothing after a completed actor may turn it into a failure: any error
         here is logged, and the lease then ends by its TTL. While an async
@@ -146,8 +174,16 @@ class Runs:
                 return
         self._deferred.pop(run.token, None)
         lease = run.lease
+        handed = bool(run.returned) and not run.release_inline
         if lease is not None:
-            self.heartbeat.untrack(lease)
+            if handed:
+                # Renewed until the releaser sends its release (it untracks it then): a release queued or slow
+                # past the TTL would find the lease expired, and skip the waiter's 'done' record and the
+                # line's wake-up. Not past one more TTL, should the releaser never send it. (Called again, the
+                # earliest deadline stands; once released, the lease is no longer tracked.)
+                self.heartbeat.renew_until(lease, time.monotonic() + lease.ttl / 1000)
+            else:
+                self.heartbeat.untrack(lease)
         if run.released:
             return
         first_try = not run.release_tried
@@ -157,7 +193,7 @@ class Runs:
         # so is one whose message's ack reads its lease (see Run.release_inline). Interrupted before
         # `released` is set, it is released again: the second release finds the grant already released, and
         # says nothing of it.
-        if run.returned and not run.release_inline:
+        if handed:
             self.releaser.submit((run, first_try))
         else:
             self.send_release((run, first_try), tries=1)
@@ -170,8 +206,20 @@ class Runs:
         made again after a short pause, ``tries`` in all: a release is owner-checked, so one applied whose
         reply was lost is then found released by its fence, and frees nothing else.
         """
+        run = item[0]
+        if run.release_sent:
+            # Handed over twice: an interruption landed in end() after the first hand-over, before `released`
+            # was set. The releaser thread sends one release, logged and counted once.
+            return
+        self._send_release(item, tries)
+        # Not set if an interruption cut an inline release short: end() then sends it again.
+        run.release_sent = True
+
+    def _send_release(self, item: tuple[Run, bool], tries: int) -> None:
         run, first_try = item
         lease = run.lease
+        if lease is not None:
+            self.heartbeat.untrack(lease)  # renewed until now if it was handed over (see end)
         for attempt in range(tries):
             try:
                 released = self._release(run)
@@ -207,5 +255,5 @@ class Runs:
         # A grant whose reply never came (lease None) is looked for by its token in every slot of the key.
         fence, slot = (lease.fence, lease.slot) if lease else (None, None)
         if run.returned and run.waiter:
-            return self.leases._line.release(run.key, run.token, waiter=run.waiter, fence=fence, slot=slot)
+            return self.leases.line.release(run.key, run.token, waiter=run.waiter, fence=fence, slot=slot)
         return self.leases.release_token(run.key, run.token, fence=fence, slot=slot)

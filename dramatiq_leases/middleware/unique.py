@@ -19,19 +19,19 @@ import logging
 import math
 import sys
 import threading
-from typing import TYPE_CHECKING, Any, NamedTuple, cast
+from typing import Any, NamedTuple, cast
 
 import dramatiq
 from dramatiq.worker import ConsumerThread
 
 from ..core.errors import LeaseError, LeaseUnavailableError
+from ..core.metrics import LeaseMetrics
 from ..core.scripts import MAX_MS
+from ..core.store import Leases
 from ..core.unique import MODE_CODES, Mode, UniqueRecords
+from .declarations import Declarations
 from .errors import DuplicateMessage, LeaseSendUnavailableError
 from .options import LEASE_OPTION, MAX_DELAY, UNIQUE_OPTION, Options
-
-if TYPE_CHECKING:
-    from .hooks import LeaseMiddleware
 
 __all__ = ["GRACE_MS", "Sent", "Uniqueness", "try_send", "try_send_with_options"]
 
@@ -46,12 +46,16 @@ class Uniqueness:
     """The middleware's side of ``lock_unique``: takes records at send, keeps them, ends them at the end.
 
     Parameters:
-      middleware: the :class:`LeaseMiddleware` (its declarations, store, metrics).
+      declarations: the actors' declarations (keys, options).
+      leases: the lease store, which holds the records too.
+      metrics: where duplicates are counted.
     """
 
-    def __init__(self, middleware: LeaseMiddleware) -> None:
-        self.mw = middleware
-        self.records = UniqueRecords(middleware.leases)
+    def __init__(self, declarations: Declarations, leases: Leases, metrics: LeaseMetrics) -> None:
+        self.declarations = declarations
+        self.leases = leases
+        self.metrics = metrics
+        self.records = UniqueRecords(leases)
         self._taken = threading.local()
         # The delivery each worker thread processes: an enqueue of the same message from that thread (a Retries
         # retry, a parked copy, a send-back) marks it, so that its ack keeps the record.
@@ -59,7 +63,7 @@ class Uniqueness:
 
     def _unique(self, broker: dramatiq.Broker, message: Any) -> tuple[Mode, str, Options] | None:
         """(mode, key, options) of a leased message with ``lock_unique``, else ``None``."""
-        declarations = self.mw.declarations
+        declarations = self.declarations
         template = declarations.template(message.actor_name, message.options)
         if template is None:
             return None
@@ -73,7 +77,7 @@ class Uniqueness:
         """The message's ``lock_limit``, or ``None`` if its actor's callable fails now (raises, or answers a bad
         value): a message already sent is never refused for it (its delivery fails or refuses it)."""
         try:
-            return self.mw.declarations.limit(opts, message)
+            return self.declarations.limit(opts, message)
         except LeaseError as e:
             logger.info("The lock_limit of message %s is unknown now: %s.", message.message_id, e)
             return None
@@ -107,7 +111,7 @@ class Uniqueness:
                 return
             limit = known
         else:
-            limit = self.mw.declarations.send_limit(opts, message)
+            limit = self.declarations.send_limit(opts, message)
         ttl = opts.unique_ttl
         try:
             holder = self.records.take(
@@ -128,7 +132,7 @@ class Uniqueness:
             ) from e
         if holder is not None:
             self.release_handed(message, key)
-            self.mw.metrics.not_run({"actor": message.actor_name, "queue": message.queue_name}, "duplicate")
+            self.metrics.not_run({"actor": message.actor_name, "queue": message.queue_name}, "duplicate")
             logger.info(
                 "Message %s of actor %r was not sent (duplicate): key %r already has message %s (lock_unique=%r).",
                 message.message_id,
@@ -150,7 +154,7 @@ class Uniqueness:
         if not isinstance(handed, dict) or not isinstance(handed.get("token"), str):
             return
         try:
-            self.mw.leases.release_token(key, handed["token"], slot=handed.get("slot") or None)
+            self.leases.release_token(key, handed["token"], slot=handed.get("slot") or None)
         except LeaseUnavailableError as e:
             logger.warning("Could not release the lease handed to refused message %s: %s.", message.message_id, e)
 
@@ -225,9 +229,7 @@ class Uniqueness:
                 # end it mid-run (and an adopted lease's hash names no waiter to count it as running). Unbounded
                 # runs (no lock_max_hold, no time limit) are kept for MAX_DELAY: still an end.
                 actor = broker.get_actor(message.actor_name)
-                hold = self.mw.declarations.max_hold(
-                    self.mw.declarations.message_options(message, actor), message, actor
-                )
+                hold = self.declarations.max_hold(self.declarations.message_options(message, actor), message, actor)
                 ms = min(MAX_MS, ttl + (MAX_DELAY if hold is None else hold))
                 self.records.keep(key, message.message_id, ms, attempt=_attempt(message))
         except LeaseUnavailableError as e:

@@ -123,7 +123,7 @@ class Waiting:
         self._stop.set()
         for key, waiter in list(self._in_place.values()):
             try:
-                self.leases._line.wake(key, waiter)
+                self.leases.line.wake(key, waiter)
             except Exception as e:
                 logger.warning("Could not wake a waiter of %r at shutdown: %s", key, e)
 
@@ -166,7 +166,7 @@ class Waiting:
 
     def wait_in_place(self, key: str, waiter: str, block_ms: int) -> None:
         """Block this worker thread (holding a place, see :meth:`reserve`) until woken or ``block_ms`` passed."""
-        self.leases._line.wait_turn(key, waiter, block_ms)
+        self.leases.line.wait_turn(key, waiter, block_ms)
 
     def forget_thread(self) -> None:
         """Give back this thread's place to wait in place, if it holds one."""
@@ -192,7 +192,7 @@ class Waiting:
             return
         waiter = waiter_id(message)
         try:
-            [state] = self.leases._line.hold(key, [waiter], self.channel)
+            [state] = self.leases.line.hold(key, [waiter], self.channel)
         except Exception as e:
             logger.warning(
                 "Could not register the parked copy of message %s: %s; it comes back by itself.", message.message_id, e
@@ -321,7 +321,7 @@ class Waiting:
         for waiter, copies in list(self._parked.items()):
             by_key[copies[0].key].append(waiter)
         for key, waiters in by_key.items():
-            states = self.leases._line.hold(key, waiters, self.channel)
+            states = self.leases.line.hold(key, waiters, self.channel)
             for waiter, state in zip(waiters, states):
                 if state in ("m", "x", "d", "s"):
                     self.unpark(waiter, drop=state == "d")

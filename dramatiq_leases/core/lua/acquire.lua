@@ -1,7 +1,10 @@
 -- KEYS:
---   1 lease: the lease hash (the line, waiters and done keys are derived from its name: one hash tag)
+--   1 lease: the lease hash (slot 0's; the other slots' names and the waiters' are derived from it)
 --   2 fence: the fence counter
---   3 order: the key's order record (the latest build only): `seen`, the newest order that reached the lease
+--   3 line: the key's line of waiters
+--   4 done: the waiters of the key that ran (or were superseded or finally refused)
+--   5 epoch: the epoch record of the key's Cluster slot (see failover_ms)
+--   6 order: the key's order record (the latest build only): `seen`, the newest order that reached the lease
 --     (granted, or waiting as the key's latest), and `by`, its waiter; `seq` is lua/order.lua's
 -- ARGV:
 --   1 token: the new holder's owner token
@@ -9,130 +12,100 @@
 --   3 max_hold_ms: the longest the holder may trust the lease, from now (0: none)
 --   4 interval_ms: how often a heartbeat renews it (0: nobody renews it)
 --   5 margin_ms: how long before the key can expire its holder stops trusting it (below ttl_ms)
---   6 waiter: a message's waiter id in the key's line ('': never joins it)
---   7 line_numbers: the line's numbers, as one argument of eight or nine space-separated fields (ten, all of
---     them, in the latest build):
---       first_ms: the waiter's first attempt, its place in the line (server ms; 0: now)
---       mode: 0 never join the line, 1 join it, 2 join it and may wait in place
---       ready: how many waiters of the key may wait in place
---       park_ms: how long a parked waiter's copy is delayed
---       promote_ms: how long a waiter whose turn came has to show up
---       retention_ms: how long an idle fence counter is kept (0: for ever)
---       limit: how many may hold the key at once (its holders counted whatever limit they were granted with)
---       latest: 1 if the key keeps only its newest waiter of this kind (lock_on_busy="latest": the latest build,
---         and only it); 2 if a refusal of this waiter (mode 0) is final: remembered, so another copy of its
---         message never runs after it (a copy sent back, refused by lock_on_busy skip or fail); else 0
---       history: how many events the key's history keeps (0 or left out: none; see prelude's history_append)
---       order: the latest build only: the message's order, when it was sent (µs of the Redis server's clock,
---         lua/order.lua; or of its producer's, if it was sent without one); one more than ORDER_AHEAD_MS ahead
---         of the server's clock counts as that far ahead
---   8.. fields: field/value pairs of the lease hash ('key', and 'meta': the holder metadata as JSON)
--- Returns {1, fence, now, previous_fence_expired, released_ms, from_line, slot} when granted (released_ms:
--- when the key's last grant was released, if this waiter waited in the line, else 0; from_line: 1 if granted
--- from the front of the line, so its release must remember it; slot: the holder slot granted), or {0, pttl,
--- holder_fence, now, action, rank, length, block_ms} (pttl: the soonest a holder's TTL ends; holder_fence:
--- the newest holder's fence): action 0 not in the line, 1 wait in place (BLPOP the waiter's wake list for
--- block_ms), 2 park, 3 park, near the front (a place to wait in but no thread for it), 4 this waiter already ran
--- (a duplicate), 5 a newer message took its place (latest; it must not run; the latest build adds a ninth
--- element, the message id of the newest that reached the lease, '' if unknown), 6 another copy of this waiter
--- holds the key (it runs: ask again later, outside the line; the holder's hash names its `waiter`). A key with
--- free slots and a line goes to the front of its line only: its first waiters, one per free slot.
+--   6 retention_ms: how long an idle fence counter is kept (0: for ever)
+--   7 waiter: a message's waiter id in the key's line ('': never joins it)
+--   8 limit: how many may hold the key at once (its holders counted whatever limit they were granted with)
+--   9 history: how many events the key's history keeps (0: none; see prelude's history_append)
+--   10 unique: 1 if the grant ends the message's "queued" unique record (`q:<attempt>:<message id>` in the
+--     key's `unique` set: lock_unique), in the same step; else 0
+--   11 first_ms: the waiter's first attempt, its place in the line (server ms; 0: now)
+--   12 mode: 0 never join the line, 1 join it, 2 join it and may wait in place
+--   13 ready: how many waiters of the key may wait in place
+--   14 park_ms: how long a parked waiter's copy is delayed
+--   15 promote_ms: how long a waiter whose turn came has to show up
+--   16 policy: 1 if the key keeps only its newest waiter of this kind (lock_on_busy="latest": the latest build,
+--     and only it); 2 if a refusal of this waiter (mode 0) is final: remembered, so another copy of its message
+--     never runs after it (a copy sent back, refused by lock_on_busy skip or fail); else 0
+--   17 order: the latest build only (else 0): the message's order, when it was sent (µs of the Redis server's
+--     clock, lua/order.lua; or of its producer's, if it was sent without one); one more than ORDER_AHEAD_MS
+--     ahead of the server's clock counts as that far ahead
+--   18 grace_ms: the restart grace (0: none): a key without a fence counter is granted only once the server
+--     has been up this long (its INFO's uptime), since a store that restarted without persistence may have
+--     forgotten a grant whose holder still runs; until then it answers busy for the rest of the grace
+--   19 failover_ms: the failover grace (0: none): once the server's replication id changed (a restart, a
+--     replica promoted), no key of the slot is granted until this long after the slot's first grant asked since
+--     (prelude's failover_left); until then it answers busy for the rest of it, as in the restart grace
+--   20.. fields: field/value pairs of the lease hash ('key', and 'meta': the holder metadata as JSON)
+-- (KEYS and ARGV in this order: core/protocol.py's GrantRequest.encode.)
+-- Returns {GRANTED, fence, now, previous_fence_expired, released_ms, from_line, slot} when granted (the last
+-- three left out when 0, as on the plain path; released_ms: when the key's last grant was released, if this
+-- waiter waited in the line; from_line: 1 if granted from the front of the line, so its release must remember
+-- it; slot: the holder slot granted), or {BUSY, pttl, holder_fence, now, action, rank, length, block_ms} (pttl:
+-- the soonest a holder's TTL ends; holder_fence: the newest holder's fence), action one of the WAIT_ codes:
+-- NONE not in the line, IN_PLACE wait in place (BLPOP the waiter's wake list for block_ms), PARK park, SOON
+-- park, near the front (a place to wait in but no thread for it), DUPLICATE this waiter already ran, SUPERSEDED
+-- a newer message took its place (latest; it must not run; the latest build adds a ninth element, the message
+-- id of the newest that reached the lease, '' if unknown), COPY_HOLDS another copy of this waiter holds the key
+-- (it runs: ask again later, outside the line; the holder's hash names its `waiter`), GRACE within the restart
+-- or failover grace for a caller that never joins the line (see grace_ms, failover_ms). A key with free slots
+-- and a line goes to the front of its line only: its first waiters, one per free slot.
 -- Built twice (core/scripts.py): ACQUIRE without the `--#if latest` parts, for every actor but
 -- lock_on_busy="latest" (which it refuses), and ACQUIRE_LATEST with them. Latest: the newest message of a key is
 -- the one sent last, by its order. One whose order is below the record's `seen` (or equal, from a message with a
 -- smaller id) supersedes itself wherever it meets the key (free, held, lined), unless another copy of it holds
--- the key (6 first); else it supersedes the key's latest waiter, then is granted or waits as the latest, and its
--- order becomes `seen` (the record kept ORDER_MS).
+-- the key (COPY_HOLDS first); else it supersedes the key's latest waiter, then is granted or waits as the
+-- latest, and its order becomes `seen` (the record kept ORDER_MS).
 -- Records: a key never held by several at once keeps its last release and expiry in the counter's
--- `released` and `expired`; once it was (the counter has a `width`: how many slots may be held), each slot s
--- keeps its own: `g:s` granted, `r:s` released, `e:s` expired, and each grant's hash names its `slot` and
--- the `limit` it was granted under.
--- A grant ends its message's "queued" unique record (`q:<attempt>:<message id>` in the key's `unique` set).
+-- `released` (0 from the counter's first grant) and `expired`; once it was (the counter has a `width`: how many
+-- slots may be held), each slot s keeps its own: `g:s` granted, `r:s` released, `e:s` expired, and each grant's
+-- hash names its `slot` and the `limit` it was granted under.
 -- With a history, a grant appends 'expired' (the previous grant was found ended by TTL) and 'granted', a copy
 -- that already ran 'duplicate', a waiter a newer one replaced (or older than the newest seen) 'superseded'.
--- The uncontended path (free key, no line) comes first and creates no closure it does not call.
---#include args clock keys history
-local token, waiter = ARGV[1], ARGV[6]
-local ttl_ms = whole(ARGV[2], 1, MAX_MS)
-local max_hold_ms = whole(ARGV[3], 0, MAX_MS)
-local interval_ms = whole(ARGV[4], 0, MAX_MS)
+-- Pay only for what is used: a plain grant (limit 1, a key never held by several, nobody in its line, no
+-- waiter of it remembered) reads the counter and one EXISTS, then writes the counter and the lease; the unique
+-- record, the history and the counter's TTL add their commands only when asked for. Every argument is checked
+-- first, those of the general path too.
+--#include args grant clock uptime epoch keys history
+local refused, token, waiter, ttl_ms, max_hold_ms, interval_ms, margin_ms, retention_ms = grant_head(ARGV)
+if refused then return refused end
+local limit = whole(ARGV[8], 1, MAX_LIMIT)
+local history = whole(ARGV[9], 0, MAX_HISTORY)
+local unique = ARGV[10]
+if limit == nil then return bad('limit', ARGV[8]) end
+if history == nil then return bad('history', ARGV[9]) end
+if unique ~= '0' and (unique ~= '1' or waiter == '') then return bad('unique', unique) end
+if #ARGV < 19 or (#ARGV - 19) % 2 ~= 0 then return bad('fields', #ARGV - 19) end
+local first_ms = whole(ARGV[11], 0, MAX_TIMESTAMP_MS)
+local mode = whole(ARGV[12], 0, 2)
+local ready = whole(ARGV[13], 0, MAX_READY)
+local park_ms = whole(ARGV[14], 1, MAX_MS)
+local promote_ms = whole(ARGV[15], 1, MAX_MS)
+local latest = whole(ARGV[16], 0, 2)
+if first_ms == nil then return bad('first_ms', ARGV[11]) end
+if mode == nil or (waiter == '' and mode ~= 0) then return bad('mode', ARGV[12]) end
+if ready == nil then return bad('ready', ARGV[13]) end
+if park_ms == nil then return bad('park_ms', ARGV[14]) end
+if promote_ms == nil then return bad('promote_ms', ARGV[15]) end
+local grace_ms = whole(ARGV[18], 0, MAX_MS)
+if grace_ms == nil then return bad('grace_ms', ARGV[18]) end
+local failover_ms = whole(ARGV[19], 0, MAX_MS)
+if failover_ms == nil then return bad('failover_ms', ARGV[19]) end
+if failover_ms > 0 and KEYS[5] == nil then return bad('epoch record (KEYS[5])') end
 --#if latest
-local f1, f2, f3, f4, f5, f6, f7, f8, f9, f10 =
-  string.match(ARGV[7] or '', '^(%d+) (%d+) (%d+) (%d+) (%d+) (%d+) (%d+) (%d+) (%d+) (%d+)$')
+if latest ~= 1 or mode == 0 then return bad('policy', ARGV[16]) end
+local order = whole(ARGV[17], 1, MAX_ORDER)
+if order == nil then return bad('order', ARGV[17]) end
 --#else
-local f1, f2, f3, f4, f5, f6, f7, f8, f9 =
-  string.match(ARGV[7] or '', '^(%d+) (%d+) (%d+) (%d+) (%d+) (%d+) (%d+) (%d+) ?(%d*)$')
---#end
-local first_ms = whole(f1, 0, MAX_TIMESTAMP_MS)
-local mode = whole(f2, 0, 2)
-local ready = whole(f3, 0, MAX_READY)
-local park_ms = whole(f4, 1, MAX_MS)
-local promote_ms = whole(f5, 1, MAX_MS)
-local retention_ms = whole(f6, 0, MAX_MS)
-local limit = whole(f7, 1, MAX_LIMIT)
-local latest = whole(f8, 0, 2)
-local history = 0
-if f9 ~= '' then history = whole(f9, 0, MAX_HISTORY) end
-if token == nil or token == '' then return bad('token', token) end
-if ttl_ms == nil then return bad('ttl_ms', ARGV[2]) end
-if max_hold_ms == nil then return bad('max_hold_ms', ARGV[3]) end
-if interval_ms == nil then return bad('interval_ms', ARGV[4]) end
-local margin_ms = whole(ARGV[5], 0, ttl_ms - 1)
-if margin_ms == nil then return bad('margin_ms', ARGV[5]) end
-if waiter == nil or #waiter > MAX_ID_LENGTH or (waiter == '' and mode ~= nil and mode ~= 0) then
-  return bad('waiter', waiter)
+if latest == nil or latest == 1 or (latest == 2 and (mode ~= 0 or waiter == '')) then
+  return bad('policy', ARGV[16])
 end
-if first_ms == nil or mode == nil or ready == nil or park_ms == nil or promote_ms == nil or retention_ms == nil
+if ARGV[17] ~= '0' then return bad('order', ARGV[17]) end
+--#end
 --#if latest
-  or limit == nil or latest ~= 1 or mode == 0 or history == nil then
---#else
-  or limit == nil or latest == nil or latest == 1 or (latest == 2 and (mode ~= 0 or waiter == ''))
-  or history == nil or (f9 == '' and string.sub(ARGV[7], -1) == ' ') then
+if KEYS[6] == nil then return bad('order record (KEYS[6])') end
 --#end
-  return bad('line_numbers', ARGV[7])
-end
---#if latest
-local order = whole(f10, 1, MAX_ORDER)
-if order == nil then return bad('order', f10) end
-if KEYS[3] == nil then return bad('order record (KEYS[3])') end
---#end
-if (#ARGV - 7) % 2 ~= 0 then return bad('fields', #ARGV - 7) end
--- The holder's metadata, for the events that name it (read only with a history).
-local meta = nil
-if history > 0 then
-  for i = 8, #ARGV - 1, 2 do
-    if ARGV[i] == 'meta' then meta = ARGV[i + 1] end
-  end
-end
-local LINE, DONE = sibling(KEYS[1], 'line'), nil
+local LINE, DONE = KEYS[3], KEYS[4]
 local now, now_us = server_time()
---#if latest
--- How this message compares with the newest that reached the lease (read before any write; a record of another
--- type, written by hand, counts as none and is replaced when written).
-order = math.min(order, now_us + ORDER_AHEAD_MS * 1000)
-local newest, newest_by, newest_id = 0, '', ''
-local rec = redis.pcall('HMGET', KEYS[3], 'seen', 'by')
-if not rec.err then
-  newest, newest_by = whole(rec[1], 0, MAX_ORDER) or 0, rec[2] or ''
-  newest_id = string.match(newest_by, '^(.*):%d+$') or newest_by
-end
--- One message (any copy, any retry) is never older than itself; a tie between two goes by message id.
-local my_id = string.match(waiter, '^(.*):%d+$') or waiter
-local older = order < newest or (order == newest and my_id ~= newest_id and my_id < newest_id)
---#end
-if waiter ~= '' then
-  DONE = sibling(KEYS[1], 'done')
-  local done = redis.call('ZMSCORE', DONE, waiter, 's:' .. waiter, 'n:' .. waiter)
-  if (done[1] and tonumber(done[1]) > now) or (done[3] and tonumber(done[3]) > now) then
-    history_append(KEYS[1], history, now, {e = 'duplicate', w = waiter}, meta)
-    return {0, 0, 0, now, 4, -1, 0, 0}
-  end
---#if latest
-  if done[2] and tonumber(done[2]) > now then return {0, 0, 0, now, 5, -1, 0, 0, newest_id} end
---#else
-  if done[2] and tonumber(done[2]) > now then return {0, 0, 0, now, 5, -1, 0, 0} end
---#end
-end
 -- The counter first: one of another type fails the script here, before any write.
 local counter = redis.call('HMGET', KEYS[2], 'fence', 'width', 'released', 'released_ms')
 local prev_fence = tonumber(counter[1]) or 0
@@ -140,27 +113,40 @@ local prev_fence = tonumber(counter[1]) or 0
 local width = tonumber(counter[2])
 if width then width = math.max(1, math.min(math.floor(width), MAX_LIMIT)) end
 local slots = math.max(limit, width or 1)
--- One call for the common case: no holder and no line (the slots' names built only for a key of several).
-local found
-if slots == 1 then
-  found = redis.call('EXISTS', KEYS[1], LINE)
-else
-  local names = {KEYS[1], LINE}
-  for s = 1, slots - 1 do names[#names + 1] = KEYS[1] .. ':' .. s end
-  found = redis.call('EXISTS', unpack(names))
+-- The restart grace left: a key without a counter was never granted, or the store forgot it (a restart
+-- without persistence). Within grace_ms of the server's start, a holder the store forgot may still run:
+-- nobody is granted the key before the rest of the grace (as if held that long), so that holder meets its
+-- deadline first.
+local grace_left = 0
+if grace_ms > 0 and not counter[1] then grace_left = grace_ms - uptime_ms() end
+-- And the failover grace: the store may have lost grants and renewals whose holders still run.
+if failover_ms > 0 then grace_left = math.max(grace_left, failover_left(KEYS[5], failover_ms, now, false)) end
+-- The holder's metadata, for the events that name it (read only with a history).
+local meta = nil
+if history > 0 then
+  for i = 20, #ARGV - 1, 2 do
+    if ARGV[i] == 'meta' then meta = ARGV[i + 1] end
+  end
 end
-local lined = found > 0 and redis.call('EXISTS', LINE) == 1
-local count = found - (lined and 1 or 0)
 
--- The next fence. Kept for ever, the counter just counts. With a retention
--- it expires when idle, so a fence is also never below the server's clock in
--- microseconds: every grant's fence is then its grant time (scripts run one at
--- a time and each takes over a microsecond), and a counter created again after
--- an expiry starts above every fence it had handed out.
-local function next_fence(keep_ms)
-  local fence = prev_fence + 1
-  if retention_ms > 0 then fence = math.max(fence, now_us) end
-  redis.call('HSET', KEYS[2], 'fence', string.format('%d', fence))
+-- The next fence: above the counter's last, and never below the server's clock in microseconds, so every
+-- grant's fence is its grant time (scripts run one at a time and each takes over a microsecond). A counter
+-- the store lost (a restart without persistence, an older snapshot, a failover to a replica that missed the
+-- last grants) or that its retention expired when idle thus starts above every fence it had handed out, as
+-- long as the server's clock is past the last of those grants (docs/guarantees.md). A new counter of a key
+-- of one holder says it was never released (`released` 0), so that a release finds the field there and
+-- knows the counter was not made again without its TTL (prelude's record_release). A counter a release
+-- made again (its retention expired it during a long hold) has that field already, the release's own
+-- record: kept, so that the release asked again still finds it and the exporter still tells a release.
+local function next_fence(wide, keep_ms, expired)
+  local fence = math.max(prev_fence + 1, now_us)
+  if prev_fence == 0 and not wide and not counter[3] then
+    redis.call('HSET', KEYS[2], 'fence', fence, 'released', 0)
+  elseif expired > 0 then
+    redis.call('HSET', KEYS[2], 'fence', fence, 'expired', expired)
+  else
+    redis.call('HSET', KEYS[2], 'fence', fence)
+  end
   if retention_ms > 0 then
     -- A wide key's counter (its width) outlives its holders: never shortened below what they need.
     local ms = retention_ms
@@ -171,19 +157,11 @@ local function next_fence(keep_ms)
 end
 
 --#if latest
--- This message reached the lease (granted, or waiting as the key's latest): the newest now, kept ORDER_MS.
-local function note_order()
-  if order == newest and waiter == newest_by then return end
-  local fields = {'seen', string.format('%d', order), 'by', waiter}
-  local set = redis.pcall('HSET', KEYS[3], unpack(fields))
-  if type(set) == 'table' and set.err then  -- another type, written by hand: replaced
-    redis.call('DEL', KEYS[3])
-    redis.call('HSET', KEYS[3], unpack(fields))
-  end
-  redis.call('PEXPIRE', KEYS[3], ORDER_MS)
-end
-
+local note_order  -- defined with the general path's arguments, which it needs
 --#end
+-- Slot 0 held by a holder of the key's one-holder days (no width yet; a hash): grant() marks it if it makes the
+-- key wide. Set by the general path's slot walk.
+local narrow_held = false
 -- Grants slot s to this caller: the fence counter first, then the lease and its TTL. `top`: the highest
 -- slot held by others (-1: none), so the counter's width shrinks back once a lowered limit drained.
 local function grant(s, top)
@@ -193,36 +171,35 @@ local function grant(s, top)
     until_ms = now + max_hold_ms + margin_ms
     if max_hold_ms + margin_ms < px then px = max_hold_ms + margin_ms end
   end
-  local fence = next_fence(wide and px or 0)
   local expired, released_ms = 0, tonumber(counter[4]) or 0
-  -- A key held by one until now (no width): its last grant is judged as ever, at the first grant of its slot.
-  if not wide or (width == nil and s == 0) then
-    -- The previous grant was never released: it ended by TTL.
-    if prev_fence > 0 and (tonumber(counter[3]) or 0) < prev_fence then
-      expired = prev_fence
-      redis.call('HSET', KEYS[2], 'expired', string.format('%d', expired))
-    end
+  -- A key held by one until now (no width): its last grant is judged as ever, at the first grant of its slot:
+  -- never released, it ended by TTL.
+  if (not wide or (width == nil and s == 0)) and prev_fence > 0 and (tonumber(counter[3]) or 0) < prev_fence then
+    expired = prev_fence
   end
+  local fence = next_fence(wide, wide and px or 0, expired)
+  -- The key turns wide while its one holder holds slot 0: that holder's release and renewals must keep the
+  -- counter (its width counts this grant) as they would a wide holder's (prelude's record_release).
+  if wide and narrow_held then redis.call('HSET', KEYS[1], 'wide', 1) end
   if wide then
     local rec = redis.call('HMGET', KEYS[2], 'g:' .. s, 'r:' .. s)
     local last = tonumber(rec[1]) or 0
     if last > 0 and (tonumber(rec[2]) or 0) < last then
       expired = last
-      redis.call('HSET', KEYS[2], 'e:' .. s, string.format('%d', expired))
+      redis.call('HSET', KEYS[2], 'e:' .. s, expired)
     end
-    local new_width = math.max(limit, top + 1)
-    redis.call('HSET', KEYS[2], 'g:' .. s, string.format('%d', fence), 'width', new_width)
+    redis.call('HSET', KEYS[2], 'g:' .. s, fence, 'width', math.max(limit, top + 1))
   end
   local name = KEYS[1]
   if s > 0 then name = name .. ':' .. s end
   if wide then
-    redis.call('HSET', name, 'token', token, 'fence', string.format('%d', fence), 'ttl', ttl_ms,
-      'interval', interval_ms, 'margin_ms', margin_ms, 'acquired_ms', now, 'renewed_ms', now,
-      'max_hold_until_ms', until_ms, 'slot', s, 'limit', limit, unpack(ARGV, 8))
+    redis.call('HSET', name, 'token', token, 'fence', fence, 'ttl', ttl_ms, 'interval', interval_ms,
+      'margin_ms', margin_ms, 'acquired_ms', now, 'renewed_ms', now, 'max_hold_until_ms', until_ms, 'slot', s,
+      'limit', limit, unpack(ARGV, 20))
   else
-    redis.call('HSET', name, 'token', token, 'fence', string.format('%d', fence), 'ttl', ttl_ms,
-      'interval', interval_ms, 'margin_ms', margin_ms, 'acquired_ms', now, 'renewed_ms', now,
-      'max_hold_until_ms', until_ms, unpack(ARGV, 8))
+    redis.call('HSET', name, 'token', token, 'fence', fence, 'ttl', ttl_ms, 'interval', interval_ms,
+      'margin_ms', margin_ms, 'acquired_ms', now, 'renewed_ms', now, 'max_hold_until_ms', until_ms,
+      unpack(ARGV, 20))
   end
   redis.call('PEXPIRE', name, px)
   if history > 0 then
@@ -239,7 +216,7 @@ local function grant(s, top)
   note_order()
 --#end
   -- lock_unique="queued": the message's record ends as its lease begins, in this step (never neither held).
-  if waiter ~= '' then
+  if unique == '1' then
     local mid, attempt = string.match(waiter, '^(.*):(%d+)$')
     if mid then redis.call('ZREM', sibling(KEYS[1], 'unique'), 'q:' .. attempt .. ':' .. mid) end
   end
@@ -247,18 +224,88 @@ local function grant(s, top)
 end
 
 --#if latest
-if count == 0 and not lined and not older then
 --#else
-if count == 0 and not lined then
+-- The plain path: a key of one holder, free, with no line and no waiter remembered (Redis stores numbers
+-- given to it as integers: exact, whatever their size).
+if slots == 1 and grace_left <= 0 then
+  local found
+  if waiter == '' then
+    found = redis.call('EXISTS', KEYS[1], LINE)
+  else
+    found = redis.call('EXISTS', KEYS[1], LINE, DONE)
+  end
+  if found == 0 then
+    local fence, expired = grant(0, -1)
+    if expired > 0 then return {GRANTED, fence, now, expired} end
+    return {GRANTED, fence, now}
+  end
+end
+--#end
+
+-- The general path.
+--#if latest
+-- How this message compares with the newest that reached the lease (read before any write; a record of another
+-- type, written by hand, counts as none and is replaced when written).
+order = math.min(order, now_us + ORDER_AHEAD_MS * 1000)
+local newest, newest_by, newest_id = 0, '', ''
+local rec = redis.pcall('HMGET', KEYS[6], 'seen', 'by')
+if not rec.err then
+  newest, newest_by = whole(rec[1], 0, MAX_ORDER) or 0, rec[2] or ''
+  newest_id = string.match(newest_by, '^(.*):%d+$') or newest_by
+end
+-- One message (any copy, any retry) is never older than itself; a tie between two goes by message id.
+local my_id = string.match(waiter, '^(.*):%d+$') or waiter
+local older = order < newest or (order == newest and my_id ~= newest_id and my_id < newest_id)
+
+-- This message reached the lease (granted, or waiting as the key's latest): the newest now, kept ORDER_MS.
+note_order = function()
+  if order == newest and waiter == newest_by then return end
+  local fields = {'seen', string.format('%d', order), 'by', waiter}
+  local set = redis.pcall('HSET', KEYS[6], unpack(fields))
+  if type(set) == 'table' and set.err then  -- another type, written by hand: replaced
+    redis.call('DEL', KEYS[6])
+    redis.call('HSET', KEYS[6], unpack(fields))
+  end
+  redis.call('PEXPIRE', KEYS[6], ORDER_MS)
+end
+--#end
+if waiter ~= '' then
+  local done = redis.call('ZMSCORE', DONE, waiter, 's:' .. waiter, 'n:' .. waiter)
+  if (done[1] and tonumber(done[1]) > now) or (done[3] and tonumber(done[3]) > now) then
+    history_append(KEYS[1], history, now, {e = 'duplicate', w = waiter}, meta)
+    return {BUSY, 0, 0, now, WAIT_DUPLICATE, -1, 0, 0}
+  end
+--#if latest
+  if done[2] and tonumber(done[2]) > now then return {BUSY, 0, 0, now, WAIT_SUPERSEDED, -1, 0, 0, newest_id} end
+--#else
+  if done[2] and tonumber(done[2]) > now then return {BUSY, 0, 0, now, WAIT_SUPERSEDED, -1, 0, 0} end
+--#end
+end
+-- One call for the holders and the line (the slots' names built only for a key of several).
+local found
+if slots == 1 then
+  found = redis.call('EXISTS', KEYS[1], LINE)
+else
+  local names = {KEYS[1], LINE}
+  for s = 1, slots - 1 do names[#names + 1] = KEYS[1] .. ':' .. s end
+  found = redis.call('EXISTS', unpack(names))
+end
+local lined = found > 0 and redis.call('EXISTS', LINE) == 1
+local count = found - (lined and 1 or 0)
+
+--#if latest
+if count == 0 and not lined and not older and grace_left <= 0 then
+--#else
+if count == 0 and not lined and grace_left <= 0 then
 --#end
   local fence, expired = grant(0, -1)
-  return {1, fence, now, expired, 0, 0, 0}
+  return {GRANTED, fence, now, expired, 0, 0, 0}
 end
 
 --#include slots
 local WAITERS = sibling(KEYS[1], 'waiters')
 -- Keys of another type (written by hand) would fail a command below after earlier writes, leaving a line
--- without TTL: refused before the first write.
+-- without TTL: refused before the first write (but the slot's epoch record's, right whatever follows).
 if lined and redis.call('TYPE', LINE).ok ~= 'zset' then return bad('line (not a sorted set)', LINE) end
 local waiters_type = redis.call('TYPE', WAITERS).ok
 if waiters_type ~= 'hash' and waiters_type ~= 'none' then return bad('waiters (not a hash)', WAITERS) end
@@ -274,9 +321,10 @@ if count > 0 then
       if not cur.err and cur[2] == token then
         -- Our own grant, asked again (a client retry after a lost reply): the same answer.
         -- A waiter's: it may have come from the line, and its release must then remember it (harmless if not).
-        return {1, tonumber(cur[1]) or 0, tonumber(cur[3]) or now, 0, 0, waiter ~= '' and 1 or 0, s}
+        return {GRANTED, tonumber(cur[1]) or 0, tonumber(cur[3]) or now, 0, 0, waiter ~= '' and 1 or 0, s}
       end
       if not cur.err then holder_fence = math.max(holder_fence, tonumber(cur[1]) or 0) end
+      if s == 0 and width == nil and not cur.err and cur[2] then narrow_held = true end
       -- Another copy of this message holds a slot (it runs): this one must not run beside it.
       if waiter ~= '' and not cur.err and cur[4] == waiter then sibling_holds = true end
       local left = redis.call('PTTL', name)
@@ -290,9 +338,13 @@ if count > 0 then
 else
   free_slot = 0
 end
-if sibling_holds then return {0, pttl, holder_fence, now, 6, -1, 0, 0} end
+if sibling_holds then return {BUSY, pttl, holder_fence, now, WAIT_COPY_HOLDS, -1, 0, 0} end
 local free = limit - count
 if free_slot == nil then free = 0 end
+if grace_left > 0 then  -- held, as far as anyone may know, until the grace ends
+  free = 0
+  if count == 0 or pttl < grace_left then pttl = grace_left end
+end
 
 --#include line
 local mine_first = first_ms > 0 and first_ms or now
@@ -320,7 +372,7 @@ if older then
   history_append(KEYS[1], history, now, {e = 'superseded', w = waiter, by = newest_by}, meta)
   redis.call('ZADD', DONE, now + DONE_MS, 's:' .. waiter)
   redis.call('PEXPIRE', DONE, DONE_MS)
-  return {0, pttl, holder_fence, now, 5, -1, lined and redis.call('ZCARD', LINE) or 0, 0, newest_id}
+  return {BUSY, pttl, holder_fence, now, WAIT_SUPERSEDED, -1, lined and redis.call('ZCARD', LINE) or 0, 0, newest_id}
 end
 if lined then
   -- Newer than every message that reached the lease: the key's latest waiter, if another, is older.
@@ -350,7 +402,7 @@ if free > 0 and (#front < free or in_front) then
     -- The others of the front may take the slots still free.
     call_forward(LINE, WAITERS, now, ready + limit - 1, promote_ms, free - 1)
   end
-  return {1, fence, now, expired, handoff, #front > 0 and 1 or 0, free_slot}
+  return {GRANTED, fence, now, expired, handoff, #front > 0 and 1 or 0, free_slot}
 end
 
 -- The front of a key with free slots must know: woken if waiting in place, else asked to come back.
@@ -362,27 +414,32 @@ local function call_front()
   end
   if parked then call_forward(LINE, WAITERS, now, ready + limit - 1, promote_ms, 0) end
 end
+-- Within the restart grace, one that never joins the line is not refused for good (nor remembered as such):
+-- nobody may hold the key, and it asks again once the grace ends.
+if grace_left > 0 and mode == 0 then
+  return {BUSY, pttl, holder_fence, now, WAIT_GRACE, -1, lined and redis.call('ZCARD', LINE) or 0, 0}
+end
 if mode == 0 then
   call_front()
   if latest == 2 then
     redis.call('ZADD', DONE, now + DONE_MS, 'n:' .. waiter)
     redis.call('PEXPIRE', DONE, DONE_MS)
   end
-  return {0, pttl, holder_fence, now, 0, -1, redis.call('ZCARD', LINE), 0}
+  return {BUSY, pttl, holder_fence, now, WAIT_NONE, -1, redis.call('ZCARD', LINE), 0}
 end
 redis.call('ZADD', LINE, 'NX', mine_first, waiter)
 local rank = redis.call('ZRANK', LINE, waiter)
 local mine = entry(WAITERS, waiter)
 local holder = mine and mine.holder or ''
 local actor = ''
-for i = 8, #ARGV - 1, 2 do
+for i = 20, #ARGV - 1, 2 do
   if ARGV[i] == 'meta' then
     local ok, meta = pcall(cjson.decode, ARGV[i + 1])
     if ok and type(meta) == 'table' and type(meta.actor) == 'string' then actor = string.gsub(meta.actor, '%s', '_') end
   end
 end
 local places = math.min(MAX_READY, ready + limit - 1)
-local action, block_ms = 2, 0
+local action, block_ms = WAIT_PARK, 0
 if rank < places and mode == 2 then
   -- Wait in place until woken: by a release, at the soonest holder's TTL, or when
   -- the front in transit would lose its place.
@@ -390,12 +447,12 @@ if rank < places and mode == 2 then
   if free > 0 and front[1] and front[1][2] then until_ms = front[1][2].deadline end
   if count > 0 and free <= 0 and pttl < 0 then until_ms = now + MAX_BLOCK_MS end  -- no TTL: no expiry to wait for
   block_ms = math.min(MAX_BLOCK_MS, math.max(BLOCK_SLACK_MS, until_ms - now + BLOCK_SLACK_MS))
-  action = 1
+  action = WAIT_IN_PLACE
   put(WAITERS, waiter, 'r', now + block_ms + READY_SLACK_MS, holder, actor)
 elseif rank < places then
   -- Near the front but no thread to wait in: parked too, and so promoted at the next release (asking
   -- again soon instead would cost an enqueue per round).
-  action = 3
+  action = WAIT_SOON
   put(WAITERS, waiter, 'p', now + park_ms + promote_ms, holder, actor)
 else
   put(WAITERS, waiter, 'p', now + park_ms + promote_ms, holder, actor)
@@ -408,4 +465,4 @@ note_order()
 if free > 0 then call_front() end
 redis.call('PEXPIRE', LINE, LINE_TTL_MS)
 redis.call('PEXPIRE', WAITERS, LINE_TTL_MS)
-return {0, pttl, holder_fence, now, action, rank, redis.call('ZCARD', LINE), block_ms}
+return {BUSY, pttl, holder_fence, now, action, rank, redis.call('ZCARD', LINE), block_ms}

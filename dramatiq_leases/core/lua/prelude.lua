@@ -17,12 +17,76 @@ local function bad(name, value)
   return redis.error_reply('ERR dramatiq-leases: invalid ' .. name .. ' ' .. tostring(value))
 end
 
+--#section grant
+-- The arguments both grant scripts take first (ARGV 1-7: core/protocol.py's GRANT_PLAIN_ARGV), checked in
+-- order: nil and their values, or the reply refusing the first bad one (returned before any write).
+local function grant_head(argv)
+  local token, waiter = argv[1], argv[7]
+  local ttl_ms = whole(argv[2], 1, MAX_MS)
+  local max_hold_ms = whole(argv[3], 0, MAX_MS)
+  local interval_ms = whole(argv[4], 0, MAX_MS)
+  local retention_ms = whole(argv[6], 0, MAX_MS)
+  if token == nil or token == '' then return bad('token', token) end
+  if ttl_ms == nil then return bad('ttl_ms', argv[2]) end
+  if max_hold_ms == nil then return bad('max_hold_ms', argv[3]) end
+  if interval_ms == nil then return bad('interval_ms', argv[4]) end
+  local margin_ms = whole(argv[5], 0, ttl_ms - 1)
+  if margin_ms == nil then return bad('margin_ms', argv[5]) end
+  if retention_ms == nil then return bad('retention_ms', argv[6]) end
+  if waiter == nil or #waiter > MAX_ID_LENGTH then return bad('waiter', waiter) end
+  return nil, token, waiter, ttl_ms, max_hold_ms, interval_ms, margin_ms, retention_ms
+end
+
 --#section clock
 -- Redis server time, in milliseconds and in microseconds (exact in a double: below 2^53).
 local function server_time()
   local t = redis.call('TIME')
   local s, us = tonumber(t[1]), tonumber(t[2])
   return s * 1000 + math.floor(us / 1000), s * 1000000 + us
+end
+
+--#section uptime
+-- How long the server has been up, in ms, rounded down to its second (INFO's resolution: never more than it
+-- was). INFO costs more than a command: asked only where a restart would matter (see acquire.lua's grace_ms).
+local function uptime_ms()
+  local up = string.match(redis.call('INFO', 'server'), 'uptime_in_seconds:(%d+)')
+  return (tonumber(up) or 0) * 1000
+end
+
+--#section epoch
+-- The failover grace left (ms; 0 or less: none), from the epoch record of the key's Cluster slot: a string,
+-- "<rid> <since>": the server's replication id when a grant of the slot last looked, and when a grant first
+-- saw a change (0: never). Kept for ever (at most one per slot, 16 384): a record that expired under a lease
+-- held and renewed for longer would leave that holder without a grace. The id (INFO replication's
+-- master_replid) is new at every start of the server and on every replica promoted, the times a store may
+-- have lost writes it acknowledged. A change: the record names another id, is of another type or form
+-- (written by hand), says it was seen later than now (the clock stepped back), or is missing on a server
+-- promoted since its start (master_replid2 set; a missing record is otherwise a slot never granted in, or a
+-- store that forgot everything: restart_grace's case). Each slot's grace starts at its first grant after a
+-- change, which is no earlier than the change. A plain grant (lua/acquire_plain.lua) writes a missing record
+-- but leaves a change to lua/acquire.lua (`plain`). A server that refuses INFO to the caller (an ACL without
+-- @dangerous): no grace.
+local function failover_left(record, grace_ms, now, plain)
+  local info = redis.pcall('INFO', 'replication')
+  if type(info) ~= 'string' then return 0 end
+  local id = string.match(info, 'master_replid:(%w+)') or ''
+  local rec = redis.pcall('GET', record)
+  local rid, since
+  if type(rec) == 'string' then rid, since = string.match(rec, '^(%w*) (%d+)$') end
+  since = tonumber(since) or 0
+  local changed = true
+  if rid then
+    changed = rid ~= id or since > now
+  elseif rec == false then
+    local promoted = string.match(info, 'master_replid2:(%w+)')
+    changed = promoted ~= nil and string.find(promoted, '[^0]') ~= nil
+  end
+  if changed then
+    if plain then return grace_ms end
+    since = now
+  end
+  if changed or not rid then redis.call('SET', record, string.format('%s %d', id, since)) end
+  return since + grace_ms - now
 end
 
 --#section keys
@@ -48,21 +112,26 @@ end
 
 --#section counter
 -- Records fence as the last released in the fence counter (how the exporter tells a release from an
--- expiry), with the field/value pairs given. `counter` is the counter's TYPE, read before the script's
--- first write: a counter of another type is left alone. One that is gone (a fleet's retention expired it
--- during a long hold) is made again only with a TTL: the caller's retention, else RECORD_MS (a caller
--- without the setting, such as the CLI, would otherwise keep it for ever).
--- A grant of a key with several holders (its hash has a `slot`) is recorded per slot: `r:<slot>`.
-local function record_release(fence_key, counter, fence, retention_ms, slot, ...)
-  if counter ~= 'hash' and counter ~= 'none' then return end
-  -- As text: a fence may have 16 digits (with a retention), more than Lua prints a number with.
+-- expiry), with the field/value pairs given. A counter of another type (written by hand) is left alone: the
+-- write fails without effect. One that is gone (a fleet's retention expired it during a long hold) is made
+-- again only with a TTL: the caller's retention, else RECORD_MS (a caller without the setting, such as the CLI,
+-- would otherwise keep it for ever). A counter's first grant writes `released` 0, so a write that adds fields
+-- to a counter without a `fence` is one that made it again.
+-- A grant of a key with several holders (its hash has a `slot`) is recorded per slot: `r:<slot>`. `wide`: the
+-- holder was granted while the key had one holder, and the key has had several since (its hash has `wide`): its
+-- record stays `released`, but the counter, whose width counts the others, is never shortened by it either.
+local function record_release(fence_key, fence, retention_ms, slot, wide, ...)
   local field = 'released'
   if slot then field = 'r:' .. slot end
-  redis.call('HSET', fence_key, field, string.format('%d', fence), ...)
+  -- A number given to redis.call is stored as an integer, exact (a fence may have 16 digits).
+  local added = redis.pcall('HSET', fence_key, field, fence, ...)
+  if type(added) ~= 'number' then return end
   if retention_ms > 0 then
     -- A wide key's counter outlives its holders (see acquire.lua): a release never shortens it.
-    if not slot or redis.call('PTTL', fence_key) < retention_ms then redis.call('PEXPIRE', fence_key, retention_ms) end
-  elseif counter == 'none' then
+    if not (slot or wide) or redis.call('PTTL', fence_key) < retention_ms then
+      redis.call('PEXPIRE', fence_key, retention_ms)
+    end
+  elseif added > 0 and redis.call('HEXISTS', fence_key, 'fence') == 0 then
     redis.call('PEXPIRE', fence_key, RECORD_MS)
   end
 end

@@ -36,11 +36,11 @@ if #by > MAX_ID_LENGTH then return bad('by', by) end
 if redis.call('EXISTS', KEYS[1]) == 0 then return {-1} end
 local now = server_time()
 local pttl = redis.call('PTTL', KEYS[1])
--- Read before the first write, so that nothing below can fail after the lease is deleted.
-local counter = redis.call('TYPE', KEYS[2]).ok
-local cur = redis.pcall('HMGET', KEYS[1], 'renewed_ms', 'ttl', 'max_hold_until_ms', 'fence', 'slot', 'meta')
-local deadline, fence, slot = nil, 0, nil
+-- Nothing below can fail after the lease is deleted (record_release's write is a pcall).
+local cur = redis.pcall('HMGET', KEYS[1], 'renewed_ms', 'ttl', 'max_hold_until_ms', 'fence', 'slot', 'meta', 'wide')
+local deadline, fence, slot, wide = nil, 0, nil, false
 if not cur.err then
+  wide = cur[7]
   deadline = lease_end(cur[1], cur[2], cur[3])
   fence = tonumber(cur[4]) or 0
   slot = tonumber(cur[5])
@@ -53,7 +53,7 @@ elseif now <= deadline then
   return {0, deadline - now, fence}
 end
 redis.call('DEL', KEYS[1])
-if fence > 0 then record_release(KEYS[2], counter, fence, retention_ms, slot) end
+if fence > 0 then record_release(KEYS[2], fence, retention_ms, slot, wide) end
 if history ~= 0 then
   local ev = {e = 'force_released', f = string.format('%d', fence), s = slot, r = 'dead'}
   if by ~= '' then ev.by = by end

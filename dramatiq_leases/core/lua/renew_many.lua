@@ -9,7 +9,8 @@
 -- Returns one character per key, as one string (cheaper to send and parse than a list of numbers): '1'
 -- renewed, '0' gone, 's' held by another token (stolen), 'm' maximum hold reached (not extended; it
 -- expires on its own). The TTL is never extended past the lease's maximum hold. A holder of a key several
--- may hold (its hash has a `slot`) keeps the key's counter, whose width counts its slot, at least as long.
+-- may hold (its hash has a `slot`, or `wide`: granted before the key had several) keeps the key's counter, whose
+-- width counts its slot, at least as long.
 --#include args clock keys history
 local n = #KEYS
 if #ARGV ~= n + 1 and #ARGV ~= 2 * n + 2 then return bad('argument count', #ARGV) end
@@ -31,7 +32,7 @@ end
 local now = server_time()
 local out = {}
 for i, key in ipairs(KEYS) do
-  local cur = redis.pcall('HMGET', key, 'token', 'max_hold_until_ms', 'slot', 'fence')
+  local cur = redis.pcall('HMGET', key, 'token', 'max_hold_until_ms', 'slot', 'fence', 'wide')
   if cur.err then
     out[i] = 's'
   elseif not cur[1] then
@@ -47,7 +48,7 @@ for i, key in ipairs(KEYS) do
     else
       redis.call('PEXPIRE', key, px)
       redis.call('HSET', key, 'renewed_ms', now)
-      if cur[3] then
+      if cur[3] or cur[5] then
         local fence = sibling(key, 'fence')
         local left = redis.call('PTTL', fence)  -- -1: kept for ever; -2: gone (nothing to keep)
         if left >= 0 and left < px then redis.call('PEXPIRE', fence, px) end
