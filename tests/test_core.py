@@ -30,7 +30,7 @@ from dramatiq_leases.core.keys import lease_name, script_names
 from dramatiq_leases.embedded import EmbeddedRedis, free_port
 from tools import slot_tags
 
-from .support.scriptcalls import grant_call
+from .support.scriptcalls import grant_call, renew_call
 from .support.waiting import wait_for
 
 CORE = pathlib.Path(__file__).parents[1] / "dramatiq_leases" / "core"
@@ -316,7 +316,7 @@ def test_the_acquire_script_checks_every_argument_before_writing(
         redis_client.eval(*grant_call(**named))
     with pytest.raises(redis.ResponseError, match="dramatiq-leases: invalid fields"):
         redis_client.eval(*grant_call(), "odd-metadata")
-    with pytest.raises(redis.ResponseError, match=r"dramatiq-leases: invalid epoch record \(KEYS\[5\]\)"):
+    with pytest.raises(redis.ResponseError, match=r"dramatiq-leases: invalid key count 4"):
         redis_client.eval(*grant_call(failover_ms=1_000, keys=list(script_names("t", "k"))[:4]))
     assert redis_client.keys("*") == []
 
@@ -327,8 +327,8 @@ def test_no_script_leaves_a_lease_without_ttl(leases: Leases, redis_client: redi
     assert isinstance(lease, Lease)
     name = leases.lease_name("a")
     attempts: list[Any] = [
-        lambda: redis_client.eval(scripts.RENEW_MANY, 1, name, "12.5", lease.token),
-        lambda: redis_client.eval(scripts.RENEW_MANY, 1, name, lease.token),
+        lambda: redis_client.eval(*renew_call([name], "12.5", lease.token)),
+        lambda: redis_client.eval(*renew_call([name], lease.token)),
         lambda: redis_client.eval(scripts.ADOPT, 1, name, lease.token, "new", "-5", "0", "0", "0"),
         lambda: redis_client.eval(scripts.ADOPT, 1, name, lease.token, "new", "1000", "0", "0", "x"),
         lambda: leases.adopt("a", lease.token, ttl=1_000, max_hold=10),

@@ -357,3 +357,30 @@ def test_a_lease_in_a_higher_slot_is_handed_over_and_adopted_in_its_slot(
     assert leases.renew(adopted) is Renewal.OK
     assert leases.release(adopted)
     assert held_slots(redis_client) == {first.slot: first.token}
+
+
+def snapshot(client: redis.Redis) -> dict[Any, Any]:
+    """Every key of the store and its value (a DUMP), to show that a call wrote nothing."""
+    return {name: client.dump(name) for name in sorted(client.keys("t:*"))}
+
+
+def test_a_caller_declaring_fewer_holder_slots_than_the_key_has_is_asked_for_them_before_any_write(
+    leases: Leases, redis_client: redis.Redis
+) -> None:
+    """Every script is given the names of the slots it reads (it builds none): one that finds the key wider
+    than its caller declared answers NEED_SLOTS with the width, having written nothing, and the store asks
+    again with them. The key was widened to 3 by another process; here, a limit of 1."""
+    holders = [grant(leases) for _ in range(3)]
+    fresh = Leases(redis_client, prefix="t")
+    # The script, called as a limit-1 caller calls it: asked for the three slots, nothing written.
+    before = snapshot(redis_client)
+    assert redis_client.eval(*grant_call(waiter="w1", mode=1, first_ms=1)) == [scripts.NEED_SLOTS, 3]
+    assert snapshot(redis_client) == before
+    # The store asks again with them: a holder of any slot counts, and the waiter takes its place in the line.
+    turn = fresh.line.join("k", TTL, waiter="w1", first_ms=1)
+    assert isinstance(turn, Busy) and turn.line == 1
+    # Releases, each by a process that never saw the key wide: the line's front is called forward.
+    assert Leases(redis_client, prefix="t").release(holders[0])
+    assert held_slots(redis_client) == {1: holders[1].token, 2: holders[2].token}
+    assert Leases(redis_client, prefix="t").release_token("k", holders[2].token)  # looked for in every slot
+    assert held_slots(redis_client) == {1: holders[1].token}

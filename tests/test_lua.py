@@ -105,7 +105,7 @@ def test_each_helper_is_written_once_in_the_prelude() -> None:
     """The helpers the scripts share live in lua/prelude.lua only; a script gets them by --#include."""
     prelude = LUA.joinpath("prelude.lua").read_text(encoding="utf-8")
     helpers = re.findall(r"^local function (\w+)", prelude, re.MULTILINE)
-    assert {"whole", "bad", "server_time", "sibling", "entry", "line_front", "wake", "call_forward"} <= set(helpers)
+    assert {"whole", "bad", "server_time", "declared_slots", "entry", "line_front", "call_forward"} <= set(helpers)
     for name, source in SOURCES.items():
         for helper in helpers:
             assert not re.search(rf"\bfunction {helper}\b", source), f"{name}.lua defines {helper} again"
@@ -141,3 +141,32 @@ def test_every_script_as_built_compiles_on_the_server(redis_client: redis.Redis)
     for name, built in scripts.ALL.items():
         sha = redis_client.script_load(built)
         assert redis_client.script_exists(sha) == [True], name
+
+
+def test_the_suite_runs_every_script_with_the_declared_keys_check() -> None:
+    """tests/__init__.py turns the check on for every process of the suite: no script here runs without it."""
+    assert scripts.CHECK_KEYS
+    for name, built in scripts.ALL.items():
+        assert "local function __check(" in built, name
+        calls = code(built).replace("return redis.call(cmd", "").replace("return redis.pcall(cmd", "")
+        assert "redis.call(" not in calls and "redis.pcall(" not in calls, name
+
+
+@pytest.mark.parametrize(
+    ("body", "refused"),
+    [
+        ("return redis.call('GET', 'other')", "undeclared key other (GET)"),
+        ("return redis.pcall('HGET', 'other', 'f')", "undeclared key other (HGET)"),
+        ("return redis.call('EXISTS', KEYS[1], 'other')", "undeclared key other (EXISTS)"),
+        ("return redis.call('DEL', 'other', KEYS[1])", "undeclared key other (DEL)"),
+        ("return redis.call('RENAME', KEYS[1], 'other')", "command not checked: RENAME"),
+    ],
+)
+def test_the_check_fails_a_script_on_a_key_it_was_not_given(redis_client: redis.Redis, body: str, refused: str) -> None:
+    """What makes a key built inside a script fail the suite, as Dragonfly would fail it in production; keys
+    given, and commands without keys, pass."""
+    built = scripts._build(f"-- KEYS:\n{body}\n", {}, check=True)
+    with pytest.raises(redis.ResponseError, match=re.escape(refused)):
+        redis_client.eval(built, 1, "mine")
+    allowed = "redis.call('SET', KEYS[1], 1) redis.call('PUBLISH', 'channel', 1) return redis.call('EXISTS', KEYS[1])"
+    assert redis_client.eval(scripts._build(f"-- KEYS:\n{allowed}\n", {}, check=True), 1, "mine") == 1

@@ -13,9 +13,9 @@ import redis
 
 from dramatiq_leases.core import Busy, Lease, Leases, scripts
 from dramatiq_leases.core.errors import LeaseUnavailableError
-from dramatiq_leases.core.keys import fence_name, lease_name, line_name, wake_name
+from dramatiq_leases.core.keys import fence_name, history_name, lease_name, line_name, wake_name
 
-from .support.scriptcalls import acquire, release_call
+from .support.scriptcalls import acquire, line_call, release_call, renew_call
 
 
 def sibling(kind: str, key: str) -> str:
@@ -35,7 +35,7 @@ def test_renew_refuses_an_empty_token_before_renewing_any_key(leases: Leases, re
     redis_client.hset(stray, "token", "")  # a hash written by hand, with an empty token and no TTL
     names = [leases.lease_name("a"), stray]
     with pytest.raises(redis.ResponseError, match="dramatiq-leases: invalid token"):
-        redis_client.eval(scripts.RENEW_MANY, 2, *names, "60000", lease.token, "")
+        redis_client.eval(*renew_call(names, "60000", lease.token, ""))
     assert redis_client.pttl(names[0]) <= 1_000  # the first key was not renewed either
     assert redis_client.pttl(stray) == -1 and not redis_client.hexists(stray, "renewed_ms")
 
@@ -51,7 +51,7 @@ def test_the_line_refuses_a_holder_that_would_split_a_waiters_entry(
     assert isinstance(busy, Busy)
     entry = redis_client.hget(sibling("waiters", "k"), "w1")
     with pytest.raises(redis.ResponseError, match="dramatiq-leases: invalid holder"):
-        redis_client.eval(scripts.LINE, 1, leases.lease_name("k"), "hold", holder, "1000", "2", "1000", "w1")
+        redis_client.eval(*line_call("hold", holder, "1000", "2", "1000", "w1"))
     assert redis_client.hget(sibling("waiters", "k"), "w1") == entry
     assert leases.line.hold("k", ["w1"], "channel", park_ms=1_000, ready=0) == ["p"]
 
@@ -170,8 +170,10 @@ def test_release_and_the_line_take_the_same_bounds(redis_client: redis.Redis) ->
     for named, refused in wrong:
         with pytest.raises(redis.ResponseError, match=f"invalid {refused}"):
             redis_client.eval(*release_call(token="nobody", **named))
-    hold: list[Any] = [scripts.LINE, 1, name, "hold", "h" * scripts.MAX_ID_LENGTH, scripts.MAX_MS, scripts.MAX_READY, 1]
-    assert redis_client.eval(*hold, "w" * scripts.MAX_ID_LENGTH) == [b"x"]
+    hold = line_call(
+        "hold", "h" * scripts.MAX_ID_LENGTH, scripts.MAX_MS, scripts.MAX_READY, 1, "w" * scripts.MAX_ID_LENGTH
+    )
+    assert redis_client.eval(*hold) == [[b"x"], []]
     with pytest.raises(redis.ResponseError, match="invalid holder"):
         redis_client.eval(scripts.LINE, 1, name, "hold", "h" * (scripts.MAX_ID_LENGTH + 1), 1, 0, 1, "w")
     with pytest.raises(redis.ResponseError, match="invalid park_ms"):
@@ -206,9 +208,12 @@ def test_the_line_keys_live_as_long_as_the_constants_say(redis_client: redis.Red
     )
     assert all(scripts.LINE_TTL_MS - lost <= pttl <= scripts.LINE_TTL_MS for pttl in pttls), pttls
     release = release_call(token="holder", waiter="w0", ready=2)
-    (wake, done), lost = ttls_set(
-        redis_client, lambda: redis_client.eval(*release), wake_name("t", "k", "w1"), sibling("done", "k")
-    )
+
+    def release_and_wake() -> None:
+        assert redis_client.eval(*release) == [scripts.RELEASED, b"w1"]  # the release names whom to wake
+        redis_client.eval(scripts.WAKE, 1, wake_name("t", "k", "w1"))
+
+    (wake, done), lost = ttls_set(redis_client, release_and_wake, wake_name("t", "k", "w1"), sibling("done", "k"))
     assert scripts.WAKE_TTL_MS - lost <= wake <= scripts.WAKE_TTL_MS  # the head, waiting in place, woken
     assert scripts.DONE_MS - lost <= done <= scripts.DONE_MS  # w0, which ran
 
@@ -224,7 +229,7 @@ def test_a_counter_made_again_by_a_release_keeps_record_ms(redis_client: redis.R
     if script == "release_plain":
         call = [scripts.RELEASE_PLAIN, 3, *names, line_name("t", "k"), "tok", "", 0]
     if script == "release_if_dead":
-        call = [scripts.RELEASE_IF_DEAD, 2, *names, 0]
+        call = [scripts.RELEASE_IF_DEAD, 3, *names, history_name("t", "k"), 0]
         redis_client.persist(names[0])
         redis_client.hset(names[0], "renewed_ms", 1)  # its holder's deadline long past
     (pttl,), lost = ttls_set(redis_client, lambda: redis_client.eval(*call), names[1])
@@ -237,5 +242,5 @@ def test_one_call_drops_at_most_head_drops_max_vanished_waiters(redis_client: re
     vanished = [f"w{i:02}" for i in range(scripts.HEAD_DROPS_MAX + 3)]
     redis_client.zadd(line_name("t", "k"), {w: i + 1 for i, w in enumerate(vanished)})
     redis_client.hset(sibling("waiters", "k"), mapping={w: "p 1 h a" for w in vanished})  # deadlines long past
-    redis_client.eval(scripts.LINE, 1, lease_name("t", "k"), "leave", "", 1, 2, 1000, "someone")
+    redis_client.eval(*line_call("leave", "", 1, 2, 1000, "someone"))
     assert redis_client.zcard(line_name("t", "k")) == 3

@@ -7,21 +7,26 @@ a :class:`~.protocol.GrantRequest` or :class:`~.protocol.ReleaseRequest` through
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
+
+import redis
 
 from . import rounds, scripts, tracing
 from .client import server_attributes, unavailable
 from .errors import LeaseConfigError, LeaseUnavailableError
 from .info import meta_args, text
-from .keys import epoch_name, fence_name, lease_name, validate_key
+from .keys import epoch_name, fence_name, history_name, lease_name, validate_key, wake_name
 from .lease import Busy, Lease, Renewal, confirm, default_interval, margin_ms, new_token
 from .numbers import check_numbers, whole_count
 from .protocol import GrantRequest, Released, ReleaseRequest, Turn, Wait
 from .replication import not_replicated
 from .runner import ScriptRunner
 from .scripts import MAX_LIMIT
+
+logger = logging.getLogger(__name__)
 
 _RENEW_CODES = {"1": Renewal.OK, "0": Renewal.GONE, "s": Renewal.STOLEN, "m": Renewal.MAX_HOLD}
 
@@ -68,6 +73,7 @@ class Grants:
         self._renew_many = runner.register(scripts.RENEW_MANY)
         self._release = runner.register(scripts.RELEASE)
         self._adopt = runner.register(scripts.ADOPT)
+        self._wake = runner.register(scripts.WAKE)
         self._names: dict[str, list[str]] = {}
         # The span attributes every call of an operation shares, built once: spans are per message.
         server: dict[str, str | int] = {tracing.DB_SYSTEM: "redis", **server_attributes(runner.client)}
@@ -101,23 +107,33 @@ class Grants:
                     )
                     reply, acked = self.runner.call_acked(self._acquire_plain, keys, args)
                 if reply == scripts.NOT_PLAIN:  # busy, lined or wide: the general script decides
-                    keys, args = request.encode(
-                        self.prefix,
-                        self.fence_retention,
-                        self.history,
-                        grace=self.restart_grace,
-                        failover=self.failover_grace,
-                    )
                     script = self._acquire_latest if request.latest else self._acquire
-                    reply, acked = self.runner.call_acked(script, keys, args)
+                    reply, acked = self.runner.call_slots(
+                        key,
+                        script,
+                        lambda width: request.encode(
+                            self.prefix,
+                            self.fence_retention,
+                            self.history,
+                            grace=self.restart_grace,
+                            failover=self.failover_grace,
+                            width=width,
+                        ),
+                        acked=True,
+                    )
             if int(reply[0]) != scripts.GRANTED:
                 span.set_attributes({tracing.OUTCOME: "busy", tracing.FENCE: int(reply[2])})
+                if len(reply) > 9:
+                    self.wake(key, reply[9])
                 return Turn.decode(key, reply)
+            if len(reply) > 7:
+                self.wake(key, reply[7])
             if acked < self.runner.min_replicas:
                 self._not_replicated("acquire", key, request.token, acked)
             span.set_attributes({tracing.OUTCOME: "acquired", tracing.FENCE: int(reply[1])})
-        # {GRANTED, fence, now[, expired[, released_ms, from_line, slot]]}: the plain path leaves out its zeros.
-        granted = [int(x) for x in reply] + [0] * (7 - len(reply))
+        # {GRANTED, fence, now[, expired[, released_ms, from_line, slot[, woken]]]}: the plain path leaves out its
+        # zeros.
+        granted = [int(x) for x in reply[:7]] + [0] * (7 - len(reply[:7]))
         lease = Lease(
             key=key,
             token=request.token,
@@ -135,9 +151,25 @@ class Grants:
         lease.slot = granted[6]
         return lease
 
+    def wake(self, key: str, waiters: Sequence[Any]) -> None:
+        """Wake ``waiters`` of ``key`` waiting in place, as a script's answer named them (``lua/wake.lua``).
+
+        Best effort, after the script's own writes: a waiter not woken (Redis unreachable, this process gone
+        in between) asks again when its block ends, which is when the holder's TTL would have ended.
+        """
+        if not waiters:
+            return
+        names = [wake_name(self.prefix, key, text(w)) for w in waiters]
+        try:
+            self.runner.call(self._wake, names, [])
+        except redis.RedisError as exc:
+            logger.debug(
+                "Could not wake %d waiter(s) of %r (they ask again after their block): %s", len(names), key, exc
+            )
+
     def _keys(self, key: str, slot: int = 0) -> list[str]:
-        """The Redis keys of a lease's scripts: lease (its holder ``slot``'s), fence (the last 1 024 keys cached; the
-        scripts derive the line's keys from the lease's name)."""
+        """The Redis keys of a lease's renewals: lease (its holder ``slot``'s), fence (the last 1 024 keys
+        cached)."""
         if slot:
             return [lease_name(self.prefix, key, slot), self._keys(key)[1]]
         names = self._names.get(key)
@@ -147,6 +179,11 @@ class Grants:
                 self._names.clear()  # per-invoice keys must not grow it without bound
             self._names[key] = names
         return names
+
+    def _renew_names(self, lease: Lease) -> tuple[str, str, str]:
+        """A lease's keys in a renewal: its holder slot's, its fence counter, its history (``""``: none kept)."""
+        lease_key, fence = self._keys(lease.key, lease.slot)
+        return lease_key, fence, history_name(self.prefix, lease.key) if self.history else ""
 
     def adopt(
         self,
@@ -178,7 +215,7 @@ class Grants:
             args.append(self.history)  # an odd last argument: the history cap
         sent_at = time.monotonic()
         with unavailable(f"adopt lease {key!r}", key):
-            keys = [lease_name(self.prefix, key, slot), epoch_name(self.prefix, key)]
+            keys = [lease_name(self.prefix, key, slot), epoch_name(self.prefix, key), history_name(self.prefix, key)]
             reply, acked = self.runner.call_acked(self._adopt, keys, args)
         code = int(reply[0])
         if code == 0:
@@ -223,7 +260,10 @@ class Grants:
             return []
         runner = self.runner
         batches, calls = rounds.plan(
-            leases, lambda lease: self._keys(lease.key, lease.slot)[0], cluster=runner.cluster, history=self.history
+            leases,
+            self._renew_names,
+            cluster=runner.cluster,
+            history=self.history,
         )
         # Several script calls on one connection are a pipeline: a batch in the conventions' terms.
         attributes: dict[str, str | int]
@@ -271,9 +311,16 @@ class Grants:
                     keys, args = request.encode_plain(self.prefix, self.fence_retention)
                     reply = self.runner.call(self._release_plain, keys, args)
                 if reply == scripts.NOT_PLAIN:  # a line to hand on to, or one of several holders
-                    keys, args = request.encode(self.prefix, self.fence_retention, self.history)
-                    reply = self.runner.call(self._release, keys, args)
+                    reply, _ = self.runner.call_slots(
+                        key,
+                        self._release,
+                        lambda width: request.encode(self.prefix, self.fence_retention, self.history, width=width),
+                    )
+                woken: list[Any] = []
+                if isinstance(reply, list):  # {RELEASED, woken...}
+                    reply, woken = reply[0], reply[1:]
                 code = Released(int(reply))
+            self.wake(key, woken)
             span.set_attribute(tracing.OUTCOME, "released" if code is Released.NOW else "not_held")
         return code
 

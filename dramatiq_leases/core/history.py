@@ -21,7 +21,7 @@ from . import scripts
 from .client import unavailable
 from .errors import LeaseConfigError, LeaseStateError
 from .info import meta_args
-from .keys import history_name, lease_name, validate_key
+from .keys import history_name, validate_key
 from .numbers import whole_count, whole_ms
 from .runner import ScriptRunner
 from .scripts import MAX_ID_LENGTH, MAX_LIMIT
@@ -215,7 +215,7 @@ class History:
         packed = meta_args(key, dict(meta or {}))  # checked as a lease's metadata is
         args = [self.cap, event, fence, reason, packed[3] if len(packed) > 2 else "", waited_ms]
         with unavailable(f"record the history of {key!r}", key):
-            self.runner.call(self._script, [lease_name(self.prefix, key)], args)
+            self.runner.call(self._script, [history_name(self.prefix, key)], args)
 
 
 class Histories:

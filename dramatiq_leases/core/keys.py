@@ -120,6 +120,17 @@ def line_name(prefix: str, key: str) -> str:
     return f"{prefix}:line:{{{hash_tag(key)}}}"
 
 
+def waiters_name(prefix: str, key: str) -> str:
+    """The Redis key of the entries of ``key``'s waiters (a hash by waiter id; see :mod:`.line`)."""
+    return f"{prefix}:waiters:{{{hash_tag(key)}}}"
+
+
+def slot_names(prefix: str, key: str, width: int) -> list[str]:
+    """The Redis keys of ``key``'s holder slots 1 to ``width - 1`` (see :func:`lease_name`): what a script that
+    reads a key's holders is given besides its slot 0."""
+    return [lease_name(prefix, key, s) for s in range(1, width)]
+
+
 def done_name(prefix: str, key: str) -> str:
     """The Redis key of the waiters of ``key`` that ran (a sorted set by expiry; see :mod:`.line`)."""
     return f"{prefix}:done:{{{hash_tag(key)}}}"
@@ -151,6 +162,13 @@ def script_names(prefix: str, key: str) -> tuple[str, str, str, str, str]:
     )
 
 
+@functools.lru_cache(maxsize=1024)
+def line_names(prefix: str, key: str) -> tuple[str, str, str, str]:
+    """The order, waiters, unique and history names of ``key``: what the general scripts are given besides
+    :func:`script_names`, built once for the last 1 024 keys."""
+    return order_name(prefix, key), waiters_name(prefix, key), unique_name(prefix, key), history_name(prefix, key)
+
+
 def unique_name(prefix: str, key: str) -> str:
     """The Redis key of ``key``'s unique records (``lock_unique``: a sorted set of message ids by end time)."""
     return f"{prefix}:unique:{{{hash_tag(key)}}}"
@@ -167,7 +185,7 @@ def history_name(prefix: str, key: str) -> str:
 
 
 def wake_name(prefix: str, key: str, waiter: str) -> str:
-    """The Redis list a waiter waiting in place blocks on (the scripts derive it from the line's name)."""
+    """The Redis list a waiter waiting in place blocks on (``lua/wake.lua`` pushes on it)."""
     return f"{line_name(prefix, key)}:w:{waiter}"
 
 

@@ -22,7 +22,7 @@ from typing import Any
 from .client import MAX_BLOCK_S, connection_kwargs, pool_connection, unavailable
 from .errors import LeaseConfigError
 from .grants import Grants
-from .keys import lease_name, order_name, validate_key, wake_name
+from .keys import line_names, order_name, script_names, slot_names, validate_key, wake_name
 from .lease import Lease, new_token
 from .numbers import check_numbers
 from .protocol import DEFAULT_PARK_MS, DEFAULT_READY, PROMOTE_MS, GrantRequest, Join, Released, ReleaseRequest, Turn
@@ -54,8 +54,22 @@ class Line:
     def _call(self, script: Any, keys: list[str], args: list[Any]) -> Any:
         return self.runner.call(script, keys, args)
 
-    def _line_keys(self, key: str) -> list[str]:
-        return [lease_name(self.prefix, key)]  # the script derives the line's keys from it
+    def _run_line(self, key: str, args: list[Any]) -> Any:
+        """``lua/line.lua`` on ``key`` for the waiters ``args[5:]``; its answer, once the waiters it woke are."""
+        prefix = self.prefix
+
+        def encode(width: int) -> tuple[list[str], list[Any]]:
+            names, (_, waiters, _, _) = script_names(prefix, key), line_names(prefix, key)
+            keys = [
+                *(names[0], names[2], waiters, names[3], names[1]),
+                *(wake_name(prefix, key, w) for w in args[5:]),
+                *slot_names(prefix, key, width),
+            ]
+            return keys, args
+
+        answer, woken = self.runner.call_slots(key, self._line_script, encode)[0]
+        self.grants.wake(key, woken)
+        return answer
 
     def join(  # noqa: PLR0913 (keyword-only: the acquire's options and the waiter's)
         self,
@@ -165,8 +179,7 @@ class Line:
         """
         validate_key(key)
         with unavailable(f"hold waiters of {key!r}", key):
-            args = ["hold", channel, park_ms, ready, promote_ms, *waiters]
-            reply = self._call(self._line_script, self._line_keys(key), args)
+            reply = self._run_line(key, ["hold", channel, park_ms, ready, promote_ms, *waiters])
         return [r.decode() if isinstance(r, bytes) else str(r) for r in reply]
 
     def leave(
@@ -174,9 +187,8 @@ class Line:
     ) -> int:
         """``waiters`` give up their places in the line of ``key``; returns how many had one."""
         validate_key(key)
-        keys, args = self._line_keys(key), ["leave", "", 1, ready, promote_ms, *waiters]
         with unavailable(f"leave the line of {key!r}", key):
-            return int(self._call(self._line_script, keys, args))
+            return int(self._run_line(key, ["leave", "", 1, ready, promote_ms, *waiters]))
 
     def wake(self, key: str, waiter: str) -> None:
         """Wake ``waiter`` if it waits in place (it then asks again); for a process shutting down."""

@@ -16,7 +16,7 @@ from typing import Any
 from . import scripts
 from .errors import LeaseConfigError
 from .info import meta_args, text
-from .keys import lease_name, order_name, script_names, validate_key
+from .keys import lease_name, line_names, script_names, slot_names, validate_key, wake_name
 from .lease import Busy, margin_ms
 from .numbers import whole_count, whole_limit, whole_ms
 from .scripts import MAX_ID_LENGTH, MAX_LIMIT, MAX_ORDER, MAX_READY, MAX_TIMESTAMP_MS
@@ -149,14 +149,18 @@ class GrantRequest:
         return list(script_names(prefix, self.key)), args
 
     def encode(
-        self, prefix: str, retention: int, history: int, *, grace: int = 0, failover: int = 0
+        self, prefix: str, retention: int, history: int, *, grace: int = 0, failover: int = 0, width: int = 1
     ) -> tuple[list[str], list[Any]]:
         """``KEYS`` and ``ARGV`` of ``lua/acquire.lua`` (its latest build if :attr:`latest`), for a store of
         ``prefix`` whose fence counters are kept ``retention`` ms, histories ``history`` events, and whose
-        restart and failover graces are ``grace`` and ``failover`` ms."""
-        keys = list(script_names(prefix, self.key))
-        if self.latest:
-            keys.append(order_name(prefix, self.key))
+        restart and failover graces are ``grace`` and ``failover`` ms; the key's holder slots declared as many
+        as the larger of :attr:`limit` and ``width``."""
+        keys = [
+            *script_names(prefix, self.key),
+            *line_names(prefix, self.key),
+            wake_name(prefix, self.key, self.waiter),
+            *slot_names(prefix, self.key, max(self.limit, width)),
+        ]
         ready, park_ms, promote_ms = self.rules
         args: list[Any] = [
             *(
@@ -218,11 +222,17 @@ class ReleaseRequest:
         grant = "" if self.fence is None else str(self.fence)
         return [names[0], names[1], names[2]], [self.token, grant, retention]  # RELEASE_PLAIN_ARGV
 
-    def encode(self, prefix: str, retention: int, history: int) -> tuple[list[str], list[Any]]:
-        """``KEYS`` and ``ARGV`` of ``lua/release.lua`` (see :meth:`GrantRequest.encode`)."""
+    def encode(self, prefix: str, retention: int, history: int, *, width: int = 1) -> tuple[list[str], list[Any]]:
+        """``KEYS`` and ``ARGV`` of ``lua/release.lua`` (see :meth:`GrantRequest.encode`), ``width`` holder slots
+        declared."""
+        names, (_, waiters, _, history_key) = script_names(prefix, self.key), line_names(prefix, self.key)
         keys = [
-            lease_name(prefix, self.key, self.slot) if self.slot else script_names(prefix, self.key)[0],
-            *script_names(prefix, self.key)[1:4],
+            lease_name(prefix, self.key, self.slot) if self.slot else names[0],
+            *names[1:4],
+            waiters,
+            history_key,
+            names[0],
+            *slot_names(prefix, self.key, width),
         ]
         grant = "find" if self.slot is None else "" if self.fence is None else str(self.fence)
         # -1: an operator's release appends to a history the fleet keeps, even one unknown to this store.

@@ -9,7 +9,7 @@ from . import scripts
 from .client import unavailable
 from .errors import LeaseStateError
 from .info import LeaseInfo
-from .keys import fence_name, lease_name, validate_key
+from .keys import fence_name, history_name, lease_name, validate_key
 from .numbers import whole_count
 from .protocol import operator_name
 from .reading import Reader
@@ -98,7 +98,7 @@ def release_if_dead(
     ``RELEASE_IF_DEAD`` script with its keys and arguments, on ``holder``'s slot and for its fence only (a hash
     without a fence, written by hand: whatever holds that slot). ``history``: the key's history cap (-1: its
     own, if it has one), recording the release as ``force_released`` ``by`` whom."""
-    keys = [lease_name(prefix, validate_key(key), holder.slot), fence_name(prefix, key)]
+    keys = [lease_name(prefix, validate_key(key), holder.slot), fence_name(prefix, key), history_name(prefix, key)]
     args: list[Any] = [fence_retention, holder.fence]
     if history:
         args += [history, by]

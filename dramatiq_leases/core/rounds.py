@@ -21,27 +21,32 @@ from .lease import Lease
 #: split, and the calls still share one pipelined round trip.
 RENEW_BATCH = 1000
 
-#: One script call: its keys (the leases' Redis keys) and its arguments (the TTL, then the tokens; with a
-#: history, its cap and the leases' fences).
+#: One script call: its keys (the leases' Redis keys, then their fence counters, then, with a history, their
+#: histories) and its arguments (the TTL, then the tokens; with a history, its cap and the leases' fences).
 Call = tuple[list[str], list[Any]]
 
 
 def plan(
-    leases: Sequence[Lease], name: Callable[[Lease], str], *, cluster: bool, history: int = 0
+    leases: Sequence[Lease], names: Callable[[Lease], tuple[str, str, str]], *, cluster: bool, history: int = 0
 ) -> tuple[list[list[int]], list[Call]]:
     """Group ``leases`` into script calls: the indexes each call renews, and the calls.
 
-    One call per slot (Cluster) and TTL, so the TTL travels once, not once per lease;
-    ``name`` gives a lease's Redis key. ``history``: the keys' history cap (0: none kept), so that a lease
-    found lost is recorded with its fence.
+    One call per slot (Cluster) and TTL, so the TTL travels once, not once per lease; ``names`` gives a lease's
+    Redis key, fence counter and history (``lua/renew_many.lua`` declares each). ``history``: the keys' history
+    cap (0: none kept), so that a lease found lost is recorded with its fence.
     """
     groups: dict[tuple[int, int], list[int]] = defaultdict(list)
+    named = [names(lease) for lease in leases]
     for i, lease in enumerate(leases):
-        slot = key_slot(name(lease).encode()) if cluster else 0
+        slot = key_slot(named[i][0].encode()) if cluster else 0
         groups[(slot, lease.ttl)].append(i)
     batches = [idx[n : n + RENEW_BATCH] for idx in groups.values() for n in range(0, len(idx), RENEW_BATCH)]
+    kinds = 3 if history else 2
     calls = [
-        ([name(leases[i]) for i in batch], [leases[batch[0]].ttl, *(leases[i].token for i in batch)])
+        (
+            [named[i][kind] for kind in range(kinds) for i in batch],
+            [leases[batch[0]].ttl, *(leases[i].token for i in batch)],
+        )
         for batch in batches
     ]
     if history:

@@ -7,6 +7,7 @@ recovery) share one :class:`ScriptRunner`, so a script is sent the same way whoe
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -16,6 +17,18 @@ from . import cluster, rounds
 from .client import RedisClient, ThreadConnections, evalsha
 from .numbers import whole_count, whole_ms
 from .replication import MAX_REPLICAS, check_replication, evalsha_acked
+from .scripts import MAX_LIMIT, NEED_SLOTS
+
+#: A script call's ``KEYS`` and ``ARGV`` with a key's holder slots declared as many as asked (see
+#: :meth:`ScriptRunner.call_slots`).
+Encode = Callable[[int], tuple[list[str], list[Any]]]
+
+
+def needed_slots(reply: Any) -> int | None:
+    """How many holder slots a script asked to be declared (its answer ``{NEED_SLOTS, width}``), or ``None``."""
+    if isinstance(reply, list) and len(reply) == 2 and reply[0] == NEED_SLOTS:
+        return int(reply[1])
+    return None
 
 
 class ScriptRunner:
@@ -38,6 +51,8 @@ class ScriptRunner:
         self.replica_timeout = whole_ms(replica_timeout, "replica_timeout", owner="Leases")
         if self.min_replicas:
             check_replication(client, self.replica_timeout)
+        # The holder slots a key was last found to have, when more than one (see call_slots); bounded.
+        self._widths: dict[str, int] = {}
         #: The calling thread's own connections (``thread_connections``), or ``None``.
         self.threads = (
             ThreadConnections(client)
@@ -68,6 +83,26 @@ class ScriptRunner:
         return self.threads.run(
             lambda client: evalsha_acked(client, script, keys, args, replicas=replicas, timeout_ms=timeout_ms)
         )
+
+    def call_slots(self, key: str, script: Any, encode: Encode, *, acked: bool = False) -> tuple[Any, int]:
+        """:meth:`call` (:meth:`call_acked` if ``acked``) of a script that reads ``key``'s holder slots, with the
+        ``KEYS`` and ``ARGV`` that ``encode(width)`` gives: declaring as many slots as the key last had here,
+        and again with as many as the script asks for if it finds the key wider (``NEED_SLOTS``: nothing was
+        written). The reply, and the replicas' count as :meth:`call_acked`'s."""
+        width = self._widths.get(key, 1)
+        for _ in range(3):  # a key only widens by grants of a larger limit: once, but for a race
+            keys, args = encode(width)
+            reply, replicas = self.call_acked(script, keys, args) if acked else (self.call(script, keys, args), 0)
+            need = needed_slots(reply)
+            if need is None:
+                return reply, replicas
+            if not width < need <= MAX_LIMIT:
+                raise redis.exceptions.ResponseError(f"dramatiq-leases: {key!r} asked for {need} holder slots")
+            width = need
+            if len(self._widths) >= 1024:
+                self._widths.clear()  # per-invoice keys must not grow it without bound
+            self._widths[key] = width
+        raise redis.exceptions.ResponseError(f"dramatiq-leases: {key!r} kept widening beyond {width} holder slots")
 
     def run_round(self, script: Any, calls: list[rounds.Call]) -> tuple[list[Any], int]:
         """Many calls of ``script`` in one round trip (on a Cluster, every master's at once; a reply is ``None``

@@ -15,9 +15,19 @@ between ``--#else`` and ``--#end`` only in the others. So ``lua/acquire.lua``
 is :data:`ACQUIRE` and :data:`ACQUIRE_LATEST`: what only ``lock_on_busy="latest"``
 needs never runs in, nor grows, a plain acquire. The constants the Lua uses are
 this module's (:data:`LUA_CONSTANTS`): the loader declares, after the header,
-each one a script names, so Python and Lua read one value. A script only touches
-the keys passed in ``KEYS`` or derived from the lease's name, and those always
-share one hash tag, so every script runs unchanged on Redis Cluster.
+each one a script names, so Python and Lua read one value.
+
+A script touches only the keys its caller passed in ``KEYS``; it builds no key
+name (servers that enforce declared keys, such as Dragonfly, refuse a script
+that does). A key's holder slots are declared as many as the caller expects;
+a script that finds more answers :data:`NEED_SLOTS` with how many, before its
+first write, and is asked again. The waiters a script wakes are in its answer,
+and the caller wakes them (``lua/wake.lua``): their wake lists are named after
+them. With ``DRAMATIQ_LEASES_CHECK_KEYS=1`` in the environment (the test suite
+sets it, for every process it starts), each script is built with a check that
+fails it on any key not in its ``KEYS`` (:data:`CHECK_KEYS`). All the keys of
+one lease key share one hash tag (the epoch record, a tag of the same Cluster
+slot), so every script runs unchanged on Redis Cluster.
 
 Key layout for a lease key ``K`` under prefix ``P`` (``T`` is the hash tag,
 see :func:`dramatiq_leases.core.keys.hash_tag`):
@@ -39,7 +49,7 @@ see :func:`dramatiq_leases.core.keys.hash_tag`):
 * ``P:line:{T}``: the line of waiters, a sorted set by first attempt;
   ``P:waiters:{T}``: each waiter's state, ``"<p|m|r> <deadline_ms> <holder> <actor>"``
   (parked, promoted, waiting in place); ``P:line:{T}:w:<waiter>``: the list a
-  waiter waiting in place blocks on; ``P:done:{T}``: waiters that ran, by
+  waiter waiting in place blocks on (``lua/wake.lua``); ``P:done:{T}``: waiters that ran, by
   expiry (and ``s:<waiter>``: waiters a newer one replaced, ``latest``); the
   waiters hash's field ``""`` names the key's latest waiter. See :mod:`.line`.
   All carry TTLs.
@@ -77,6 +87,7 @@ clocks agree on ages and deadlines.
 
 from __future__ import annotations
 
+import os
 import re
 from importlib.resources import files
 
@@ -127,6 +138,9 @@ WAIT_NONE, WAIT_IN_PLACE, WAIT_PARK, WAIT_SOON, WAIT_DUPLICATE, WAIT_SUPERSEDED,
 NOT_HELD, RELEASED, RELEASED_EARLIER = 0, 1, 2
 #: The plain scripts' answer when a request is not theirs to decide (nothing written): the general script decides.
 NOT_PLAIN = -1
+#: A script's answer ``{NEED_SLOTS, width}`` when the key has more holder slots than its caller declared (nothing
+#: written): asked again with ``width`` slots' names.
+NEED_SLOTS = -2
 
 #: Every constant the Lua uses, by the name it uses: the loader declares those a script names.
 LUA_CONSTANTS: dict[str, int] = {
@@ -162,7 +176,44 @@ LUA_CONSTANTS: dict[str, int] = {
     "RELEASED": RELEASED,
     "RELEASED_EARLIER": RELEASED_EARLIER,
     "NOT_PLAIN": NOT_PLAIN,
+    "NEED_SLOTS": NEED_SLOTS,
 }
+
+#: Whether the scripts are built with the check that fails a script on a key it was not given in ``KEYS``
+#: (``DRAMATIQ_LEASES_CHECK_KEYS=1``, read at import; for tests: the check costs a table lookup per command).
+CHECK_KEYS = os.environ.get("DRAMATIQ_LEASES_CHECK_KEYS") == "1"
+
+# The check: every command goes through it (the loader rewrites redis.call and redis.pcall), and each command's
+# keys must be in KEYS. The commands the scripts use, by where their keys are: TIME, INFO and PUBLISH take none,
+# EXISTS and DEL only keys, every other the first argument. A command not listed fails too, so that a new one
+# is placed here.
+_CHECK = """\
+local __declared = {}
+for _, k in ipairs(KEYS) do __declared[k] = true end
+local function __set(words)
+  local set = {}
+  for c in string.gmatch(words, '%%S+') do set[c] = true end
+  return set
+end
+local __none, __all, __first = __set('TIME INFO PUBLISH'), __set('EXISTS DEL'), __set('%s')
+local function __check(cmd, ...)
+  local c = string.upper(cmd)
+  if __none[c] then return end
+  local args = {...}
+  local n = 1
+  if __all[c] then n = #args elseif not __first[c] then error('dramatiq-leases: command not checked: ' .. c) end
+  for i = 1, n do
+    local k = args[i]
+    if not __declared[k] then error('dramatiq-leases: undeclared key ' .. tostring(k) .. ' (' .. c .. ')') end
+  end
+end
+local function __call(cmd, ...) __check(cmd, ...) return redis.call(cmd, ...) end
+local function __pcall(cmd, ...) __check(cmd, ...) return redis.pcall(cmd, ...) end
+"""
+_FIRST_KEY_COMMANDS = (
+    "GET SET TYPE PTTL PEXPIRE HGET HSET HMGET HDEL HEXISTS HGETALL HINCRBY ZADD ZREM ZRANGE ZSCORE ZMSCORE "
+    "ZRANK ZCARD ZREMRANGEBYSCORE LPUSH LTRIM LRANGE"
+)
 
 _INCLUDE = re.compile(r"^--#include((?: \w+)+)\n", re.MULTILINE)
 _IF = re.compile(r"^--#if (\w+)\n(.*?)(?:^--#else\n(.*?))?^--#end\n", re.MULTILINE | re.DOTALL)
@@ -180,10 +231,11 @@ def _sections() -> dict[str, str]:
     return {name: text.strip("\n") + "\n" for name, text in zip(parts[1::2], parts[2::2], strict=True)}
 
 
-def _build(source: str, sections: dict[str, str], variant: frozenset[str] = frozenset()) -> str:
+def _build(source: str, sections: dict[str, str], variant: frozenset[str] = frozenset(), *, check: bool = False) -> str:
     """A script's text as Redis runs it: ``source``'s header, the constants it names, then its body with each
     ``--#if NAME`` block kept or left out (kept if ``variant`` has NAME) and each ``--#include`` replaced by the
-    sections named (each once per script).
+    sections named (each once per script); with ``check``, every command goes through the declared keys'
+    check first (see :data:`CHECK_KEYS`).
 
     Raises:
       ValueError: an unknown section, one included twice, or an ``--#if`` without its ``--#end`` (or nested).
@@ -208,11 +260,13 @@ def _build(source: str, sections: dict[str, str], variant: frozenset[str] = froz
     body = _INCLUDE.sub(include, body)
     named = [name for name in LUA_CONSTANTS if re.search(rf"\b{name}\b", body)]
     declared = "".join(f"local {name} = {LUA_CONSTANTS[name]}\n" for name in named)
+    if check:
+        body = _CHECK % _FIRST_KEY_COMMANDS + body.replace("redis.call(", "__call(").replace("redis.pcall(", "__pcall(")
     return header + declared + body
 
 
 def _load(name: str, *variant: str) -> str:
-    return _build(_read(name), _SECTIONS, frozenset(variant))
+    return _build(_read(name), _SECTIONS, frozenset(variant), check=CHECK_KEYS)
 
 
 _SECTIONS = _sections()
@@ -243,6 +297,8 @@ ORDER = _load("order")
 INSPECT_MANY = _load("inspect_many")
 #: Append an event decided outside the scripts to a key's history (``lua/history.lua``).
 HISTORY = _load("history")
+#: Wake waiters waiting in place, named by a script's answer (``lua/wake.lua``).
+WAKE = _load("wake")
 
 #: Every script, by name.
 ALL = {
@@ -259,6 +315,7 @@ ALL = {
     "history": HISTORY,
     "unique": UNIQUE,
     "order": ORDER,
+    "wake": WAKE,
 }
 #: The file (``lua/<name>.lua``) of each script of :data:`ALL` not built from a file of its own name.
 FILES = {"acquire_latest": "acquire"}

@@ -16,7 +16,7 @@ from typing import Any, Literal, Protocol
 from . import scripts
 from .client import unavailable
 from .errors import LeaseConfigError
-from .keys import fence_name, lease_name, unique_name, validate_key
+from .keys import fence_name, history_name, lease_name, slot_names, unique_name, validate_key
 from .numbers import whole_limit, whole_ms
 from .runner import ScriptRunner
 
@@ -72,11 +72,12 @@ class UniqueRecords:
     def _run(self, what: str, key: str, args: list[str | int]) -> list[object]:
         validate_key(key)
         prefix = self.leases.prefix
+        fixed = [lease_name(prefix, key), fence_name(prefix, key), unique_name(prefix, key), history_name(prefix, key)]
         with unavailable(f"{what} the unique record of {key!r}", key):
-            reply: list[object] = self.runner.call(
-                self._script, [lease_name(prefix, key), fence_name(prefix, key)], args
+            reply, _ = self.runner.call_slots(
+                key, self._script, lambda width: ([*fixed, *slot_names(prefix, key, width)], args)
             )
-        return reply
+        return list(reply)
 
     def take(
         self, key: str, message_id: str, *, mode: Mode, limit: int = 1, grace: int, attempt: int = 0, actor: str = ""

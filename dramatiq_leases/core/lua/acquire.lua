@@ -1,11 +1,18 @@
 -- KEYS:
---   1 lease: the lease hash (slot 0's; the other slots' names and the waiters' are derived from it)
+--   1 lease: the lease hash (slot 0's)
 --   2 fence: the fence counter
 --   3 line: the key's line of waiters
 --   4 done: the waiters of the key that ran (or were superseded or finally refused)
 --   5 epoch: the epoch record of the key's Cluster slot (see failover_ms)
---   6 order: the key's order record (the latest build only): `seen`, the newest order that reached the lease
---     (granted, or waiting as the key's latest), and `by`, its waiter; `seq` is lua/order.lua's
+--   6 order: the key's order record (read and written by the latest build only): `seen`, the newest order
+--     that reached the lease (granted, or waiting as the key's latest), and `by`, its waiter; `seq` is
+--     lua/order.lua's
+--   7 waiters: the waiters' entries (see prelude's entry)
+--   8 unique: the key's unique records (lock_unique)
+--   9 history: the key's history (see prelude's history_append)
+--   10 wake: this waiter's wake list (keys.wake_name; deleted when it leaves the line)
+--   11.. slot: the names of holder slots 1, 2 ... (prelude's declared_slots): as many as `limit` needs; a key
+--     wider than that is answered {NEED_SLOTS, width}, nothing written
 -- ARGV:
 --   1 token: the new holder's owner token
 --   2 ttl_ms: the lease's TTL
@@ -40,12 +47,13 @@
 -- Returns {GRANTED, fence, now, previous_fence_expired, released_ms, from_line, slot} when granted (the last
 -- three left out when 0, as on the plain path; released_ms: when the key's last grant was released, if this
 -- waiter waited in the line; from_line: 1 if granted from the front of the line, so its release must remember
--- it; slot: the holder slot granted), or {BUSY, pttl, holder_fence, now, action, rank, length, block_ms} (pttl:
+-- it; slot: the holder slot granted; then, if it woke waiters in place, an eighth: their ids, for the caller to
+-- wake, lua/wake.lua), or {BUSY, pttl, holder_fence, now, action, rank, length, block_ms, newer, woken} (pttl:
 -- the soonest a holder's TTL ends; holder_fence: the newest holder's fence), action one of the WAIT_ codes:
 -- NONE not in the line, IN_PLACE wait in place (BLPOP the waiter's wake list for block_ms), PARK park, SOON
 -- park, near the front (a place to wait in but no thread for it), DUPLICATE this waiter already ran, SUPERSEDED
--- a newer message took its place (latest; it must not run; the latest build adds a ninth element, the message
--- id of the newest that reached the lease, '' if unknown), COPY_HOLDS another copy of this waiter holds the key
+-- a newer message took its place (latest; it must not run; `newer`: the message id of the newest that
+-- reached the lease, '' if unknown or not latest; `woken` as above, left out with `newer` when empty), COPY_HOLDS another copy of this waiter holds the key
 -- (it runs: ask again later, outside the line; the holder's hash names its `waiter`), GRACE within the restart
 -- or failover grace for a caller that never joins the line (see grace_ms, failover_ms). A key with free slots
 -- and a line goes to the front of its line only: its first waiters, one per free slot.
@@ -65,7 +73,7 @@
 -- waiter of it remembered) reads the counter and one EXISTS, then writes the counter and the lease; the unique
 -- record, the history and the counter's TTL add their commands only when asked for. Every argument is checked
 -- first, those of the general path too.
---#include args grant clock uptime epoch keys history
+--#include args grant clock uptime epoch slots history
 local refused, token, waiter, ttl_ms, max_hold_ms, interval_ms, margin_ms, retention_ms = grant_head(ARGV)
 if refused then return refused end
 local limit = whole(ARGV[8], 1, MAX_LIMIT)
@@ -90,7 +98,6 @@ local grace_ms = whole(ARGV[18], 0, MAX_MS)
 if grace_ms == nil then return bad('grace_ms', ARGV[18]) end
 local failover_ms = whole(ARGV[19], 0, MAX_MS)
 if failover_ms == nil then return bad('failover_ms', ARGV[19]) end
-if failover_ms > 0 and KEYS[5] == nil then return bad('epoch record (KEYS[5])') end
 --#if latest
 if latest ~= 1 or mode == 0 then return bad('policy', ARGV[16]) end
 local order = whole(ARGV[17], 1, MAX_ORDER)
@@ -101,10 +108,8 @@ if latest == nil or latest == 1 or (latest == 2 and (mode ~= 0 or waiter == ''))
 end
 if ARGV[17] ~= '0' then return bad('order', ARGV[17]) end
 --#end
---#if latest
-if KEYS[6] == nil then return bad('order record (KEYS[6])') end
---#end
-local LINE, DONE = KEYS[3], KEYS[4]
+if #KEYS < 10 then return bad('key count', #KEYS) end
+local LINE, DONE, WAITERS, HISTORY = KEYS[3], KEYS[4], KEYS[7], KEYS[9]
 local now, now_us = server_time()
 -- The counter first: one of another type fails the script here, before any write.
 local counter = redis.call('HMGET', KEYS[2], 'fence', 'width', 'released', 'released_ms')
@@ -113,6 +118,8 @@ local prev_fence = tonumber(counter[1]) or 0
 local width = tonumber(counter[2])
 if width then width = math.max(1, math.min(math.floor(width), MAX_LIMIT)) end
 local slots = math.max(limit, width or 1)
+local SLOTS, declared = declared_slots(KEYS[1], 11)
+if slots > declared then return {NEED_SLOTS, slots} end
 -- The restart grace left: a key without a counter was never granted, or the store forgot it (a restart
 -- without persistence). Within grace_ms of the server's start, a holder the store forgot may still run:
 -- nobody is granted the key before the rest of the grace (as if held that long), so that holder meets its
@@ -190,8 +197,7 @@ local function grant(s, top)
     end
     redis.call('HSET', KEYS[2], 'g:' .. s, fence, 'width', math.max(limit, top + 1))
   end
-  local name = KEYS[1]
-  if s > 0 then name = name .. ':' .. s end
+  local name = SLOTS[s]
   if wide then
     redis.call('HSET', name, 'token', token, 'fence', fence, 'ttl', ttl_ms, 'interval', interval_ms,
       'margin_ms', margin_ms, 'acquired_ms', now, 'renewed_ms', now, 'max_hold_until_ms', until_ms, 'slot', s,
@@ -206,11 +212,11 @@ local function grant(s, top)
     local slot = nil
     if wide then slot = s end
     if expired > 0 then
-      history_append(KEYS[1], history, now, {e = 'expired', f = string.format('%d', expired), s = slot})
+      history_append(HISTORY, history, now, {e = 'expired', f = string.format('%d', expired), s = slot})
     end
     local ev = {e = 'granted', f = string.format('%d', fence), s = slot}
     if waiter ~= '' then ev.w = waiter end
-    history_append(KEYS[1], history, now, ev, meta)
+    history_append(HISTORY, history, now, ev, meta)
   end
 --#if latest
   note_order()
@@ -218,7 +224,7 @@ local function grant(s, top)
   -- lock_unique="queued": the message's record ends as its lease begins, in this step (never neither held).
   if unique == '1' then
     local mid, attempt = string.match(waiter, '^(.*):(%d+)$')
-    if mid then redis.call('ZREM', sibling(KEYS[1], 'unique'), 'q:' .. attempt .. ':' .. mid) end
+    if mid then redis.call('ZREM', KEYS[8], 'q:' .. attempt .. ':' .. mid) end
   end
   return fence, expired, released_ms
 end
@@ -272,7 +278,7 @@ end
 if waiter ~= '' then
   local done = redis.call('ZMSCORE', DONE, waiter, 's:' .. waiter, 'n:' .. waiter)
   if (done[1] and tonumber(done[1]) > now) or (done[3] and tonumber(done[3]) > now) then
-    history_append(KEYS[1], history, now, {e = 'duplicate', w = waiter}, meta)
+    history_append(HISTORY, history, now, {e = 'duplicate', w = waiter}, meta)
     return {BUSY, 0, 0, now, WAIT_DUPLICATE, -1, 0, 0}
   end
 --#if latest
@@ -281,15 +287,8 @@ if waiter ~= '' then
   if done[2] and tonumber(done[2]) > now then return {BUSY, 0, 0, now, WAIT_SUPERSEDED, -1, 0, 0} end
 --#end
 end
--- One call for the holders and the line (the slots' names built only for a key of several).
-local found
-if slots == 1 then
-  found = redis.call('EXISTS', KEYS[1], LINE)
-else
-  local names = {KEYS[1], LINE}
-  for s = 1, slots - 1 do names[#names + 1] = KEYS[1] .. ':' .. s end
-  found = redis.call('EXISTS', unpack(names))
-end
+-- One call for the holders and the line.
+local found = present(SLOTS, slots, LINE)
 local lined = found > 0 and redis.call('EXISTS', LINE) == 1
 local count = found - (lined and 1 or 0)
 
@@ -302,8 +301,6 @@ if count == 0 and not lined and grace_left <= 0 then
   return {GRANTED, fence, now, expired, 0, 0, 0}
 end
 
---#include slots
-local WAITERS = sibling(KEYS[1], 'waiters')
 -- Keys of another type (written by hand) would fail a command below after earlier writes, leaving a line
 -- without TTL: refused before the first write (but the slot's epoch record's, right whatever follows).
 if lined and redis.call('TYPE', LINE).ok ~= 'zset' then return bad('line (not a sorted set)', LINE) end
@@ -314,7 +311,7 @@ local pttl, holder_fence, free_slot, top, sibling_holds = 0, 0, nil, -1, false
 if count > 0 then
   pttl = nil
   for s = 0, slots - 1 do
-    local name = slot_key(KEYS[1], s)
+    local name = SLOTS[s]
     local cur = redis.pcall('HMGET', name, 'fence', 'token', 'acquired_ms', 'waiter')
     -- A hash without those fields (written by hand) blocks its slot as any holder does.
     if cur.err or cur[1] or cur[2] or redis.call('EXISTS', name) == 1 then
@@ -347,6 +344,12 @@ if grace_left > 0 then  -- held, as far as anyone may know, until the grace ends
 end
 
 --#include line
+-- The waiters in place this call woke (prelude's call_forward): answered last, for the caller to wake.
+local WOKEN = {}
+local function busy(pttl_, fence_, action, rank, length, block_ms, newer)
+  if #WOKEN > 0 then return {BUSY, pttl_, fence_, now, action, rank, length, block_ms, newer or '', WOKEN} end
+  return {BUSY, pttl_, fence_, now, action, rank, length, block_ms, newer}
+end
 local mine_first = first_ms > 0 and first_ms or now
 --#if latest
 -- A newer waiter of this kind takes the place of the older: decided here, with the grant, so two never
@@ -355,24 +358,24 @@ local function supersede(w)
   local e = entry(WAITERS, w)
   forget(LINE, WAITERS, w)
   if history > 0 then
-    history_append(KEYS[1], history, now, {e = 'superseded', w = w, m = string.match(w, '^(.*):%d+$'),
+    history_append(HISTORY, history, now, {e = 'superseded', w = w, m = string.match(w, '^(.*):%d+$'),
       a = e and e.actor ~= '' and e.actor or nil, by = waiter})
   end
   redis.call('ZADD', DONE, now + DONE_MS, 's:' .. w)
   redis.call('PEXPIRE', DONE, DONE_MS)
   if e and e.state == 'r' then
-    wake(LINE, w)
+    WOKEN[#WOKEN + 1] = w
   elseif e and e.holder ~= '' then
     redis.call('PUBLISH', e.holder, w)
   end
 end
 if older then
   -- Sent before a message of the key that already reached the lease: it must not run after it.
-  if lined then forget(LINE, WAITERS, waiter) end
-  history_append(KEYS[1], history, now, {e = 'superseded', w = waiter, by = newest_by}, meta)
+  if lined then forget(LINE, WAITERS, waiter, KEYS[10]) end
+  history_append(HISTORY, history, now, {e = 'superseded', w = waiter, by = newest_by}, meta)
   redis.call('ZADD', DONE, now + DONE_MS, 's:' .. waiter)
   redis.call('PEXPIRE', DONE, DONE_MS)
-  return {BUSY, pttl, holder_fence, now, WAIT_SUPERSEDED, -1, lined and redis.call('ZCARD', LINE) or 0, 0, newest_id}
+  return busy(pttl, holder_fence, WAIT_SUPERSEDED, -1, lined and redis.call('ZCARD', LINE) or 0, 0, newest_id)
 end
 if lined then
   -- Newer than every message that reached the lease: the key's latest waiter, if another, is older.
@@ -392,7 +395,7 @@ if free > 0 and (#front < free or in_front) then
   local fence, expired, released_ms = grant(free_slot, top)
   local handoff = 0
   if #front > 0 then
-    if waiter ~= '' then forget(LINE, WAITERS, waiter) end
+    if waiter ~= '' then forget(LINE, WAITERS, waiter, KEYS[10]) end
 --#if latest
     if redis.call('HGET', WAITERS, '') == 'L ' .. waiter .. ' ' .. string.format('%d', mine_first) then
       redis.call('HDEL', WAITERS, '')
@@ -400,8 +403,9 @@ if free > 0 and (#front < free or in_front) then
 --#end
     if expired == 0 then handoff = released_ms end
     -- The others of the front may take the slots still free.
-    call_forward(LINE, WAITERS, now, ready + limit - 1, promote_ms, free - 1)
+    call_forward(LINE, WAITERS, now, ready + limit - 1, promote_ms, free - 1, WOKEN)
   end
+  if #WOKEN > 0 then return {GRANTED, fence, now, expired, handoff, #front > 0 and 1 or 0, free_slot, WOKEN} end
   return {GRANTED, fence, now, expired, handoff, #front > 0 and 1 or 0, free_slot}
 end
 
@@ -410,14 +414,18 @@ local function call_front()
   local parked = false
   for i = 1, math.min(free, #front) do
     local f = front[i]
-    if f[1] ~= waiter and f[2] and f[2].state == 'r' then wake(LINE, f[1]) elseif f[1] ~= waiter then parked = true end
+    if f[1] ~= waiter and f[2] and f[2].state == 'r' then
+      WOKEN[#WOKEN + 1] = f[1]
+    elseif f[1] ~= waiter then
+      parked = true
+    end
   end
-  if parked then call_forward(LINE, WAITERS, now, ready + limit - 1, promote_ms, 0) end
+  if parked then call_forward(LINE, WAITERS, now, ready + limit - 1, promote_ms, 0, WOKEN) end
 end
 -- Within the restart grace, one that never joins the line is not refused for good (nor remembered as such):
 -- nobody may hold the key, and it asks again once the grace ends.
 if grace_left > 0 and mode == 0 then
-  return {BUSY, pttl, holder_fence, now, WAIT_GRACE, -1, lined and redis.call('ZCARD', LINE) or 0, 0}
+  return busy(pttl, holder_fence, WAIT_GRACE, -1, lined and redis.call('ZCARD', LINE) or 0, 0)
 end
 if mode == 0 then
   call_front()
@@ -425,7 +433,7 @@ if mode == 0 then
     redis.call('ZADD', DONE, now + DONE_MS, 'n:' .. waiter)
     redis.call('PEXPIRE', DONE, DONE_MS)
   end
-  return {BUSY, pttl, holder_fence, now, WAIT_NONE, -1, redis.call('ZCARD', LINE), 0}
+  return busy(pttl, holder_fence, WAIT_NONE, -1, redis.call('ZCARD', LINE), 0)
 end
 redis.call('ZADD', LINE, 'NX', mine_first, waiter)
 local rank = redis.call('ZRANK', LINE, waiter)
@@ -465,4 +473,4 @@ note_order()
 if free > 0 then call_front() end
 redis.call('PEXPIRE', LINE, LINE_TTL_MS)
 redis.call('PEXPIRE', WAITERS, LINE_TTL_MS)
-return {BUSY, pttl, holder_fence, now, action, rank, redis.call('ZCARD', LINE), block_ms}
+return busy(pttl, holder_fence, action, rank, redis.call('ZCARD', LINE), block_ms)

@@ -1,6 +1,7 @@
 -- KEYS:
 --   1 lease: the lease hash
 --   2 epoch: the epoch record of the key's Cluster slot (see failover_ms)
+--   3 history: the key's history (needed only with a history cap)
 -- ARGV:
 --   1 handed_token: the token the lease was handed over with
 --   2 token: the adopter's new owner token
@@ -39,6 +40,7 @@ if (#ARGV - 7) % 2 ~= 0 then
   if history == nil then return bad('fields', #ARGV - 7) end
   last = #ARGV - 1
 end
+if history > 0 and KEYS[3] == nil then return bad('history (KEYS[3])') end
 local now = server_time()
 local cur = redis.pcall('HMGET', KEYS[1], 'token', 'fence', 'acquired_ms', 'max_hold_until_ms')
 if cur.err then return {-1, redis.call('PTTL', KEYS[1]), 0, now} end
@@ -67,6 +69,6 @@ if history > 0 then
   for i = 8, last - 1, 2 do
     if ARGV[i] == 'meta' then meta = ARGV[i + 1] end
   end
-  history_append(KEYS[1], history, now, {e = 'adopted', f = cur[2] or '0'}, meta)
+  history_append(KEYS[3], history, now, {e = 'adopted', f = cur[2] or '0'}, meta)
 end
 return {1, tonumber(cur[2]) or 0, tonumber(cur[3]) or now, until_ms, now}

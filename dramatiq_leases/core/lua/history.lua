@@ -1,5 +1,5 @@
 -- KEYS:
---   1 lease: the lease hash (the key's history is derived from its name: one hash tag)
+--   1 history: the key's history
 -- ARGV:
 --   1 history: how many events the key's history keeps (1 to MAX_HISTORY)
 --   2 event: what happened, decided by the caller rather than a script: 'skipped', 'failed' or 'gave_up'

@@ -1,5 +1,12 @@
 -- KEYS:
---   1 lease: the lease hash (the line, waiters and done keys are derived from its name: one hash tag)
+--   1 lease: the lease hash (slot 0's)
+--   2 line: the key's line of waiters
+--   3 waiters: the waiters' entries
+--   4 done: the waiters of the key that ran
+--   5 fence: the fence counter (its `width`: how many holder slots the key has)
+--   6.. wake: the wake list of each waiter of ARGV 6.., in that order (KEYS[i] is ARGV[i]'s)
+--   then slot: the names of holder slots 1, 2 ...: as many as the key's width needs (a wider key is answered
+--     {NEED_SLOTS, width}, nothing written)
 -- ARGV:
 --   1 op: 'hold' or 'leave'
 --   2 holder: the channel of the process holding the waiters' parked copies ('' for leave)
@@ -13,9 +20,10 @@
 -- ran (drop it), 's' a newer waiter took its place (lock_on_busy="latest": drop it), 'x' not in the line
 -- (send it back now, to take its place again).
 -- leave: the waiters give up their places; returns how many had one.
--- Either way vanished waiters at the front lose their place, and the front of a key with free slots (its
+-- The answer is {states or count, woken}: woken, the waiters in place it woke, for the caller to wake
+-- (lua/wake.lua). Either way vanished waiters at the front lose their place, and the front of a key with free slots (its
 -- counter's width says how many it has) is woken or asked to come back (so a missed wake-up heals here).
---#include args clock keys line slots
+--#include args clock line slots
 local op, holder = ARGV[1], ARGV[2]
 local park_ms = whole(ARGV[3], 1, MAX_MS)
 local ready = whole(ARGV[4], 0, MAX_READY)
@@ -29,11 +37,13 @@ if promote_ms == nil then return bad('promote_ms', ARGV[5]) end
 for i = 6, #ARGV do
   if ARGV[i] == '' or #ARGV[i] > MAX_ID_LENGTH then return bad('waiter') end
 end
-local LINE, WAITERS, DONE = sibling(KEYS[1], 'line'), sibling(KEYS[1], 'waiters'), sibling(KEYS[1], 'done')
-local FENCE = sibling(KEYS[1], 'fence')
+if #KEYS < #ARGV then return bad('key count', #KEYS) end
+local LINE, WAITERS, DONE, FENCE = KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local SLOTS, declared = declared_slots(KEYS[1], #ARGV + 1)
 -- Read before the first write: a counter of another type counts as a key of one slot.
 local width = redis.pcall('HGET', FENCE, 'width')
-width = math.min((type(width) == 'string' and tonumber(width)) or 1, MAX_LIMIT)
+width = math.max(1, math.min(math.floor((type(width) == 'string' and tonumber(width)) or 1), MAX_LIMIT))
+if width > declared then return {NEED_SLOTS, width} end
 local now = server_time()
 local out = {}
 for i = 6, #ARGV do
@@ -41,7 +51,7 @@ for i = 6, #ARGV do
   local e = entry(WAITERS, w)
   if op == 'leave' then
     if e then
-      forget(LINE, WAITERS, w)
+      forget(LINE, WAITERS, w, KEYS[i])
       out[#out + 1] = w
     end
   else
@@ -63,17 +73,18 @@ for i = 6, #ARGV do
     end
   end
 end
+local woken = {}
 if redis.call('EXISTS', LINE) == 1 then
-  local free = width - present(KEYS[1], width)
+  local free = width - present(SLOTS, width)
   line_front(LINE, WAITERS, now, math.max(free, 1))
   if free > 0 then
     local promoted = {}
-    call_forward(LINE, WAITERS, now, ready + width - 1, promote_ms, free, promoted)
+    call_forward(LINE, WAITERS, now, ready + width - 1, promote_ms, free, woken, promoted)
     -- The caller may hold them: its reply says so.
     for j = 6, #ARGV do
       if promoted[ARGV[j]] and out[j - 5] == 'p' then out[j - 5] = 'm' end
     end
   end
 end
-if op == 'leave' then return #out end
-return out
+if op == 'leave' then return {#out, woken} end
+return {out, woken}

@@ -89,25 +89,24 @@ local function failover_left(record, grace_ms, now, plain)
   return since + grace_ms - now
 end
 
---#section keys
--- A key of the lease's line (kind 'line', 'waiters' or 'done'). It shares the lease's hash tag (one slot,
--- so Cluster runs the script as is): derived here rather than passed, to keep the hot path's arguments few.
--- A holder slot's name (see slot_key) gives its lease's siblings too: the slot's suffix is left out.
-local function sibling(lease, kind) return (string.gsub(lease, ':lease:({[^}]*}).*$', ':' .. kind .. ':%1', 1)) end
-
 --#section slots
 -- A key may have several holders at once (its limit): holder slot s is a lease hash of its own, named after
--- the lease (slot 0 is the lease's own name), so each holder's TTL, token and release are its own.
-local function slot_key(lease, s)
-  if s == 0 then return lease end
-  return lease .. ':' .. s
+-- the lease (slot 0 is the lease's own name, `<lease>:s` the others'), so each holder's TTL, token and release
+-- are its own. The caller declares the names of slots 1 .. n - 1 in KEYS from index `first` on (a script
+-- builds no key name): `declared_slots` gives them by slot, with n. A script that finds the key wider than n
+-- (its counter's width) answers {NEED_SLOTS, width} before its first write, and is asked again with them.
+local function declared_slots(lease, first)
+  local names = {[0] = lease}
+  for i = first, #KEYS do names[i - first + 1] = KEYS[i] end
+  return names, #KEYS - first + 2
 end
--- How many of the lease's slots 0 .. width - 1 are held, and whether its line exists, in one command.
-local function present(lease, width, line)
-  local names = {lease}
-  for s = 1, width - 1 do names[#names + 1] = lease .. ':' .. s end
-  if line then names[#names + 1] = line end
-  return redis.call('EXISTS', unpack(names))
+-- How many of slots 0 .. width - 1 (names: declared_slots') are held, and whether the line exists, in one
+-- command.
+local function present(names, width, line)
+  local list = {}
+  for s = 0, width - 1 do list[#list + 1] = names[s] end
+  if line then list[#list + 1] = line end
+  return redis.call('EXISTS', unpack(list))
 end
 
 --#section counter
@@ -149,11 +148,12 @@ end
 local function put(waiters, w, state, deadline, holder, actor)
   redis.call('HSET', waiters, w, state .. ' ' .. deadline .. ' ' .. holder .. ' ' .. actor)
 end
--- A waiter leaves the line: its place, its entry, its wake list.
-local function forget(line, waiters, w)
+-- A waiter leaves the line: its place, its entry, and its wake list if the caller declared it (`list`; one
+-- left behind ends by its TTL, and a stale wake-up costs its waiter one more ask).
+local function forget(line, waiters, w, list)
   redis.call('ZREM', line, w)
   redis.call('HDEL', waiters, w)
-  redis.call('DEL', line .. ':w:' .. w)
+  if list then redis.call('DEL', list) end
 end
 -- The first n live waiters of the line, as {waiter, entry} pairs, dropping vanished ones on the way (bounded
 -- work per call: HEAD_DROPS_MAX; past that a waiter is kept as it is, its entry perhaps nil).
@@ -176,24 +176,16 @@ local function line_front(line, waiters, now, n)
   end
   return out
 end
--- Wakes waiter w waiting in place: a push on the list it blocks on, kept until it has had time to block.
-local function wake(line, w)
-  local list = line .. ':w:' .. w
-  local pushed = redis.pcall('LPUSH', list, 1)
-  if type(pushed) == 'table' and pushed.err then  -- not a list (written by hand): ours to replace
-    redis.call('DEL', list)
-    redis.call('LPUSH', list, 1)
-  end
-  redis.call('PEXPIRE', list, WAKE_TTL_MS)
-end
 -- Calls the first `ready` waiters forward: the parked are promoted (asked to come back: their holder
--- process is told on its channel; an unknown holder learns it when it registers), and the first `wake`
--- waiting in place are woken. Each waiter promoted is set true in `promoted`, if given.
-local function call_forward(line, waiters, now, ready, promote_ms, wake_n, promoted)
+-- process is told on its channel; an unknown holder learns it when it registers), and the first `wake_n`
+-- waiting in place are added to `woken`: the script answers them, and its caller wakes them (lua/wake.lua;
+-- their wake lists are named after them, keys a script could not declare beforehand). Each waiter promoted
+-- is set true in `promoted`, if given.
+local function call_forward(line, waiters, now, ready, promote_ms, wake_n, woken, promoted)
   for i, w in ipairs(redis.call('ZRANGE', line, 0, math.max(ready, 1) - 1)) do
     local e = entry(waiters, w)
     if e and i <= wake_n and e.state == 'r' then
-      wake(line, w)
+      woken[#woken + 1] = w
     elseif e and e.state == 'p' then
       put(waiters, w, 'm', now + promote_ms, e.holder, e.actor)
       if e.holder ~= '' then redis.call('PUBLISH', e.holder, w) end
@@ -205,18 +197,15 @@ end
 --#section history
 -- A key's history (opt-in): a list beside the lease, `history:{tag}` (one hash slot with it), of compact
 -- JSON events, newest first. history_append pushes event `ev` (a table; `ev.e` names it: 'granted',
--- 'released', ...) stamped with `now` (server ms), then keeps the newest `cap` and HISTORY_MS from now.
+-- 'released', ...) to the history `name` (declared by the caller) stamped with `now` (server ms), then keeps
+-- the newest `cap` and HISTORY_MS from now.
 -- `cap` 0: the history is off and nothing is done (no Redis call); -1 (a caller that cannot know the fleet's
 -- cap, such as the CLI): only a history that exists is appended to, and kept to MAX_HISTORY. `meta`: the
 -- holder's metadata JSON (the lease hash's `meta`), if the event is about a holder: its message id, actor
 -- and host:pid are named in the event (m, a, h). A key of another type (written by hand) is replaced: no
--- error once the caller has written. `lease` is any key of the lease key, named `<prefix>:<kind>:{tag}...`
--- (its lease, a holder slot, its line, its unique records...): the history is its sibling; another name is
--- never written to.
-local function history_append(lease, cap, now, ev, meta)
+-- error once the caller has written.
+local function history_append(name, cap, now, ev, meta)
   if cap == 0 then return end
-  local name, found = string.gsub(lease, ':%a+:({[^}]*}).*$', ':history:%1', 1)
-  if found == 0 then return end
   if cap < 0 then
     if redis.call('EXISTS', name) == 0 then return end
     cap = MAX_HISTORY

@@ -1,15 +1,20 @@
 -- KEYS:
---   1 lease: the holder's lease hash (its slot's: see prelude's slot_key; the waiters' keys are derived from it)
+--   1 lease: the holder's lease hash (its slot's: see prelude's declared_slots)
 --   2 fence: the fence counter
 --   3 line: the key's line of waiters
 --   4 done: the waiters of the key that ran
+--   5 waiters: the waiters' entries
+--   6 history: the key's history
+--   7 lease0: the key's lease hash of slot 0
+--   8.. slot: the names of holder slots 1, 2 ...: as many as the key's width needs (its counter's), read when
+--     the key has a line or the grant is looked for ('find'); a wider key is answered {NEED_SLOTS, width},
+--     nothing written
 -- ARGV:
 --   1 token: the holder's owner token
 --   2 waiter: the holder's waiter id if it waited in the line and its actor returned, else ''
 --   3 grant: what the caller knows of its grant: its fence, so that a release asked again (its first reply
 --     lost) finds the grant recorded as released and answers RELEASED_EARLIER; or 'find' if it knows neither
---     fence nor slot (a grant whose reply was lost): the token is looked for in every slot of the key (KEYS[1]
---     then names the lease, slot 0); or ''
+--     fence nor slot (a grant whose reply was lost): the token is looked for in every slot of the key; or ''
 --   4 retention_ms: how long an idle fence counter is kept (0: for ever)
 --   5 history: how many events the key's history keeps (0: none; -1: as many as it has, if it has one: see
 --     prelude's history_append)
@@ -18,14 +23,15 @@
 --   8 by: who released it in the holder's stead (an operator), or '': the history's event is then
 --     'force_released' naming them, not 'released'
 -- (KEYS and ARGV in this order: core/protocol.py's ReleaseRequest.encode.)
--- Returns RELEASED, NOT_HELD if the token did not hold the lease (nothing is touched then), or RELEASED_EARLIER
+-- Returns RELEASED ({RELEASED, woken...} if it woke waiters in place: their ids, for the caller to wake,
+-- lua/wake.lua), NOT_HELD if the token did not hold the lease (nothing is touched then), or RELEASED_EARLIER
 -- if it did not but the grant of the fence given is recorded as released (by this token, or release
 -- --if-dead). The holder always has the newest fence of its slot, so it is recorded as the slot's last one
 -- released. A waiter that ran is remembered for DONE_MS, so a stray copy of it never runs again; the head of
 -- the line is woken, or asked to come back: as many as the key has slots free (its counter's width).
 -- A plain release (no waiter, no line, no history) reads the lease and EXISTS the line, then deletes the lease
 -- and records the release in the counter: four commands.
---#include args clock keys counter slots history
+--#include args clock counter slots history
 local token, waiter, grant, by = ARGV[1], ARGV[2], ARGV[3], ARGV[8]
 local retention_ms = whole(ARGV[4], 0, MAX_MS)
 local history = whole(ARGV[5], -1, MAX_HISTORY)
@@ -40,14 +46,22 @@ if history == nil then return bad('history', ARGV[5]) end
 if ready == nil then return bad('ready', ARGV[6]) end
 if promote_ms == nil then return bad('promote_ms', ARGV[7]) end
 if by == nil or #by > MAX_ID_LENGTH then return bad('by', by) end
-local LINE, DONE = KEYS[3], KEYS[4]
+if #KEYS < 7 then return bad('key count', #KEYS) end
+local LINE, DONE, WAITERS, HISTORY = KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local LEASE = KEYS[1]
-if grant == 'find' then
+local SLOTS, declared = declared_slots(KEYS[7], 8)
+-- The key's width (its counter's; one of another type counts as one slot), where the slots are read.
+local function key_width()
   local width = redis.pcall('HGET', KEYS[2], 'width')
-  width = math.min((type(width) == 'string' and tonumber(width)) or 1, MAX_LIMIT)
+  return math.max(1, math.min(math.floor((type(width) == 'string' and tonumber(width)) or 1), MAX_LIMIT))
+end
+if grant == 'find' then
+  local width = key_width()
+  if width > declared then return {NEED_SLOTS, width} end
+  LEASE = SLOTS[0]
   for s = 1, width - 1 do
     if redis.pcall('HGET', LEASE, 'token') == token then break end
-    LEASE = slot_key(KEYS[1], s)
+    LEASE = SLOTS[s]
   end
 end
 local cur
@@ -68,13 +82,16 @@ local slot = tonumber(cur[3])
 -- Read before the first write: on a Cluster slot half migrated, a sibling key may be elsewhere, and
 -- the script must fail before it deletes anything (Lua is not a transaction).
 local lined = redis.call('EXISTS', LINE) == 1
+local width = 1
+if lined then
+  width = key_width()
+  if width > declared then return {NEED_SLOTS, width} end
+end
 local fence = tonumber(cur[2]) or 0
-local WAITERS = nil
 local line_ok, waiters_ok, done_ok = true, true, true
 if waiter ~= '' or lined then
   -- Keys of another type (written by hand) are left alone, also read before the first write: the lease is
   -- released whatever they hold, and the rest of the bookkeeping done.
-  WAITERS = sibling(KEYS[1], 'waiters')
   local function typed(k, want) local kind = redis.call('TYPE', k).ok return kind == want or kind == 'none' end
   line_ok, waiters_ok, done_ok = typed(LINE, 'zset'), typed(WAITERS, 'hash'), typed(DONE, 'zset')
   lined = lined and line_ok and waiters_ok
@@ -83,7 +100,7 @@ redis.call('DEL', LEASE)
 if history ~= 0 then
   local ev = {e = 'released', f = string.format('%d', fence), s = slot}
   if by ~= '' then ev.e, ev.by, ev.r = 'force_released', by, 'owner' end
-  history_append(KEYS[1], history, server_time(), ev, cur[5])
+  history_append(HISTORY, history, server_time(), ev, cur[5])
 end
 if waiter == '' and not lined then
   -- The uncontended path: no line to wake, no waiter to remember.
@@ -103,11 +120,9 @@ if waiter ~= '' then
 end
 if not lined then return RELEASED end
 --#include line
-local width = 1
-local w = redis.pcall('HGET', KEYS[2], 'width')
-if type(w) == 'string' then width = math.min(tonumber(w) or 1, MAX_LIMIT) end
-local base = string.gsub(LEASE, '(:lease:{[^}]*}).*$', '%1', 1)
-local free = math.max(1, width - present(base, width))
+local free = math.max(1, width - present(SLOTS, width))
 line_front(LINE, WAITERS, now, free)
-call_forward(LINE, WAITERS, now, ready + width - 1, promote_ms, free)
-return RELEASED
+local woken = {}
+call_forward(LINE, WAITERS, now, ready + width - 1, promote_ms, free, woken)
+if #woken == 0 then return RELEASED end
+return {RELEASED, unpack(woken)}

@@ -1,6 +1,7 @@
 -- KEYS:
 --   1 lease: the lease hash
 --   2 fence: the fence counter
+--   3 history: the key's history (needed only with a history cap, ARGV 3)
 -- ARGV:
 --   1 retention_ms: how long an idle fence counter is kept (0: for ever or not known, the CLI's; optional)
 --   2 fence: release only the grant of this fence (0 or absent: whichever holds the slot; optional)
@@ -33,6 +34,7 @@ local history = whole(ARGV[3] or '0', -1, MAX_HISTORY)
 if history == nil then return bad('history', ARGV[3]) end
 local by = ARGV[4] or ''
 if #by > MAX_ID_LENGTH then return bad('by', by) end
+if history ~= 0 and KEYS[3] == nil then return bad('history (KEYS[3])') end
 if redis.call('EXISTS', KEYS[1]) == 0 then return {-1} end
 local now = server_time()
 local pttl = redis.call('PTTL', KEYS[1])
@@ -57,6 +59,6 @@ if fence > 0 then record_release(KEYS[2], fence, retention_ms, slot, wide) end
 if history ~= 0 then
   local ev = {e = 'force_released', f = string.format('%d', fence), s = slot, r = 'dead'}
   if by ~= '' then ev.by = by end
-  history_append(KEYS[1], history, now, ev, not cur.err and cur[6] or nil)
+  history_append(KEYS[3], history, now, ev, not cur.err and cur[6] or nil)
 end
 return {1, deadline and now - deadline or 0, fence}

@@ -1,5 +1,7 @@
 -- KEYS:
---   1.. lease: the lease hashes, all of one TTL
+--   1.. lease: the lease hashes, all of one TTL (n of them)
+--   n+1.. fence: the fence counter of each, in the same order
+--   2n+1.. history: with a history (ARGV), the history of each, in the same order
 -- ARGV:
 --   1 ttl_ms: the TTL each lease is renewed for
 --   2.. token: the owner token of each key, in KEYS order; with a history, followed by:
@@ -11,9 +13,10 @@
 -- expires on its own). The TTL is never extended past the lease's maximum hold. A holder of a key several
 -- may hold (its hash has a `slot`, or `wide`: granted before the key had several) keeps the key's counter, whose
 -- width counts its slot, at least as long.
---#include args clock keys history
-local n = #KEYS
-if #ARGV ~= n + 1 and #ARGV ~= 2 * n + 2 then return bad('argument count', #ARGV) end
+--#include args clock history
+local n = #ARGV - 1
+if #KEYS % 3 == 0 and #ARGV == 2 * #KEYS / 3 + 2 then n = #KEYS / 3 end
+if #KEYS ~= 2 * n and not (#KEYS == 3 * n and #ARGV == 2 * n + 2) then return bad('argument count', #ARGV) end
 local ttl_ms = whole(ARGV[1], 1, MAX_MS)
 if ttl_ms == nil then return bad('ttl_ms', ARGV[1]) end
 -- Every token before the first write (Lua is not a transaction): an empty one would renew a hash written
@@ -31,7 +34,8 @@ if #ARGV > n + 1 then
 end
 local now = server_time()
 local out = {}
-for i, key in ipairs(KEYS) do
+for i = 1, n do
+  local key = KEYS[i]
   local cur = redis.pcall('HMGET', key, 'token', 'max_hold_until_ms', 'slot', 'fence', 'wide')
   if cur.err then
     out[i] = 's'
@@ -49,7 +53,7 @@ for i, key in ipairs(KEYS) do
       redis.call('PEXPIRE', key, px)
       redis.call('HSET', key, 'renewed_ms', now)
       if cur[3] or cur[5] then
-        local fence = sibling(key, 'fence')
+        local fence = KEYS[n + i]
         local left = redis.call('PTTL', fence)  -- -1: kept for ever; -2: gone (nothing to keep)
         if left >= 0 and left < px then redis.call('PEXPIRE', fence, px) end
       end
@@ -59,7 +63,7 @@ for i, key in ipairs(KEYS) do
   if history > 0 and out[i] ~= '1' then
     local ev = {e = 'lost', f = ARGV[n + 2 + i], r = ({['0'] = 'gone', s = 'stolen', m = 'max_hold'})[out[i]]}
     if out[i] == 's' and not cur.err and cur[4] then ev.by = 'fence ' .. cur[4] end
-    history_append(key, history, now, ev)
+    history_append(KEYS[2 * n + i], history, now, ev)
   end
 end
 return table.concat(out)

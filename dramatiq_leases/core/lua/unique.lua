@@ -1,6 +1,10 @@
 -- KEYS:
---   1 lease: the key's lease hash (holder slot 0; the unique records and slots are derived from its name)
+--   1 lease: the key's lease hash (holder slot 0)
 --   2 fence: the fence counter (its `width`: how many holder slots to look at)
+--   3 unique: the key's unique records
+--   4 history: the key's history
+--   5.. slot: the names of holder slots 1, 2 ...: as many as max(limit, the key's width) needs (else, but for
+--     'end', the answer is {NEED_SLOTS, width}, nothing written)
 -- ARGV:
 --   1 op: 'take' (a send asks for a record), 'keep' (its message lives on: delivered, parked, retried),
 --     'renew' (a 'keep' that sets the end to `ms` from now exactly, earlier too: a delivery enqueued its own
@@ -27,7 +31,7 @@
 -- Returns, for 'take': {1, now} taken (or its own record again: the same message sent twice is not a
 -- duplicate of itself), or {0, now, holder} refused (holder: the message id of the oldest live record);
 -- for 'keep': {1} a record was kept (or taken again), {0} none; for 'end': {n} the records removed.
---#include args clock keys slots history
+--#include args clock slots history
 local op, mid, mode = ARGV[1], ARGV[2], ARGV[3]
 local limit = whole(ARGV[4], 1, MAX_LIMIT)
 local ms = whole(ARGV[5], 1, MAX_MS)
@@ -45,10 +49,17 @@ if op ~= 'end' and limit == nil then return bad('limit', ARGV[4]) end
 if op ~= 'end' and ms == nil then return bad('ms', ARGV[5]) end
 if attempt == nil then return bad('attempt', ARGV[6]) end
 if history == nil then return bad('history', ARGV[7]) end
-local UNIQUE = sibling(KEYS[1], 'unique')
+if #KEYS < 4 then return bad('key count', #KEYS) end
+local UNIQUE = KEYS[3]
 local kind_of = redis.call('TYPE', UNIQUE).ok
 if kind_of ~= 'zset' and kind_of ~= 'none' then return bad('unique records (not a sorted set)', UNIQUE) end
 local now = server_time()
+-- The key's width (its counter's), read before the first write: slots are read below, of a wider key than
+-- declared only once they are.
+local width = tonumber(redis.pcall('HGET', KEYS[2], 'width')) or 1
+width = math.max(1, math.min(math.floor(width), MAX_LIMIT))
+local SLOTS, declared = declared_slots(KEYS[1], 5)
+if op ~= 'end' and math.max(width, limit) > declared then return {NEED_SLOTS, math.max(width, limit)} end
 
 -- The set lives as long as its longest record (never without a TTL).
 local function expire_set()
@@ -106,11 +117,9 @@ end
 
 -- take (or keep of a message without a record): which messages hold a slot now (by message id), from the
 -- holders' own hashes.
-local width = tonumber(redis.pcall('HGET', KEYS[2], 'width')) or 1
-width = math.max(1, math.min(math.floor(width), MAX_LIMIT))
 local holding = {}
 for s = 0, math.max(width, limit) - 1 do
-  local w = redis.pcall('HGET', slot_key(KEYS[1], s), 'waiter')
+  local w = redis.pcall('HGET', SLOTS[s], 'waiter')
   if type(w) == 'string' then
     local holder = string.match(w, '^(.*):%d+$')
     if holder then holding[holder] = true end
@@ -138,7 +147,7 @@ if counted >= limit then
   expire_set()
   if op == 'keep' then return {0} end  -- an enqueue of a message already sent is never refused
   if history ~= 0 then
-    history_append(KEYS[1], history, now, {e = 'duplicate', r = 'unique', m = mid, a = actor, by = oldest}, nil)
+    history_append(KEYS[4], history, now, {e = 'duplicate', r = 'unique', m = mid, a = actor, by = oldest}, nil)
   end
   return {0, now, oldest}
 end
