@@ -53,8 +53,9 @@
 -- NONE not in the line, IN_PLACE wait in place (BLPOP the waiter's wake list for block_ms), PARK park, SOON
 -- park, near the front (a place to wait in but no thread for it), DUPLICATE this waiter already ran, SUPERSEDED
 -- a newer message took its place (latest; it must not run; `newer`: the message id of the newest that
--- reached the lease, '' if unknown or not latest; `woken` as above, left out with `newer` when empty), COPY_HOLDS another copy of this waiter holds the key
--- (it runs: ask again later, outside the line; the holder's hash names its `waiter`), GRACE within the restart
+-- reached the lease, '' if unknown or not latest; `woken` as above, left out with `newer` when empty),
+-- COPY_HOLDS another copy of this waiter holds the key (it runs: ask again later, outside the line; the
+-- holder's hash names its `waiter`), GRACE within the restart
 -- or failover grace for a caller that never joins the line (see grace_ms, failover_ms). A key with free slots
 -- and a line goes to the front of its line only: its first waiters, one per free slot.
 -- Built twice (core/scripts.py): ACQUIRE without the `--#if latest` parts, for every actor but

@@ -21,8 +21,9 @@
 -- (send it back now, to take its place again).
 -- leave: the waiters give up their places; returns how many had one.
 -- The answer is {states or count, woken}: woken, the waiters in place it woke, for the caller to wake
--- (lua/wake.lua). Either way vanished waiters at the front lose their place, and the front of a key with free slots (its
--- counter's width says how many it has) is woken or asked to come back (so a missed wake-up heals here).
+-- (lua/wake.lua). Either way vanished waiters at the front lose their place, and the front of a key with free
+-- slots (its counter's width says how many it has) is woken or asked to come back (so a missed wake-up heals
+-- here).
 --#include args clock line slots
 local op, holder = ARGV[1], ARGV[2]
 local park_ms = whole(ARGV[3], 1, MAX_MS)
