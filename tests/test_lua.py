@@ -118,8 +118,8 @@ def test_the_uncontended_paths_create_no_line_helper() -> None:
     """Figure 1's path (acquire of a free key with no line, release without one) runs past no closure it does
     not call: the line's helpers are included after it."""
     for name, fast_path_end in (
-        ("acquire", "if count == 0 and not lined and grace_left <= 0 then"),
-        ("acquire_latest", "if count == 0 and not lined and not older and grace_left <= 0 then"),
+        ("acquire", "if count == 0 and not lined and grace_left <= 0 and rate_left <= 0 then"),
+        ("acquire_latest", "if count == 0 and not lined and not older and grace_left <= 0 and rate_left <= 0 then"),
         ("release", "if waiter == '' and"),
     ):
         built = scripts.ALL[name]

@@ -36,7 +36,7 @@ def validate_key(key: object, *, what: str = "lease key") -> str:
 
 
 #: The kinds of Redis key a lease key has, named ``{prefix}:{kind}:{tag}`` (see :func:`lease_name` and its siblings).
-KEY_KINDS = ("lease", "fence", "line", "waiters", "done", "history", "epoch")
+KEY_KINDS = ("lease", "fence", "line", "waiters", "done", "history", "epoch", "rate")
 
 _GLOB = "glob characters in the SCAN patterns that `list` and the exporter build from the prefix would match other keys"
 
@@ -182,6 +182,11 @@ def order_name(prefix: str, key: str) -> str:
 def history_name(prefix: str, key: str) -> str:
     """The Redis key of ``key``'s history (a list of JSON events, newest first; see :mod:`.history`)."""
     return f"{prefix}:history:{{{hash_tag(key)}}}"
+
+
+def rate_name(prefix: str, key: str, count: int, window: int) -> str:
+    """The Redis key of the ring of ``key``'s rate of ``count`` grants per ``window`` ms (see :mod:`.rates`)."""
+    return f"{prefix}:rate:{{{hash_tag(key)}}}:{count}/{window}"
 
 
 def wake_name(prefix: str, key: str, waiter: str) -> str:

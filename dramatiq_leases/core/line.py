@@ -26,6 +26,7 @@ from .keys import line_names, order_name, script_names, slot_names, validate_key
 from .lease import Lease, new_token
 from .numbers import check_numbers
 from .protocol import DEFAULT_PARK_MS, DEFAULT_READY, PROMOTE_MS, GrantRequest, Join, Released, ReleaseRequest, Turn
+from .rates import Rate
 from .runner import ScriptRunner
 from .scripts import LINE, ORDER, WAKE_TTL_MS
 
@@ -92,6 +93,7 @@ class Line:
         order: int | None = None,
         final: bool = False,
         unique: bool = False,
+        rates: tuple[Rate, ...] = (),
     ) -> Lease | Turn:
         """:meth:`Leases.try_acquire` as ``waiter`` of ``key``'s line: granted at the head, else a place.
 
@@ -107,7 +109,9 @@ class Line:
         waiting so) is superseded itself, wherever it meets the key, and :attr:`~.protocol.Turn.newer` names that one;
         ``final`` (with ``joins=False``): a busy answer is
         remembered as this waiter's outcome, so a copy of its message asking later is told it is a duplicate;
-        ``unique``: the grant ends the message's queued unique record (``lock_unique``) in the same step.
+        ``unique``: the grant ends the message's queued unique record (``lock_unique``) in the same step;
+        ``rates``: the key's rates (``lock_rate``): while they allow no more grants the key is full, and its waiters
+        wait in the line as for a holder (:mod:`.rates`).
         """
         if not isinstance(waiter, str) or not waiter:
             raise LeaseConfigError(f"a waiter of {key!r} needs a non-empty id, got {waiter!r}", key=key)
@@ -128,6 +132,7 @@ class Line:
             order=order or 0,
             final=final,
             unique=unique,
+            rates=rates,
         )
         return self.grants.grant(request)
 

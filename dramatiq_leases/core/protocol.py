@@ -16,10 +16,11 @@ from typing import Any
 from . import scripts
 from .errors import LeaseConfigError
 from .info import meta_args, text
-from .keys import lease_name, line_names, script_names, slot_names, validate_key, wake_name
+from .keys import lease_name, line_names, rate_name, script_names, slot_names, validate_key, wake_name
 from .lease import Busy, margin_ms
 from .numbers import whole_count, whole_limit, whole_ms
-from .scripts import MAX_ID_LENGTH, MAX_LIMIT, MAX_ORDER, MAX_READY, MAX_TIMESTAMP_MS
+from .rates import Rate
+from .scripts import MAX_ID_LENGTH, MAX_LIMIT, MAX_ORDER, MAX_RATES, MAX_READY, MAX_TIMESTAMP_MS
 
 #: How many waiters of one key may wait in place (holding a thread) by default.
 DEFAULT_READY = 2
@@ -52,11 +53,12 @@ GRANT_ARGV = (
     "order",
     "grace_ms",
     "failover_ms",
+    "rates",
 )
 #: ``lua/release.lua``'s ARGV by name, in order.
 RELEASE_ARGV = ("token", "waiter", "grant", "retention_ms", "history", "ready", "promote_ms", "by")
 #: ``lua/acquire_plain.lua``'s ARGV by name, in order (the lease hash's field/value pairs follow them).
-GRANT_PLAIN_ARGV = (*GRANT_ARGV[:7], "grace_ms", "failover_ms")
+GRANT_PLAIN_ARGV = (*GRANT_ARGV[:7], "grace_ms", "failover_ms")  # lua/acquire_plain.lua knows no rates
 #: ``lua/release_plain.lua``'s ARGV by name, in order.
 RELEASE_PLAIN_ARGV = ("token", "grant", "retention_ms")
 
@@ -81,6 +83,7 @@ class GrantRequest:
     ``promote_ms``. ``latest``: the key keeps only its newest such waiter, newest by ``order``. ``final``
     (with :attr:`Join.NEVER`): a refusal is remembered, so another copy of this waiter never runs after it.
     ``unique``: the grant ends the message's queued unique record (``lock_unique``), in the same step.
+    ``rates``: the key's rates (``lock_rate``, :mod:`.rates`): granted only while each allows one more.
     """
 
     key: str
@@ -98,6 +101,7 @@ class GrantRequest:
     order: int = 0
     final: bool = False
     unique: bool = False
+    rates: tuple[Rate, ...] = ()
     #: The lease hash's fields besides the script's own: ``key`` and the metadata (see :func:`.info.meta_args`).
     fields: tuple[str, ...] = field(init=False, repr=False)
 
@@ -118,6 +122,14 @@ class GrantRequest:
                 f"a latest waiter of {key!r} needs an order, a whole number from 1 to {MAX_ORDER}; got {self.order!r}",
                 key=key,
             )
+        if (
+            not isinstance(self.rates, tuple)
+            or len(self.rates) > MAX_RATES
+            or not all(isinstance(r, Rate) for r in self.rates)
+        ):
+            raise LeaseConfigError(
+                f"the rates of {key!r} must be a tuple of at most {MAX_RATES} Rate, got {self.rates!r}"
+            )
         if self.join is not Join.NEVER and not self.waiter:
             raise LeaseConfigError(f"a waiter of {key!r} needs a non-empty id, got {self.waiter!r}", key=key)
         if self.final and (self.join is not Join.NEVER or not self.waiter or self.latest):
@@ -133,7 +145,7 @@ class GrantRequest:
     def plain(self) -> bool:
         """Whether ``lua/acquire_plain.lua`` is asked first (in a store without history): a key of one holder, no
         unique record, not latest, and not back from the line (whose key is likely still lined)."""
-        return self.limit == 1 and not self.unique and not self.latest and not self.first_ms
+        return self.limit == 1 and not self.unique and not self.latest and not self.first_ms and not self.rates
 
     def encode_plain(
         self, prefix: str, retention: int, *, grace: int = 0, failover: int = 0
@@ -159,6 +171,7 @@ class GrantRequest:
             *script_names(prefix, self.key),
             *line_names(prefix, self.key),
             wake_name(prefix, self.key, self.waiter),
+            *(rate_name(prefix, self.key, rate.count, rate.window) for rate in self.rates),
             *slot_names(prefix, self.key, max(self.limit, width)),
         ]
         ready, park_ms, promote_ms = self.rules
@@ -183,7 +196,9 @@ class GrantRequest:
                 self.order,
                 grace,
                 failover,
+                len(self.rates),
             ),  # GRANT_ARGV
+            *(n for rate in self.rates for n in (rate.count, rate.window)),
             *self.fields,
         ]
         if self.waiter:  # named in the grant, so that another copy of the same message never holds a slot beside it

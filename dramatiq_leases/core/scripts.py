@@ -53,6 +53,8 @@ see :func:`dramatiq_leases.core.keys.hash_tag`):
   expiry (and ``s:<waiter>``: waiters a newer one replaced, ``latest``); the
   waiters hash's field ``""`` names the key's latest waiter. See :mod:`.line`.
   All carry TTLs.
+* ``P:rate:{T}:N/W``: the ring of a key's rate of N grants per W ms (``lock_rate``): the times of its last N
+  grants (see the ``rate`` section of ``lua/prelude.lua`` and :mod:`.rates`); kept W ms after its last grant.
 * ``P:history:{T}``: the key's history, if the store keeps one (``Leases(history=N)``): a list of
   compact JSON events, newest first, capped to N and kept :data:`HISTORY_MS` after its last event
   (see ``history_append`` in ``lua/prelude.lua`` and :mod:`.history`).
@@ -131,6 +133,13 @@ ORDER_MS = 7 * 86_400_000
 #: order from Redis): one further ahead counts as this far, so that it cannot hold newer messages back for longer.
 ORDER_AHEAD_MS = 60_000
 
+#: The most rates one key may be given at once (``lock_rate``; see :mod:`.rates`).
+MAX_RATES = 4
+#: The most grants one rate may allow per window: its ring keeps 8 bytes per grant (800 KB per key at most).
+MAX_RATE_COUNT = 100_000
+#: The longest window of a rate (ms): 366 days.
+MAX_RATE_WINDOW = 366 * 86_400_000
+
 #: The acquire script's answers: granted, or busy with what its waiter should do (``lease.Wait``, in this order).
 GRANTED, BUSY = 1, 0
 WAIT_NONE, WAIT_IN_PLACE, WAIT_PARK, WAIT_SOON, WAIT_DUPLICATE, WAIT_SUPERSEDED, WAIT_COPY_HOLDS, WAIT_GRACE = range(8)
@@ -162,6 +171,9 @@ LUA_CONSTANTS: dict[str, int] = {
     "MAX_ORDER": MAX_ORDER,
     "ORDER_MS": ORDER_MS,
     "ORDER_AHEAD_MS": ORDER_AHEAD_MS,
+    "MAX_RATES": MAX_RATES,
+    "MAX_RATE_COUNT": MAX_RATE_COUNT,
+    "MAX_RATE_WINDOW": MAX_RATE_WINDOW,
     "GRANTED": GRANTED,
     "BUSY": BUSY,
     "WAIT_NONE": WAIT_NONE,
@@ -211,8 +223,8 @@ local function __call(cmd, ...) __check(cmd, ...) return redis.call(cmd, ...) en
 local function __pcall(cmd, ...) __check(cmd, ...) return redis.pcall(cmd, ...) end
 """
 _FIRST_KEY_COMMANDS = (
-    "GET SET TYPE PTTL PEXPIRE HGET HSET HMGET HDEL HEXISTS HGETALL HINCRBY ZADD ZREM ZRANGE ZSCORE ZMSCORE "
-    "ZRANK ZCARD ZREMRANGEBYSCORE LPUSH LTRIM LRANGE"
+    "GET SET GETRANGE SETRANGE TYPE PTTL PEXPIRE HGET HSET HMGET HDEL HEXISTS HGETALL HINCRBY ZADD ZREM ZRANGE "
+    "ZSCORE ZMSCORE ZRANK ZCARD ZREMRANGEBYSCORE LPUSH LTRIM LRANGE"
 )
 
 _INCLUDE = re.compile(r"^--#include((?: \w+)+)\n", re.MULTILINE)

@@ -18,6 +18,7 @@ from .lease import Busy, Lease, LostReason, Renewal, Tracker, new_token
 from .line import Line
 from .numbers import check_numbers, whole_count, whole_ms
 from .protocol import GrantRequest, Released, ReleaseRequest, Turn, operator_name
+from .rates import parse_rates
 from .reading import Reader, Reads
 from .recovery import DeadRelease, Recovery
 from .replication import DEFAULT_REPLICA_TIMEOUT_MS
@@ -248,6 +249,7 @@ class Leases(Reads, Histories):
         meta: Mapping[str, str] | None = None,
         token: str | None = None,
         limit: int = 1,
+        rate: str | Sequence[str] | None = None,
     ) -> Lease | Busy:
         """Acquire ``key`` for ``ttl`` milliseconds without waiting.
 
@@ -272,6 +274,9 @@ class Leases(Reads, Histories):
             granted while fewer hold it, whatever limit they were granted
             with. Each holder has its own slot (:attr:`Lease.slot`), token,
             TTL and fence; the fences of one key only grow across all of them.
+          rate: at most N grants of ``key`` in any window of a given length: ``"10/s"``, ``"5/10s"``,
+            ``"5000/d"``, or a list of such that all hold (see :mod:`~.rates`). A grant the rate does not allow
+            yet is :class:`Busy`, its ``ttl_left`` the time until it does.
 
         Returns:
           a :class:`Lease` with the token and a new fence, or :class:`Busy`
@@ -286,9 +291,17 @@ class Leases(Reads, Histories):
             release fails too, it ends by its TTL).
         """
         ttl, interval, max_hold = check_numbers(ttl, interval, max_hold)
+        rates = parse_rates(rate)
         got = self._grants.grant(
             GrantRequest(
-                key, token or new_token(), ttl, interval=interval, max_hold=max_hold, meta=meta or {}, limit=limit
+                key,
+                token or new_token(),
+                ttl,
+                interval=interval,
+                max_hold=max_hold,
+                meta=meta or {},
+                limit=limit,
+                rates=rates,
             )
         )
         return got.busy() if isinstance(got, Turn) else got

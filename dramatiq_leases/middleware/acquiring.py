@@ -162,6 +162,7 @@ class Acquisition:
             final=opts.on_busy in ("skip", "fail") and bool(options.get(SENT_BACK_OPTION)),
             # Its queued unique record ends with the grant; an actor without lock_unique pays nothing for it.
             unique=opts.unique is not None,
+            rates=opts.rates,
         )
 
     def _unavailable(self, error: Exception) -> NoReturn:
@@ -255,7 +256,10 @@ class Acquisition:
         ctx.waiting.forget_thread()
         ctx.runs.not_granted()
         reason = "superseded" if result.wait is Wait.SUPERSEDED else "skipped" if opts.on_busy == "skip" else "failed"
-        not_run(ctx, message, self.key, reason, f"lock_on_busy={opts.on_busy!r}", meta=self.meta, newer=result.newer)
+        said = f"lock_on_busy={opts.on_busy!r}"
+        if opts.rates and reason != "superseded":  # the rate may be why (full until it allows one more start)
+            said += f"; lock_rate {', '.join(map(str, opts.rates))}: next start in {result.ttl_left} ms at the latest"
+        not_run(ctx, message, self.key, reason, said, meta=self.meta, newer=result.newer)
         if reason != "superseded":  # a superseded waiter is recorded by the script that replaced it
             waited = max(0, result.now_ms - self.first) if self.first else 0
             record_history(

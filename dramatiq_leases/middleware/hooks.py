@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 import logging
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import dramatiq
@@ -109,6 +109,12 @@ class LeaseMiddleware(Middleware):
         record outlives the last sign of life of its message (its send plus
         its delay, a delivery, a retry, a park), so that a message purged or
         deleted by hand frees its key. Default 3 600 000 (an hour).
+      lock_rate: default ``lock_rate``: at most N starts of a key in any
+        window of a given length (``"10/s"``, ``"5/10s"``, ``"5000/d"``, or a
+        list of such that all hold). A message the rate does not allow yet
+        finds its key full and does what ``lock_on_busy`` says: ``"wait"``
+        takes its place in the key's line and starts when the rate allows.
+        Default ``None`` (no rate).
       metrics: where to report; default :class:`PrometheusMetrics`.
       metrics_endpoint: when Dramatiq's own ``Prometheus`` middleware is
         absent, serve the lease metrics of all worker processes on
@@ -154,7 +160,7 @@ class LeaseMiddleware(Middleware):
     ``lock_ttl``, ``lock_renew_interval``, ``lock_max_hold``,
     ``lock_min_backoff``, ``lock_max_backoff``, ``lock_max_wait``,
     ``lock_give_up``, ``lock_limit``, ``lock_on_busy``, ``lock_unique``,
-    ``lock_unique_ttl``. ``send_with_options(lease=lease)`` hands a lease
+    ``lock_unique_ttl``, ``lock_rate``. ``send_with_options(lease=lease)`` hands a lease
     acquired by the producer to the worker, which adopts it once. A message
     of an actor without ``lock_key`` that carries any of these is refused at
     send time. Every time is a whole number of milliseconds.
@@ -177,6 +183,7 @@ class LeaseMiddleware(Middleware):
         lock_on_busy: str = DEFAULT_ON_BUSY,
         lock_unique: str | None = None,
         lock_unique_ttl: int = DEFAULT_UNIQUE_TTL,
+        lock_rate: str | Sequence[str] | None = None,
         metrics: LeaseMetrics | None = None,
         metrics_endpoint: bool = True,
         trace_keys: bool | None = None,
@@ -209,6 +216,7 @@ class LeaseMiddleware(Middleware):
                 "lock_on_busy": lock_on_busy,
                 "lock_unique": lock_unique,
                 "lock_unique_ttl": lock_unique_ttl,
+                "lock_rate": lock_rate,
             }
         )
         if trace_keys is not None:

@@ -10,6 +10,7 @@ from typing import Any
 from ..core.errors import LeaseConfigError
 from ..core.lease import default_interval
 from ..core.numbers import whole_limit, whole_ms
+from ..core.rates import Rate, parse_rates
 from ..core.scripts import MAX_LIMIT, MAX_MS
 from ..core.unique import UNIQUE_MODES as CORE_UNIQUE_MODES
 from .errors import LeaseOptionError
@@ -29,6 +30,7 @@ ACTOR_OPTIONS = frozenset(
         "lock_on_busy",
         "lock_unique",
         "lock_unique_ttl",
+        "lock_rate",
     }
 )
 
@@ -116,6 +118,8 @@ class Options:
     #: ``None``, ``"queued"`` or ``"until_done"`` (:data:`UNIQUE_MODES`).
     unique: str | None = None
     unique_ttl: int = DEFAULT_UNIQUE_TTL
+    #: At most N starts of a key per window (``lock_rate``): none if empty.
+    rates: tuple[Rate, ...] = ()
 
 
 def ms(owner: str, name: str, value: Any, *, minimum: int = 1, maximum: int = MAX_MS) -> int:
@@ -179,7 +183,16 @@ def resolve(owner: str, defaults: Mapping[str, Any], *sources: Mapping[str, Any]
         on_busy=on_busy,
         unique=unique,
         unique_ttl=ms(owner, "lock_unique_ttl", get("lock_unique_ttl"), minimum=1_000, maximum=MAX_DELAY),
+        rates=check_rates(owner, get("lock_rate")),
     )
+
+
+def check_rates(owner: str, value: Any) -> tuple[Rate, ...]:
+    """The rates ``lock_rate`` gives (``None``: none), else :class:`LeaseOptionError` naming ``owner`` and it."""
+    try:
+        return parse_rates(value, name="lock_rate")
+    except LeaseConfigError as e:
+        raise LeaseOptionError(f"{owner}: {e}") from None
 
 
 def check_limit(owner: str, value: Any, *, returned_by: Any = None) -> int:

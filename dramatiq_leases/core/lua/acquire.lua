@@ -11,7 +11,8 @@
 --   8 unique: the key's unique records (lock_unique)
 --   9 history: the key's history (see prelude's history_append)
 --   10 wake: this waiter's wake list (keys.wake_name; deleted when it leaves the line)
---   11.. slot: the names of holder slots 1, 2 ... (prelude's declared_slots): as many as `limit` needs; a key
+--   11.. rate: the ring of each rate of ARGV 20 (prelude's rate section), in that order
+--   then slot: the names of holder slots 1, 2 ... (prelude's declared_slots): as many as `limit` needs; a key
 --     wider than that is answered {NEED_SLOTS, width}, nothing written
 -- ARGV:
 --   1 token: the new holder's owner token
@@ -42,7 +43,11 @@
 --   19 failover_ms: the failover grace (0: none): once the server's replication id changed (a restart, a
 --     replica promoted), no key of the slot is granted until this long after the slot's first grant asked since
 --     (prelude's failover_left); until then it answers busy for the rest of it, as in the restart grace
---   20.. fields: field/value pairs of the lease hash ('key', and 'meta': the holder metadata as JSON)
+--   20 rates: how many rates the key has (lock_rate; 0 to MAX_RATES), each then given as two numbers: how
+--     many grants (1 to MAX_RATE_COUNT) in any window of how many ms (1 to MAX_RATE_WINDOW); a grant they do
+--     not allow yet is busy as if the key were full, for as long as they say (pttl)
+--   21.. fields: after the rates, field/value pairs of the lease hash ('key', and 'meta': the holder metadata
+--     as JSON)
 -- (KEYS and ARGV in this order: core/protocol.py's GrantRequest.encode.)
 -- Returns {GRANTED, fence, now, previous_fence_expired, released_ms, from_line, slot} when granted (the last
 -- three left out when 0, as on the plain path; released_ms: when the key's last grant was released, if this
@@ -74,7 +79,7 @@
 -- waiter of it remembered) reads the counter and one EXISTS, then writes the counter and the lease; the unique
 -- record, the history and the counter's TTL add their commands only when asked for. Every argument is checked
 -- first, those of the general path too.
---#include args grant clock uptime epoch slots history
+--#include args grant clock uptime epoch slots rate history
 local refused, token, waiter, ttl_ms, max_hold_ms, interval_ms, margin_ms, retention_ms = grant_head(ARGV)
 if refused then return refused end
 local limit = whole(ARGV[8], 1, MAX_LIMIT)
@@ -83,7 +88,19 @@ local unique = ARGV[10]
 if limit == nil then return bad('limit', ARGV[8]) end
 if history == nil then return bad('history', ARGV[9]) end
 if unique ~= '0' and (unique ~= '1' or waiter == '') then return bad('unique', unique) end
-if #ARGV < 19 or (#ARGV - 19) % 2 ~= 0 then return bad('fields', #ARGV - 19) end
+local nrates = whole(ARGV[20], 0, MAX_RATES)
+if nrates == nil then return bad('rates', ARGV[20]) end
+-- The lease hash's fields follow the rates.
+local fields_at = 21 + 2 * nrates
+if #ARGV < fields_at - 1 or (#ARGV - fields_at + 1) % 2 ~= 0 then return bad('fields', #ARGV - fields_at + 1) end
+local RATES = {}
+for i = 1, nrates do
+  local count, window = whole(ARGV[19 + 2 * i], 1, MAX_RATE_COUNT), whole(ARGV[20 + 2 * i], 1, MAX_RATE_WINDOW)
+  if count == nil or window == nil then
+    return bad('rates', tostring(ARGV[19 + 2 * i]) .. '/' .. tostring(ARGV[20 + 2 * i]))
+  end
+  RATES[i] = {count, window}
+end
 local first_ms = whole(ARGV[11], 0, MAX_TIMESTAMP_MS)
 local mode = whole(ARGV[12], 0, 2)
 local ready = whole(ARGV[13], 0, MAX_READY)
@@ -109,7 +126,8 @@ if latest == nil or latest == 1 or (latest == 2 and (mode ~= 0 or waiter == ''))
 end
 if ARGV[17] ~= '0' then return bad('order', ARGV[17]) end
 --#end
-if #KEYS < 10 then return bad('key count', #KEYS) end
+if #KEYS < 10 + nrates then return bad('key count', #KEYS) end
+local RINGS = {unpack(KEYS, 11, 10 + nrates)}
 local LINE, DONE, WAITERS, HISTORY = KEYS[3], KEYS[4], KEYS[7], KEYS[9]
 local now, now_us = server_time()
 -- The counter first: one of another type fails the script here, before any write.
@@ -119,7 +137,7 @@ local prev_fence = tonumber(counter[1]) or 0
 local width = tonumber(counter[2])
 if width then width = math.max(1, math.min(math.floor(width), MAX_LIMIT)) end
 local slots = math.max(limit, width or 1)
-local SLOTS, declared = declared_slots(KEYS[1], 11)
+local SLOTS, declared = declared_slots(KEYS[1], 11 + nrates)
 if slots > declared then return {NEED_SLOTS, slots} end
 -- The restart grace left: a key without a counter was never granted, or the store forgot it (a restart
 -- without persistence). Within grace_ms of the server's start, a holder the store forgot may still run:
@@ -129,10 +147,13 @@ local grace_left = 0
 if grace_ms > 0 and not counter[1] then grace_left = grace_ms - uptime_ms() end
 -- And the failover grace: the store may have lost grants and renewals whose holders still run.
 if failover_ms > 0 then grace_left = math.max(grace_left, failover_left(KEYS[5], failover_ms, now, false)) end
+-- And the key's rates: how long until they allow one more grant (read only).
+local rate_left = 0
+if nrates > 0 then rate_left = rate_wait(RINGS, RATES, now_us) end
 -- The holder's metadata, for the events that name it (read only with a history).
 local meta = nil
 if history > 0 then
-  for i = 20, #ARGV - 1, 2 do
+  for i = fields_at, #ARGV - 1, 2 do
     if ARGV[i] == 'meta' then meta = ARGV[i + 1] end
   end
 end
@@ -202,13 +223,14 @@ local function grant(s, top)
   if wide then
     redis.call('HSET', name, 'token', token, 'fence', fence, 'ttl', ttl_ms, 'interval', interval_ms,
       'margin_ms', margin_ms, 'acquired_ms', now, 'renewed_ms', now, 'max_hold_until_ms', until_ms, 'slot', s,
-      'limit', limit, unpack(ARGV, 20))
+      'limit', limit, unpack(ARGV, fields_at))
   else
     redis.call('HSET', name, 'token', token, 'fence', fence, 'ttl', ttl_ms, 'interval', interval_ms,
       'margin_ms', margin_ms, 'acquired_ms', now, 'renewed_ms', now, 'max_hold_until_ms', until_ms,
-      unpack(ARGV, 20))
+      unpack(ARGV, fields_at))
   end
   redis.call('PEXPIRE', name, px)
+  if nrates > 0 then rate_record(RINGS, RATES, now_us) end
   if history > 0 then
     local slot = nil
     if wide then slot = s end
@@ -234,7 +256,7 @@ end
 --#else
 -- The plain path: a key of one holder, free, with no line and no waiter remembered (Redis stores numbers
 -- given to it as integers: exact, whatever their size).
-if slots == 1 and grace_left <= 0 then
+if slots == 1 and grace_left <= 0 and rate_left <= 0 then
   local found
   if waiter == '' then
     found = redis.call('EXISTS', KEYS[1], LINE)
@@ -294,9 +316,9 @@ local lined = found > 0 and redis.call('EXISTS', LINE) == 1
 local count = found - (lined and 1 or 0)
 
 --#if latest
-if count == 0 and not lined and not older and grace_left <= 0 then
+if count == 0 and not lined and not older and grace_left <= 0 and rate_left <= 0 then
 --#else
-if count == 0 and not lined and grace_left <= 0 then
+if count == 0 and not lined and grace_left <= 0 and rate_left <= 0 then
 --#end
   local fence, expired = grant(0, -1)
   return {GRANTED, fence, now, expired, 0, 0, 0}
@@ -339,6 +361,10 @@ end
 if sibling_holds then return {BUSY, pttl, holder_fence, now, WAIT_COPY_HOLDS, -1, 0, 0} end
 local free = limit - count
 if free_slot == nil then free = 0 end
+if rate_left > 0 then  -- full until the rates allow one more: waiters keep their places, as for a holder
+  free = 0
+  if pttl < rate_left then pttl = rate_left end
+end
 if grace_left > 0 then  -- held, as far as anyone may know, until the grace ends
   free = 0
   if count == 0 or pttl < grace_left then pttl = grace_left end
@@ -441,7 +467,7 @@ local rank = redis.call('ZRANK', LINE, waiter)
 local mine = entry(WAITERS, waiter)
 local holder = mine and mine.holder or ''
 local actor = ''
-for i = 20, #ARGV - 1, 2 do
+for i = fields_at, #ARGV - 1, 2 do
   if ARGV[i] == 'meta' then
     local ok, meta = pcall(cjson.decode, ARGV[i + 1])
     if ok and type(meta) == 'table' and type(meta.actor) == 'string' then actor = string.gsub(meta.actor, '%s', '_') end

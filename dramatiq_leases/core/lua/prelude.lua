@@ -109,6 +109,51 @@ local function present(names, width, line)
   return redis.call('EXISTS', unpack(list))
 end
 
+--#section rate
+-- A key's rates (lock_rate, core/rates.py): `rates` a list of {count, window_ms}, `names` each one's ring, a
+-- string: 8 bytes of header, the number of grants recorded, then the server time (µs) of each of the last
+-- `count` grants, 8 bytes each, the oldest at (grants % count), all as struct's big-endian doubles (exact
+-- below 2^53). A ring lives one window after its last grant: by then every time in it is a window old. One of
+-- another type or form (written by hand) counts as empty, and rate_record replaces it.
+local function rate_grants(name)
+  local raw = redis.pcall('GETRANGE', name, 0, 7)
+  if type(raw) ~= 'string' or (#raw > 0 and #raw < 8) then return nil end
+  if #raw == 0 then return 0 end
+  local n = struct.unpack('>d', raw)
+  if n ~= n or n < 0 or n ~= math.floor(n) or n >= 2 ^ 53 then return nil end
+  return n
+end
+-- How long until every rate allows one more grant (ms, rounded up; 0: now), at `now_us`: the oldest of a full
+-- ring's times plus the window, never more than a window away (a clock stepped back).
+local function rate_wait(names, rates, now_us)
+  local wait = 0
+  for i, r in ipairs(rates) do
+    local n = rate_grants(names[i])
+    if n and n >= r[1] then
+      local at = 8 + 8 * (n % r[1])
+      local raw = redis.call('GETRANGE', names[i], at, at + 7)
+      if #raw == 8 then
+        local left = math.min(struct.unpack('>d', raw) + r[2] * 1000 - now_us, r[2] * 1000)
+        wait = math.max(wait, math.ceil(left / 1000))
+      end
+    end
+  end
+  return wait
+end
+-- Records a grant at `now_us` in every ring (its TTL set by the command after the one that may create it).
+local function rate_record(names, rates, now_us)
+  for i, r in ipairs(rates) do
+    local n = rate_grants(names[i])
+    if n == nil then
+      redis.call('DEL', names[i])
+      n = 0
+    end
+    redis.call('SETRANGE', names[i], 8 + 8 * (n % r[1]), struct.pack('>d', now_us))
+    redis.call('PEXPIRE', names[i], r[2])
+    redis.call('SETRANGE', names[i], 0, struct.pack('>d', n + 1))
+  end
+end
+
 --#section counter
 -- Records fence as the last released in the fence counter (how the exporter tells a release from an
 -- expiry), with the field/value pairs given. A counter of another type (written by hand) is left alone: the

@@ -1,0 +1,165 @@
+"""``lock_rate``: at most N starts of a key in any window, decided in the grant's script (``core/rates.py``,
+the ``rate`` section of ``lua/prelude.lua``). Real Redis; the middleware in a real Dramatiq Worker.
+
+Grant times are read from the fences: a fence is the grant's server time in microseconds (or one above the
+last), so the windows are checked on the times the script decided with, whatever this machine's speed.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import redis
+from prometheus_client import CollectorRegistry
+
+from dramatiq_leases import LeaseOptionError, PrometheusMetrics, current_lease
+from dramatiq_leases.core import Busy, Lease, LeaseConfigError, Leases
+from dramatiq_leases.core.keys import rate_name
+from dramatiq_leases.core.rates import Rate, parse_rate, parse_rates
+
+from .support.runs import Runs
+from .support.stack import MakeStack
+from .support.waiting import wait_for
+
+
+def most_in_any_window(times_us: list[int], window_ms: int) -> int:
+    """The largest number of ``times_us`` (µs) in any half-open window of ``window_ms``."""
+    times, most, first = sorted(times_us), 0, 0
+    for last, t in enumerate(times):
+        while times[first] <= t - window_ms * 1000:
+            first += 1
+        most = max(most, last - first + 1)
+    return most
+
+
+@pytest.mark.parametrize(
+    ("spec", "rate"),
+    [
+        ("10/s", Rate(10, 1_000)),
+        ("5/10s", Rate(5, 10_000)),
+        ("3/500ms", Rate(3, 500)),
+        ("5000/d", Rate(5000, 86_400_000)),
+    ],
+)
+def test_a_rate_reads_as_written(spec: str, rate: Rate) -> None:
+    assert parse_rate(spec) == rate
+    assert parse_rates([spec, "1/h"]) == tuple(sorted({rate, Rate(1, 3_600_000)}))
+
+
+@pytest.mark.parametrize(
+    "bad", ["0/s", "5/0s", "abc", "5/fortnight", "", -1, 5, "5/s ", "1.5/s", [], ["10/s", "x"], ["1/s"] * 5]
+)
+def test_bad_rates_are_refused_at_declaration_naming_the_actor_and_lock_rate(make_stack: MakeStack, bad: Any) -> None:
+    stack = make_stack(metrics=PrometheusMetrics(registry=CollectorRegistry()), metrics_endpoint=False)
+    with pytest.raises(LeaseOptionError) as info:
+
+        @stack.actor(actor_name="call_vendor", lock_key="tenant:{tenant}", lock_rate=bad)
+        def call_vendor(tenant: str) -> None:
+            pass
+
+    assert "actor 'call_vendor'" in str(info.value) and "lock_rate" in str(info.value), info.value
+    with pytest.raises(LeaseConfigError, match="rate"):
+        parse_rates(bad)
+
+
+def test_at_most_n_grants_in_any_window_and_the_next_as_soon_as_the_window_allows(redis_client: redis.Redis) -> None:
+    """Exact over any window, not per fixed bucket: each grant is checked against the oldest of the last N,
+    in the same script. A refusal is busy for exactly as long as the rate says."""
+    leases = Leases(redis_client, prefix="t")
+    fences: list[int] = []
+    deadline = time.monotonic() + 30
+    while len(fences) < 12 and time.monotonic() < deadline:  # four windows' worth
+        got = leases.try_acquire("k", 10_000, rate="3/300ms")
+        if isinstance(got, Lease):
+            fences.append(got.fence)
+            assert leases.release(got)
+        else:
+            assert 0 < got.ttl_left <= 300
+            time.sleep(got.ttl_left / 1000)
+    assert len(fences) == 12
+    assert most_in_any_window(fences, 300) == 3
+    # Each grant past the first three waited for the one three before it to be a window old, and no longer.
+    assert all(fences[i] - fences[i - 3] >= 300_000 for i in range(3, 12))
+    ring = rate_name("t", "k", 3, 300)
+    assert 0 < redis_client.pttl(ring) <= 300  # kept one window after the last grant, never without a TTL
+
+
+def test_a_rate_and_a_limit_both_hold(redis_client: redis.Redis) -> None:
+    leases = Leases(redis_client, prefix="t")
+    held = [leases.try_acquire("k", 10_000, limit=2, rate="3/10s") for _ in range(3)]
+    assert [isinstance(h, Lease) for h in held] == [True, True, False]  # the limit
+    first = held[0]
+    assert isinstance(first, Lease) and leases.release(first)
+    third = leases.try_acquire("k", 10_000, limit=2, rate="3/10s")
+    assert isinstance(third, Lease)
+    assert leases.release(third)
+    refused = leases.try_acquire("k", 10_000, limit=2, rate="3/10s")  # a slot is free: the rate refuses
+    assert isinstance(refused, Busy) and 9_000 < refused.ttl_left <= 10_000
+
+
+def test_every_rate_of_a_list_holds(redis_client: redis.Redis) -> None:
+    leases = Leases(redis_client, prefix="t")
+    granted = 0
+    for _ in range(5):
+        got = leases.try_acquire("k", 10_000, rate=["4/10s", "2/5s"])
+        if isinstance(got, Lease):
+            granted += 1
+            leases.release(got)
+    assert granted == 2  # the stricter of the two, now
+
+
+def test_a_ring_written_by_hand_is_replaced_and_no_rate_key_lives_without_ttl(redis_client: redis.Redis) -> None:
+    leases = Leases(redis_client, prefix="t")
+    ring = rate_name("t", "k", 2, 60_000)
+    for junk in (lambda: redis_client.hset(ring, "a", 1), lambda: redis_client.set(ring, "abc")):
+        redis_client.delete(ring)
+        junk()
+        got = leases.try_acquire("k", 10_000, rate="2/m")
+        assert isinstance(got, Lease), got
+        assert leases.release(got)
+        assert redis_client.type(ring) == b"string" and 0 < redis_client.pttl(ring) <= 60_000
+    assert isinstance(leases.try_acquire("k", 10_000, rate="2/m"), Lease)
+    assert isinstance(leases.try_acquire("k", 10_000, rate="2/m"), Busy)  # two grants since the replacement
+
+
+def test_a_backlog_waits_in_the_line_spends_no_retry_and_starts_at_the_rate(make_stack: MakeStack) -> None:
+    """``lock_on_busy="wait"`` (the default): every message runs, none before the rate allows, no retry spent."""
+    stack = make_stack(metrics=PrometheusMetrics(registry=CollectorRegistry()), metrics_endpoint=False, threads=4)
+    runs = Runs()
+
+    @stack.actor(lock_key="vendor:{tenant}", lock_rate="3/s", max_retries=0)
+    def call_vendor(tenant: str, n: int) -> None:
+        lease = current_lease()
+        assert lease is not None
+        runs.add(kind="run", n=n, fence=lease.fence)
+
+    stack.start()
+    messages = [call_vendor.send("acme", n) for n in range(9)]
+    wait_for(lambda: runs.count(kind="run") == 9, timeout=60, what="every message to run")
+    fences = [int(r["fence"]) for r in runs.where(kind="run")]
+    assert most_in_any_window(fences, 1_000) == 3
+    assert sorted(r["n"] for r in runs.where(kind="run")) == list(range(9))
+    for message in messages:
+        assert stack.recorder.wait_settled(message.message_id) == "acked"
+
+
+def test_skip_makes_a_leading_edge_throttle(make_stack: MakeStack) -> None:
+    """``lock_rate="1/5s", lock_on_busy="skip"``: the first of a burst runs, the rest are acknowledged at once,
+    each counted as skipped."""
+    metrics = PrometheusMetrics(registry=CollectorRegistry())
+    stack = make_stack(metrics=metrics, metrics_endpoint=False)
+    runs = Runs()
+
+    @stack.actor(lock_key="search:{index}", lock_rate="1/5s", lock_on_busy="skip")
+    def reindex(index: str, n: int) -> None:
+        runs.add(kind="run", n=n)
+
+    stack.start()
+    burst = [reindex.send("products", n) for n in range(4)]
+    for message in burst:
+        assert stack.recorder.wait_settled(message.message_id) == "acked"
+    assert runs.count(kind="run") == 1  # whichever of the burst a worker thread took first
+    labels = {"actor_name": "reindex", "queue_name": "default", "reason": "skipped"}
+    assert metrics._registry.get_sample_value("dramatiq_lease_not_run_total", labels) == 3
