@@ -7,6 +7,7 @@ last), so the windows are checked on the times the script decided with, whatever
 
 from __future__ import annotations
 
+import struct
 import time
 from typing import Any
 
@@ -83,7 +84,7 @@ def test_at_most_n_grants_in_any_window_and_the_next_as_soon_as_the_window_allow
     # Each grant past the first three waited for the one three before it to be a window old, and no longer.
     assert all(fences[i] - fences[i - 3] >= 300_000 for i in range(3, 12))
     ring = rate_name("t", "k", 3, 300)
-    assert 0 < redis_client.pttl(ring) <= 300  # kept one window after the last grant, never without a TTL
+    assert 0 < redis_client.pttl(ring) <= 301  # kept a window (and a ms) after the last grant, never without a TTL
 
 
 def test_a_rate_and_a_limit_both_hold(redis_client: redis.Redis) -> None:
@@ -119,7 +120,7 @@ def test_a_ring_written_by_hand_is_replaced_and_no_rate_key_lives_without_ttl(re
         got = leases.try_acquire("k", 10_000, rate="2/m")
         assert isinstance(got, Lease), got
         assert leases.release(got)
-        assert redis_client.type(ring) == b"string" and 0 < redis_client.pttl(ring) <= 60_000
+        assert redis_client.type(ring) == b"string" and 0 < redis_client.pttl(ring) <= 60_001
     assert isinstance(leases.try_acquire("k", 10_000, rate="2/m"), Lease)
     assert isinstance(leases.try_acquire("k", 10_000, rate="2/m"), Busy)  # two grants since the replacement
 
@@ -163,3 +164,34 @@ def test_skip_makes_a_leading_edge_throttle(make_stack: MakeStack) -> None:
     assert runs.count(kind="run") == 1  # whichever of the burst a worker thread took first
     labels = {"actor_name": "reindex", "queue_name": "default", "reason": "skipped"}
     assert metrics._registry.get_sample_value("dramatiq_lease_not_run_total", labels) == 3
+
+
+def test_a_time_ahead_of_the_clock_holds_the_key_one_window_at_most(redis_client: redis.Redis) -> None:
+    """A ring whose times are ahead of the server's clock (the clock stepped back, or written by hand) counts
+    them as now: the key waits a window at most, not until the clock catches up."""
+    leases = Leases(redis_client, prefix="t")
+    ring = rate_name("t", "k", 1, 1_000)
+    now_us = int(redis_client.time()[0]) * 1_000_000
+    redis_client.set(ring, struct.pack(">d", 1) + struct.pack(">d", now_us + 3_600 * 1_000_000))  # an hour ahead
+    refused = leases.try_acquire("k", 10_000, rate="1/s")
+    assert isinstance(refused, Busy) and refused.ttl_left <= 1_000
+    redis_client.set(ring, struct.pack(">d", 1) + struct.pack(">d", float("inf")))
+    refused = leases.try_acquire("k", 10_000, rate="1/s")
+    assert isinstance(refused, Busy) and refused.ttl_left <= 1_000
+    wait_for(lambda: isinstance(leases.try_acquire("k", 10_000, rate="1/s"), Lease), timeout=5, what="the grant")
+
+
+def test_over_its_rate_a_key_calls_no_parked_waiter_forward(redis_client: redis.Redis) -> None:
+    """While its rate allows no grant, a key with nobody holding it is full: the line's calls and a release
+    leave its parked waiters parked (promoted, they would only be refused again, and again), and the rate's
+    answer says when to come back."""
+    leases = Leases(redis_client, prefix="t")
+    first = leases.try_acquire("k", 10_000, rate="1/m")
+    assert isinstance(first, Lease)
+    parked = leases.line.join("k", 10_000, waiter="w1", rates=parse_rates("1/m"))
+    assert isinstance(parked, Busy) and 50_000 < parked.ttl_left <= 60_000
+    assert leases.release(first)  # the key is free of holders, and over its rate for a minute
+    assert leases.line.hold("k", ["w1"], "channel") == ["p"]  # not promoted
+    again = leases.line.join("k", 10_000, waiter="w1", rates=parse_rates("1/m"))
+    assert isinstance(again, Busy) and 50_000 < again.ttl_left <= 60_000 and again.place == 0
+    assert leases.line.hold("k", ["w1"], "channel") == ["p"]

@@ -12,8 +12,6 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
-import redis
-
 from . import rounds, scripts, tracing
 from .client import server_attributes, unavailable
 from .errors import LeaseConfigError, LeaseUnavailableError
@@ -162,7 +160,7 @@ class Grants:
         names = [wake_name(self.prefix, key, text(w)) for w in waiters]
         try:
             self.runner.call(self._wake, names, [])
-        except redis.RedisError as exc:
+        except Exception as exc:  # best effort: a Cluster's routing errors are not RedisError, and none may fail
             logger.debug(
                 "Could not wake %d waiter(s) of %r (they ask again after their block): %s", len(names), key, exc
             )

@@ -74,8 +74,11 @@ class UniqueRecords:
         prefix = self.leases.prefix
         fixed = [lease_name(prefix, key), fence_name(prefix, key), unique_name(prefix, key), history_name(prefix, key)]
         with unavailable(f"{what} the unique record of {key!r}", key):
+            # As many slots as its limit reads (args[3]; 1 for 'end', which reads none), or the key's width.
             reply, _ = self.runner.call_slots(
-                key, self._script, lambda width: ([*fixed, *slot_names(prefix, key, width)], args)
+                key,
+                self._script,
+                lambda width: ([*fixed, *slot_names(prefix, key, max(width, int(args[3])))], args),
             )
         return list(reply)
 

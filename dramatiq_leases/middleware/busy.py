@@ -154,7 +154,9 @@ def on_busy(
     logger.debug(
         "Lease %r is busy; message %s parks at place %d of %d.", busy.key, message.message_id, busy.place, busy.line
     )
-    copy, delay = waiting.parked_copy(message, busy.key, busy, first_ms, opts.max_wait)
+    # Near the front of a key over its rate: back when the rate allows, since no release may call it forward.
+    back_ms = busy.ttl_left if opts.rates and busy.wait is Wait.SOON else None
+    copy, delay = waiting.parked_copy(message, busy.key, busy, first_ms, opts.max_wait, back_ms=back_ms)
     _send_copy_back(broker, message, copy, delay, deadline)
 
 

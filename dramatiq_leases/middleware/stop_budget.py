@@ -12,6 +12,7 @@ stop timeout.
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import os
@@ -65,7 +66,7 @@ def _from_dramatiq_cli() -> int | None:
     if code is None:
         return None
     try:
-        frame = sys._current_frames().get(threading.main_thread().ident or 0)
+        frame = _main_thread_frame()
         while frame is not None:
             if frame.f_code is code:
                 value = getattr(frame.f_locals.get("args"), "worker_shutdown_timeout", None)
@@ -74,6 +75,22 @@ def _from_dramatiq_cli() -> int | None:
     except Exception:  # another Python or Dramatiq than the ones this reads: no value, never a failed boot
         logger.debug("Could not read the dramatiq command's shutdown timeout.", exc_info=True)
     return None
+
+
+def _main_thread_frame() -> Any:
+    """The main thread's current frame: this thread's own, else from ``sys._current_frames()`` with the cyclic
+    garbage collector off meanwhile. CPython 3.11 builds those frames holding its lock of the thread states; a
+    collection started meanwhile that frees a ``threading.local`` takes that lock again, and the process hangs
+    (seen in the test suite, at a worker's boot)."""
+    if threading.current_thread() is threading.main_thread():
+        return sys._getframe()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return sys._current_frames().get(threading.main_thread().ident or 0)
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def check_stop_budget(

@@ -173,9 +173,12 @@ class Waiting:
         self._in_place.pop(threading.get_ident(), None)
 
     @staticmethod
-    def parked_copy(message: Any, key: str, busy: Busy, first_ms: int, max_wait: int | None) -> tuple[Any, int]:
-        """The copy of ``message`` to park in the delay queue for its waiter, and its delay (ms)."""
-        delay = DEFAULT_PARK_MS
+    def parked_copy(
+        message: Any, key: str, busy: Busy, first_ms: int, max_wait: int | None, *, back_ms: int | None = None
+    ) -> tuple[Any, int]:
+        """The copy of ``message`` to park in the delay queue for its waiter, and its delay (ms): back by
+        ``back_ms`` at the latest, if given."""
+        delay = DEFAULT_PARK_MS if back_ms is None else max(1, min(DEFAULT_PARK_MS, back_ms))
         if max_wait is not None:
             # Back at the end of the wait budget at the latest, to give up in time.
             delay = max(1, min(delay, first_ms + max_wait - busy.now_ms))

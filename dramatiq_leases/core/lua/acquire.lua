@@ -364,6 +364,9 @@ if free_slot == nil then free = 0 end
 if rate_left > 0 then  -- full until the rates allow one more: waiters keep their places, as for a holder
   free = 0
   if pttl < rate_left then pttl = rate_left end
+  -- Told to the counter, so that a release or a line call does not call waiters forward before then (they
+  -- would only be refused again); a counter the retention expired is not made again for it.
+  if counter[1] then redis.call('HSET', KEYS[2], 'rate_until', now + rate_left) end
 end
 if grace_left > 0 then  -- held, as far as anyone may know, until the grace ends
   free = 0
@@ -481,7 +484,11 @@ if rank < places and mode == 2 then
   local until_ms = now + pttl
   if free > 0 and front[1] and front[1][2] then until_ms = front[1][2].deadline end
   if count > 0 and free <= 0 and pttl < 0 then until_ms = now + MAX_BLOCK_MS end  -- no TTL: no expiry to wait for
-  block_ms = math.min(MAX_BLOCK_MS, math.max(BLOCK_SLACK_MS, until_ms - now + BLOCK_SLACK_MS))
+  -- Past a TTL's end the key may linger a moment (Redis expires lazily): the slack. The instant a rate allows
+  -- is exact on this clock, and the block starts after it was read: a millisecond is enough.
+  local slack = BLOCK_SLACK_MS
+  if rate_left > 0 and pttl == rate_left then slack = 1 end
+  block_ms = math.min(MAX_BLOCK_MS, math.max(slack, until_ms - now + slack))
   action = WAIT_IN_PLACE
   put(WAITERS, waiter, 'r', now + block_ms + READY_SLACK_MS, holder, actor)
 elseif rank < places then

@@ -41,11 +41,14 @@ end
 if #KEYS < #ARGV then return bad('key count', #KEYS) end
 local LINE, WAITERS, DONE, FENCE = KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local SLOTS, declared = declared_slots(KEYS[1], #ARGV + 1)
--- Read before the first write: a counter of another type counts as a key of one slot.
-local width = redis.pcall('HGET', FENCE, 'width')
-width = math.max(1, math.min(math.floor((type(width) == 'string' and tonumber(width)) or 1), MAX_LIMIT))
+-- Read before the first write: a counter of another type counts as a key of one slot. `rate_until`: the key
+-- is over its rate until then (lua/acquire.lua), and nobody is called forward before.
+local rec = redis.pcall('HMGET', FENCE, 'width', 'rate_until')
+if rec.err then rec = {} end
+local width = math.max(1, math.min(math.floor(tonumber(rec[1]) or 1), MAX_LIMIT))
 if width > declared then return {NEED_SLOTS, width} end
 local now = server_time()
+local over_rate = (tonumber(rec[2]) or 0) > now
 local out = {}
 for i = 6, #ARGV do
   local w = ARGV[i]
@@ -77,6 +80,7 @@ end
 local woken = {}
 if redis.call('EXISTS', LINE) == 1 then
   local free = width - present(SLOTS, width)
+  if over_rate then free = 0 end
   line_front(LINE, WAITERS, now, math.max(free, 1))
   if free > 0 then
     local promoted = {}

@@ -124,7 +124,8 @@ local function rate_grants(name)
   return n
 end
 -- How long until every rate allows one more grant (ms, rounded up; 0: now), at `now_us`: the oldest of a full
--- ring's times plus the window, never more than a window away (a clock stepped back).
+-- ring's times plus the window. A time later than now (the clock stepped back, or written by hand) is made now
+-- where it is read: the key waits a window more at most, not until the clock catches up.
 local function rate_wait(names, rates, now_us)
   local wait = 0
   for i, r in ipairs(rates) do
@@ -133,14 +134,19 @@ local function rate_wait(names, rates, now_us)
       local at = 8 + 8 * (n % r[1])
       local raw = redis.call('GETRANGE', names[i], at, at + 7)
       if #raw == 8 then
-        local left = math.min(struct.unpack('>d', raw) + r[2] * 1000 - now_us, r[2] * 1000)
-        wait = math.max(wait, math.ceil(left / 1000))
+        local t = struct.unpack('>d', raw)
+        if t ~= t or t > now_us then
+          t = now_us
+          redis.call('SETRANGE', names[i], at, struct.pack('>d', now_us))
+        end
+        wait = math.max(wait, math.ceil((t + r[2] * 1000 - now_us) / 1000))
       end
     end
   end
   return wait
 end
--- Records a grant at `now_us` in every ring (its TTL set by the command after the one that may create it).
+-- Records a grant at `now_us` in every ring (its TTL set by the command after the one that may create it: a
+-- window and a millisecond, since `now_us` may be up to a millisecond past the instant PEXPIRE counts from).
 local function rate_record(names, rates, now_us)
   for i, r in ipairs(rates) do
     local n = rate_grants(names[i])
@@ -149,7 +155,7 @@ local function rate_record(names, rates, now_us)
       n = 0
     end
     redis.call('SETRANGE', names[i], 8 + 8 * (n % r[1]), struct.pack('>d', now_us))
-    redis.call('PEXPIRE', names[i], r[2])
+    redis.call('PEXPIRE', names[i], r[2] + 1)
     redis.call('SETRANGE', names[i], 0, struct.pack('>d', n + 1))
   end
 end
@@ -225,13 +231,14 @@ end
 -- process is told on its channel; an unknown holder learns it when it registers), and the first `wake_n`
 -- waiting in place are added to `woken`: the script answers them, and its caller wakes them (lua/wake.lua;
 -- their wake lists are named after them, keys a script could not declare beforehand). Each waiter promoted
--- is set true in `promoted`, if given.
-local function call_forward(line, waiters, now, ready, promote_ms, wake_n, woken, promoted)
+-- is set true in `promoted`, if given. `stay`: the parked stay parked (the key is over its rate: promoted, they
+-- would only be refused again; they come back when it allows).
+local function call_forward(line, waiters, now, ready, promote_ms, wake_n, woken, promoted, stay)
   for i, w in ipairs(redis.call('ZRANGE', line, 0, math.max(ready, 1) - 1)) do
     local e = entry(waiters, w)
     if e and i <= wake_n and e.state == 'r' then
       woken[#woken + 1] = w
-    elseif e and e.state == 'p' then
+    elseif e and e.state == 'p' and not stay then
       put(waiters, w, 'm', now + promote_ms, e.holder, e.actor)
       if e.holder ~= '' then redis.call('PUBLISH', e.holder, w) end
       if promoted then promoted[w] = true end

@@ -50,10 +50,12 @@ if #KEYS < 7 then return bad('key count', #KEYS) end
 local LINE, DONE, WAITERS, HISTORY = KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local LEASE = KEYS[1]
 local SLOTS, declared = declared_slots(KEYS[7], 8)
--- The key's width (its counter's; one of another type counts as one slot), where the slots are read.
+-- The key's width (its counter's; one of another type counts as one slot), where the slots are read, and until
+-- when it is over its rate (lua/acquire.lua's `rate_until`: nobody is called forward before).
 local function key_width()
-  local width = redis.pcall('HGET', KEYS[2], 'width')
-  return math.max(1, math.min(math.floor((type(width) == 'string' and tonumber(width)) or 1), MAX_LIMIT))
+  local rec = redis.pcall('HMGET', KEYS[2], 'width', 'rate_until')
+  if rec.err then rec = {} end
+  return math.max(1, math.min(math.floor(tonumber(rec[1]) or 1), MAX_LIMIT)), tonumber(rec[2]) or 0
 end
 if grant == 'find' then
   local width = key_width()
@@ -82,9 +84,9 @@ local slot = tonumber(cur[3])
 -- Read before the first write: on a Cluster slot half migrated, a sibling key may be elsewhere, and
 -- the script must fail before it deletes anything (Lua is not a transaction).
 local lined = redis.call('EXISTS', LINE) == 1
-local width = 1
+local width, rate_until = 1, 0
 if lined then
-  width = key_width()
+  width, rate_until = key_width()
   if width > declared then return {NEED_SLOTS, width} end
 end
 local fence = tonumber(cur[2]) or 0
@@ -123,6 +125,6 @@ if not lined then return RELEASED end
 local free = math.max(1, width - present(SLOTS, width))
 line_front(LINE, WAITERS, now, free)
 local woken = {}
-call_forward(LINE, WAITERS, now, ready + width - 1, promote_ms, free, woken)
+call_forward(LINE, WAITERS, now, ready + width - 1, promote_ms, free, woken, nil, rate_until > now)
 if #woken == 0 then return RELEASED end
 return {RELEASED, unpack(woken)}
