@@ -7,6 +7,7 @@ last), so the windows are checked on the times the script decided with, whatever
 
 from __future__ import annotations
 
+import json
 import struct
 import time
 from typing import Any
@@ -16,9 +17,11 @@ import redis
 from prometheus_client import CollectorRegistry
 
 from dramatiq_leases import LeaseOptionError, PrometheusMetrics, current_lease
+from dramatiq_leases.cli import main
 from dramatiq_leases.core import Busy, Lease, LeaseConfigError, Leases
 from dramatiq_leases.core.keys import rate_name
 from dramatiq_leases.core.rates import Rate, parse_rate, parse_rates
+from dramatiq_leases.embedded import EmbeddedRedis
 
 from .support.runs import Runs
 from .support.stack import MakeStack
@@ -195,3 +198,23 @@ def test_over_its_rate_a_key_calls_no_parked_waiter_forward(redis_client: redis.
     again = leases.line.join("k", 10_000, waiter="w1", rates=parse_rates("1/m"))
     assert isinstance(again, Busy) and 50_000 < again.ttl_left <= 60_000 and again.place == 0
     assert leases.line.hold("k", ["w1"], "channel") == ["p"]
+
+
+def test_show_tells_where_a_key_stands_against_its_rates(
+    capsys: pytest.CaptureFixture[str], redis_server: EmbeddedRedis
+) -> None:
+    """``show KEY``: each rate's starts in its last window and when the next may start, also once its lease is
+    gone (a key over its rate, with nobody holding it, is what an operator asks about)."""
+    leases = Leases(redis.Redis.from_url(redis_server.url(0)))
+    for _ in range(2):
+        got = leases.try_acquire("vendor:acme", 10_000, rate=["3/m", "100/d"])
+        assert isinstance(got, Lease) and leases.release(got)
+    assert main(["--redis-url", redis_server.url(0), "show", "vendor:acme"]) == 0
+    out = capsys.readouterr().out
+    assert "rate 3/60000 ms: 2 start(s) in the last window; next start now" in out, out
+    assert "rate 100/86400000 ms: 2 start(s) in the last window; next start now" in out, out
+    assert isinstance(leases.try_acquire("vendor:acme", 10_000, rate=["3/m", "100/d"]), Lease)
+    assert main(["--redis-url", redis_server.url(0), "show", "vendor:acme", "--json"]) == 0
+    rates = json.loads(capsys.readouterr().out)["rates"]
+    assert [(r["count"], r["window_ms"], r["starts"]) for r in rates] == [(100, 86_400_000, 3), (3, 60_000, 3)]
+    assert rates[0]["next_start_in_ms"] == 0 and 55_000 < rates[1]["next_start_in_ms"] <= 60_000

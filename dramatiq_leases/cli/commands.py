@@ -15,6 +15,7 @@ import redis
 from ..core import LeaseInfo, Leases
 from ..core.errors import LeaseConfigError, LeaseUnavailableError
 from ..core.keys import DEFAULT_PREFIX, unique_name, validate_key
+from ..core.rates import RateState
 from ..core.reading import ReadGaps
 from ..core.unique import UniqueRecords
 from ..urls import redact_url
@@ -165,12 +166,18 @@ def _show(leases: Leases, args: argparse.Namespace, key: str, out: TextIO) -> in
     line = leases.inspect_line(key, gaps=gaps)
     unreadable = {name: bad.problem for name, bad in sorted(gaps.keys.items())}
     unique = _unique_records(leases, key, unreadable)
-    if not holders and not line.length and not unreadable and not unique:
+    rates = leases.rate_states(key)
+    if not holders and not line.length and not unreadable and not unique and not rates:
         last = f" (the last grant had fence {fences['fence']})" if fences.get("fence") else ""
         raise NotFoundError(f"no lease on {key!r} under prefix {leases.prefix!r}{last}")
     extra: dict[str, Any] = {"unreadable": unreadable} if unreadable else {}
     if unique:
         extra["unique"] = unique
+    if rates:
+        extra["rates"] = [
+            {"count": r.rate.count, "window_ms": r.rate.window, "starts": r.starts, "next_start_in_ms": r.next_start_ms}
+            for r in rates
+        ]
     limit = key_limit(holders, fences)
     if not holders:
         # Free for a moment (its line's head is on its way to take it), or its keys cannot be read.
@@ -180,6 +187,7 @@ def _show(leases: Leases, args: argparse.Namespace, key: str, out: TextIO) -> in
             out.write("\n")
         else:
             out.write(f"no lease on {key!r} right now; line: {describe_line(line)}\n")
+            _rate_notes(rates, out)
             _unique_notes(unique, out)
             _unreadable_notes(key, gaps, out)
         return EXIT_OK
@@ -200,6 +208,7 @@ def _show(leases: Leases, args: argparse.Namespace, key: str, out: TextIO) -> in
             out.write(f"{info.redis_key} is {problem} (TTL left: {ttl_left(info)}).\n")
         else:
             write_show(info, token, fences, line, out, limit=limit)
+    _rate_notes(rates, out)
     _unique_notes(unique, out)
     _unreadable_notes(key, gaps, out)
     return EXIT_OK
@@ -223,6 +232,13 @@ def _unique_records(leases: Leases, key: str, unreadable: dict[str, str]) -> lis
         }
         for r in records
     ]
+
+
+def _rate_notes(rates: list[RateState], out: TextIO) -> None:
+    """Where the key stands against each of its rates (``lock_rate``)."""
+    for r in rates:
+        nxt = "now" if not r.next_start_ms else f"in {r.next_start_ms} ms"
+        out.write(f"rate {r.rate.count}/{r.rate.window} ms: {r.starts} start(s) in the last window; next start {nxt}\n")
 
 
 def _unique_notes(unique: list[dict[str, Any]], out: TextIO) -> None:

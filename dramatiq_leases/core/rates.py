@@ -10,7 +10,9 @@ refuses is busy as if the key were full, with the time until the rate allows as 
 
 from __future__ import annotations
 
+import math
 import re
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -68,3 +70,39 @@ def parse_rates(value: Any, *, name: str = "rate") -> tuple[Rate, ...]:
             f"{name} must be a rate such as '10/s', or a list of 1 to {MAX_RATES} of them, got {value!r}"
         )
     return tuple(sorted({parse_rate(spec, name=name) for spec in specs}))
+
+
+@dataclass(frozen=True)
+class RateState:
+    """Where a key stands against one of its rates, as read (``show KEY``)."""
+
+    #: The rate.
+    rate: Rate
+    #: Grants of the key in the last window (server time).
+    starts: int
+    #: How long until the rate allows one more grant (ms; 0: now).
+    next_start_ms: int
+
+
+def ring_state(rate: Rate, ring: bytes, now_us: int) -> RateState:
+    """The state a rate's ring (as ``lua/prelude.lua``'s ``rate`` section writes it) says at ``now_us``."""
+    if len(ring) < 8:
+        return RateState(rate, 0, 0)
+    (grants,) = struct.unpack(">d", ring[:8])
+    kept = int(min(grants, rate.count)) if grants == grants else 0
+    times = [struct.unpack(">d", ring[8 + 8 * i : 16 + 8 * i])[0] for i in range(kept) if len(ring) >= 16 + 8 * i]
+    times = [min(t, now_us) for t in times if t == t]
+    since = now_us - rate.window * 1000
+    starts = sum(1 for t in times if t > since)
+    wait = 0
+    if kept >= rate.count and times:
+        wait = max(0, math.ceil((min(times) + rate.window * 1000 - now_us) / 1000))
+    return RateState(rate, starts, wait)
+
+
+def rate_of_ring(name: str) -> Rate | None:
+    """The rate a ring's Redis name says (``...}:N/W``), or ``None``."""
+    match = re.search(r"\}:(\d+)/(\d+)$", name)
+    if match is None:
+        return None
+    return Rate(int(match.group(1)), int(match.group(2)))

@@ -21,9 +21,10 @@ from redis.crc import key_slot
 from . import cluster, scripts
 from .client import RedisClient, unavailable
 from .info import LeaseInfo, parse_info, text
-from .keys import fence_name, lease_name, lease_pattern, line_name, line_pattern, validate_key
+from .keys import fence_name, lease_name, lease_pattern, line_name, line_pattern, rate_name, validate_key
 from .nodes import NODE_ERRORS, Nodes, ReadGaps, wrong_type
 from .numbers import whole_count
+from .rates import RateState, rate_of_ring, ring_state
 
 __all__ = ["LineInfo", "ReadGaps", "Reader", "Reads"]
 
@@ -87,6 +88,30 @@ class Reader:
         """The Cluster master serving the Redis key ``name`` (``host:port``, from the slot map: no call);
         ``""`` on a single server."""
         return self.nodes.node_name(name)
+
+    # Rates ------------------------------------------------------------------
+
+    def rate_states(self, key: str) -> list[RateState]:
+        """Where ``key`` stands against each rate it was granted under (``lock_rate``), from the rings kept for
+        it (one per rate: ``{prefix}:rate:{tag}:N/W``), by the server's clock."""
+        ring = rate_name(self.prefix, validate_key(key), 1, 1)
+        pattern = re.sub(r"([*?\[\]\\])", r"\\\1", ring.rsplit(":", 1)[0]) + ":*"
+        ((client, _),) = self.nodes.by_node([ring], None).values()
+        with unavailable(f"read the rates of {key!r}", key):
+            names = sorted(text(name) for name in client.scan_iter(match=pattern, count=100))
+            pipe = client.pipeline(transaction=False)
+            pipe.time()
+            for name in names:
+                pipe.get(name)
+            replies = pipe.execute(raise_on_error=False)
+        seconds, micros = replies[0]
+        now_us = int(seconds) * 1_000_000 + int(micros)
+        states = []
+        for name, raw in zip(names, replies[1:]):
+            rate = rate_of_ring(name)
+            if rate is not None and isinstance(raw, bytes):
+                states.append(ring_state(rate, raw, now_us))
+        return states
 
     # Leases -----------------------------------------------------------------
 
@@ -339,6 +364,11 @@ class Reads:
         held by several at once, also ``width`` and each slot's ``g:<slot>`` (last granted), ``r:<slot>``
         (released) and ``e:<slot>`` (found expired): see :attr:`LeaseInfo.per_slot`. Empty if there is none."""
         return self._reader.fence_state(key, gaps=gaps)
+
+    def rate_states(self, key: str) -> list[RateState]:
+        """Where ``key`` stands against each of its rates (``lock_rate``): grants in the last window, and how long
+        until one more is allowed; empty for a key granted under none (see :mod:`.rates`)."""
+        return self._reader.rate_states(key)
 
     def fence_states(self, keys: Sequence[str], *, gaps: ReadGaps | None = None) -> list[dict[str, int]]:
         """:meth:`fence_state` of many keys in one round trip per master, in order."""
