@@ -112,7 +112,10 @@ class EmbeddedRedis:
         try:
             while True:
                 try:
-                    client.ping()
+                    # Ours, not a server that took the port first (ours then fails to bind, and exits).
+                    if int(client.info("server")["process_id"]) != self.process.pid:
+                        self.stop()
+                        return False
                     return True
                 except redis.ConnectionError:
                     if self.process.poll() is not None or time.monotonic() > deadline:
