@@ -157,7 +157,7 @@ def on_busy(
     # Near the front of a key over its rate: back when the rate allows, since no release may call it forward.
     back_ms = busy.ttl_left if opts.rates and busy.wait is Wait.SOON else None
     copy, delay = waiting.parked_copy(message, busy.key, busy, first_ms, opts.max_wait, back_ms=back_ms)
-    _send_copy_back(broker, message, copy, delay, deadline)
+    send_copy_back(broker, message, copy, delay, deadline)
 
 
 def send_back(
@@ -186,10 +186,10 @@ def send_back(
         if opts.max_wait is not None:
             # Land the last retry at the end of the budget rather than past it.
             delay = max(1, min(delay, first_ms + opts.max_wait - now_ms))
-    _send_copy_back(broker, message, message.copy(options=options), delay, deadline)
+    send_copy_back(broker, message, message.copy(options=options), delay, deadline)
 
 
-def _send_copy_back(broker: dramatiq.Broker, message: Any, copy: Any, delay: int, deadline: float) -> None:
+def send_copy_back(broker: dramatiq.Broker, message: Any, copy: Any, delay: int, deadline: float) -> None:
     """Skip this delivery once ``copy`` is in the broker; fail it if the copy cannot get there (see :mod:`.outages`).
 
     An interruption (``Shutdown``, ``TimeLimitExceeded``) while the broker is asked does not end this: the
