@@ -171,6 +171,7 @@ def test_the_busy_page_shows_a_running_systems_leases_worst_first_and_keeps_itse
         hot = rows(driver, "hot-keys")
         assert [(row["key"], row["cells"][1]) for row in hot] == [(RUNNING, "2"), (LEAKED, "1")]
         assert hot[1]["cells"][5] == "leaked: no_ttl" and hot[0]["command"] == f"dramatiq-leases show '{RUNNING}'"
+        assert [row["cells"][6] for row in hot] == ["waiting for a holder"] * 2  # no rate holds either line back
         status_line = driver.find_element("id", "status").text
         assert re.fullmatch(r"Updated \d\d:\d\d:\d\d · scanned .+ ago · refreshes every 1 s", status_line), status_line
         assert not driver.find_element("id", "error").is_displayed()

@@ -211,6 +211,8 @@ def test_the_busy_page_lists_leases_worst_first_with_their_lines_and_the_hottest
             "inspect_command": f"dramatiq-leases --redis-url {redis_server.url(1)} --prefix {PREFIX} show '{digest}'",
             "holders": 0,
             "limit": 1,
+            "waiting_for": "holder",  # free between holders, under no rate (tests/test_exporter_rate.py: over one)
+            "next_start_ms": None,
         }
         assert braced["parked"] + braced["promoted"] == 3
         assert braced["oldest_wait_seconds"] == pytest.approx(9, abs=5)

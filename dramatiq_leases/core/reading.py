@@ -50,6 +50,9 @@ class LineInfo:
       states: how many waiters are parked (``"parked"``), asked back (``"promoted"``), waiting in place
         (``"in_place"``).
       actors: how many waiters each actor has.
+      rate_until_ms: until when the key is over its rate (server Unix ms; 0: not known to be): the later of the
+        fence counter's ``rate_until`` (a grant the key's ``lock_rate`` refused) and ``hold_until`` (a hold its
+        last holder put on it). Read with the line, in the same round trip.
     """
 
     name: str
@@ -59,11 +62,22 @@ class LineInfo:
     now_ms: int
     states: dict[str, int]
     actors: dict[str, int]
+    rate_until_ms: int = 0
 
     @property
     def oldest_wait(self) -> float:
         """Seconds its oldest waiter has waited since its first attempt (0 if empty)."""
         return max(0.0, (self.now_ms - self.oldest_first_ms) / 1000) if self.oldest_first_ms else 0.0
+
+    @property
+    def next_start_ms(self) -> int:
+        """Milliseconds until the key's rate allows its next start, when read (0: the rate holds nobody back)."""
+        return max(0, self.rate_until_ms - self.now_ms)
+
+    @property
+    def waiting_for_rate(self) -> bool:
+        """Whether its waiters wait for the key's rate (:attr:`next_start_ms` ahead), not for a holder."""
+        return self.next_start_ms > 0
 
 
 _STATES = {"p": "parked", "m": "promoted", "r": "in_place"}
@@ -246,6 +260,8 @@ class Reader:
             pipe.zrange(name, 0, 0, withscores=True)
             pipe.zcard(name)
             pipe.hvals(name.replace(":line:", ":waiters:", 1))
+            # Whether the key is over its rate: two fields of its fence counter, in the same round trip.
+            pipe.hmget(self._fence_of_line(name), "rate_until", "hold_until")
 
         replies, asked = self.nodes.pipelined(names, gaps, "read lines", commands, clock=True)
         out = []
@@ -253,20 +269,27 @@ class Reader:
         for i, name in enumerate(names):
             if i not in replies:
                 continue
-            (head, length, entries), now_ms = replies[i]
+            (head, length, entries, until), now_ms = replies[i]
             if wrong_type(head) or wrong_type(length):
                 bad[name] = "line"
             if wrong_type(entries):
                 bad[name.replace(":line:", ":waiters:", 1)] = "waiters"
-            errors = [r for r in (head, length, entries) if isinstance(r, Exception) and not wrong_type(r)]
+            if wrong_type(until):  # a counter of another type says nothing of a rate: the line is still read
+                bad[self._fence_of_line(name)] = "fence"
+            replied = (head, length, entries, until)
+            errors = [r for r in replied if isinstance(r, Exception) and not wrong_type(r)]
             if errors:  # an error of the node itself (a script killed, OOM...): it did not answer this
                 self.nodes.failed(gaps, self.nodes.node_name(name), errors[0], "read lines")
                 continue
             if any(wrong_type(r) for r in (head, length, entries)):
                 continue
-            out.append(_line_info(name, head, length, entries, now_ms))
+            out.append(_line_info(name, head, length, entries, now_ms, [] if wrong_type(until) else until))
         self.nodes.unreadable(gaps, bad)
         return out, asked
+
+    def _fence_of_line(self, name: str) -> str:
+        """The fence counter of the key whose line is ``name`` (``{prefix}:line:{tag}`` -> ``{prefix}:fence:{tag}``)."""
+        return f"{self.prefix}:fence:{name[len(self.prefix) + len(':line:') :]}"
 
     def _is_line(self, name: str) -> bool:
         """Whether ``name`` is a line's: ``{prefix}:line:{tag}`` with a tag without braces (as every tag is), not
@@ -375,7 +398,17 @@ class Reads:
         return self._reader.fence_states(keys, gaps=gaps)
 
 
-def _line_info(name: str, head: Any, length: Any, entries: Any, now_ms: int) -> LineInfo:
+def _server_ms(raw: Any) -> int:
+    """A time field of a fence counter (whole server ms, as the scripts write it), 0 if absent or not a number."""
+    if raw is None:
+        return 0
+    try:
+        return max(0, int(float(text(raw))))
+    except (ValueError, OverflowError):  # written by hand
+        return 0
+
+
+def _line_info(name: str, head: Any, length: Any, entries: Any, now_ms: int, until: Sequence[Any]) -> LineInfo:
     states: dict[str, int] = {}
     actors: dict[str, int] = {}
     for raw in entries:
@@ -388,4 +421,5 @@ def _line_info(name: str, head: Any, length: Any, entries: Any, now_ms: int) -> 
         actor = parts[3] if len(parts) > 3 else ""
         actors[actor] = actors.get(actor, 0) + 1
     first = head[0] if head else (b"", 0)
-    return LineInfo(name, int(length), text(first[0]), int(first[1]), now_ms, states, actors)
+    rate_until_ms = max((_server_ms(raw) for raw in until), default=0)
+    return LineInfo(name, int(length), text(first[0]), int(first[1]), now_ms, states, actors, rate_until_ms)

@@ -42,6 +42,14 @@ Prometheus instead of keeping a resolved leak paging, and
   present lease was granted.
 * ``dramatiq_lease_waiting`` (label ``actor_name`` only): messages waiting in
   the line of a busy key.
+* ``dramatiq_lease_waiting_for`` (labels ``actor_name`` and ``reason`` only):
+  the same messages by what they wait for (:data:`WAIT_REASONS`): ``rate``,
+  their key is over its ``lock_rate`` (or held back by its last holder) until
+  a time ahead, and starts nobody before, whoever holds it; ``holder``,
+  anything else (a holder's release, or, between holders, the grant to the
+  head of the line). Read from two fields of the key's fence counter
+  (``rate_until``, ``hold_until``) in the pipeline that reads its line: one
+  command per key with waiters, none for the others.
 * ``dramatiq_lease_keys_full``: keys whose holders have reached their limit
   (``lock_limit``: as many holders as the highest limit they were granted
   under; a key of one holder while it is held), counted for each actor and
@@ -69,7 +77,8 @@ Prometheus instead of keeping a resolved leak paging, and
   code), each logged once with its name. The scan goes on past them: one such
   key never hides the others. A line, waiters hash or fence counter of the
   wrong type is left out (a fence counter is read only when a grant the
-  exporter saw has ended: that grant's end is then unknown); a lease key that
+  exporter saw has ended: that grant's end is then unknown; and for a key
+  with waiters: its line is then said to wait for a holder); a lease key that
   is not a hash still counts as a lease without holder, since it blocks its
   key as one (leaked ``no_ttl`` if it has no TTL: ``release --if-dead`` ends
   it). A waiter's wake list whose name the lines' ``SCAN`` pattern matches (a
@@ -119,7 +128,9 @@ field names are an API::
        "actor": "send_invoice",           # the actor with the most waiters in the line
        "held": true, "state": "no_ttl",   # its worst holder's state; "free" between holders
        "inspect_command": "dramatiq-leases show 'invoice:42'",
-       "holders": 1, "limit": 1}          # how many hold it now, of how many may
+       "holders": 1, "limit": 1,          # how many hold it now, of how many may
+       "waiting_for": "holder",           # "rate": the key is over its lock_rate; "holder": anything else
+       "next_start_ms": null}             # waiting for rate: ms until the rate allows the next start; else null
     ],
     "unreachable_nodes": [                # Cluster masters that did not answer that scan: their leases are missing
       {"node": "10.0.0.7:6379", "error": "TimeoutError: Timeout reading from socket"}
@@ -160,7 +171,7 @@ from ..core import Leases
 from ..core.errors import LeaseUnavailableError
 from ._http import DEFAULT_MAX_CONNECTIONS, DEFAULT_READ_TIMEOUT
 from .busy_page import DEFAULT_TOP, BusyPage, HotKeyRow, LeaseRow, inspect_command
-from .observer import LEAK_REASONS, LeaseObserver, Snapshot, ended_by_ttl
+from .observer import LEAK_REASONS, WAIT_REASONS, LeaseObserver, Snapshot, ended_by_ttl
 from .server import LEASES_PATH, BusyAccess, ExporterApp, start_server
 from .webconfig import WebConfig
 
@@ -171,6 +182,7 @@ __all__ = [
     "DEFAULT_TOP",
     "LEAK_REASONS",
     "LEASES_PATH",
+    "WAIT_REASONS",
     "BusyAccess",
     "BusyPage",
     "Exporter",

@@ -58,6 +58,8 @@ code.show-command { display: block; flex: 1; min-width: 36ch; }
 .badge.overdue { color: var(--warn); background: #fff; border: 1px solid var(--warn); }
 .badge.alive { color: var(--ok); background: var(--ok-bg); }
 .badge.free { color: var(--muted); background: var(--head); }
+.waiting-for { white-space: nowrap; }
+.waiting-for.rate { color: var(--warn); }
 .command { display: flex; gap: 6px; align-items: flex-start; }
 button { font: inherit; font-size: 12px; padding: 1px 8px; border: 1px solid var(--line); border-radius: 5px;
   background: var(--head); cursor: pointer; white-space: nowrap; }
@@ -105,6 +107,13 @@ _SCRIPT = """
   }
   function clock(date) {
     return date.toTimeString().slice(0, 8);  // 14:02:11, local time, in every locale
+  }
+  function waitingFor(h) {
+    // What the line waits for: its key's rate (lock_rate) until its next start, or a holder.
+    if (h.waiting_for !== "rate") return el("span", "waiting for a holder", "waiting-for");
+    var ms = Number(h.next_start_ms) || 0;
+    var next = ms < 10000 ? Math.ceil(ms) + " ms" : seconds(ms / 1000);
+    return el("span", "waiting for rate (next start in " + next + ")", "waiting-for rate");
   }
   function kind(state, leaked) {
     if (leaked) return "leaked";
@@ -204,6 +213,7 @@ _SCRIPT = """
       cell(tr, h.waiting_in_place + " / " + h.parked + " / " + h.promoted, "num");
       cell(tr, h.actor || "\\u2014");
       cell(tr, badge(h.state, leaked));
+      cell(tr, waitingFor(h));
       cell(tr, h.holders + " / " + h.limit, "num holders");
       cell(tr, command(h.inspect_command));
       return tr;
@@ -317,7 +327,7 @@ _TEMPLATE = """<!doctype html>
 <h2>Hot keys: the longest lines <small id="hot-keys-count"></small></h2>
 <table id="hot-keys">
 <thead><tr><th>Key</th><th>Line</th><th>Oldest wait</th><th>In place / parked / promoted</th><th>Actor</th>
-<th>State</th><th>Holders</th><th>Inspect</th></tr></thead>
+<th>State</th><th>Waiting for</th><th>Holders</th><th>Inspect</th></tr></thead>
 <tbody></tbody>
 </table>
 <p id="hot-keys-empty" class="empty" hidden>No key has a line.</p>

@@ -64,6 +64,8 @@ class HotKeyRow(TypedDict):
     inspect_command: str | None
     holders: int
     limit: int
+    waiting_for: str
+    next_start_ms: int | None
 
 
 @dataclass(frozen=True)
@@ -213,6 +215,9 @@ def build(
                 inspect_command=inspect_command(key, cli_options) if key is not None else None,
                 holders=len(held),
                 limit=key_limit(held),
+                # Over its rate, the key starts nobody before then, whoever holds it.
+                waiting_for="rate" if line.waiting_for_rate else "holder",
+                next_start_ms=line.next_start_ms if line.waiting_for_rate else None,
             )
         )
     return BusyPage(rows, hot_rows, len(infos), len(hot))

@@ -24,12 +24,17 @@ from ._masking import hashed_key, scrub
 from .busy_page import DEFAULT_TOP, BusyPage
 from .server import HISTORY_PATH
 
-__all__ = ["LEAK_REASONS", "Ending", "LeaseObserver", "Snapshot", "ended_by_ttl", "grant_ending"]
+__all__ = ["LEAK_REASONS", "WAIT_REASONS", "Ending", "LeaseObserver", "Snapshot", "ended_by_ttl", "grant_ending"]
 
 logger = logging.getLogger(__name__)
 
 #: The ``reason`` values of ``dramatiq_lease_leaked``: the states :attr:`State.leaked` calls leaked.
 LEAK_REASONS = tuple(state for state in State if state.leaked)
+
+#: The ``reason`` values of ``dramatiq_lease_waiting_for``: what the waiters of a line wait for. ``rate``: the key
+#: is over its rate (``lock_rate``, or a hold its last holder put on it) until a time ahead; ``holder``: anything
+#: else, a holder to release (or, between holders, the grant to the head of the line).
+WAIT_REASONS = ("rate", "holder")
 
 Labels = tuple[str, str]
 
@@ -46,6 +51,8 @@ class Snapshot:
     leaked_waiting: Tally[tuple[str, str, str]] = field(default_factory=Tally)
     oldest: dict[Labels, float] = field(default_factory=dict)
     waiting: Tally[str] = field(default_factory=Tally)
+    #: The same waiters by actor and what they wait for (one of :data:`WAIT_REASONS`).
+    waiting_for: Tally[tuple[str, str]] = field(default_factory=Tally)
     #: Keys whose holders have reached their limit (a key of one holder: while held), by their holders' labels.
     keys_full: Tally[Labels] = field(default_factory=Tally)
     #: The highest holders / limit among the keys held, by their holders' labels.
@@ -186,8 +193,10 @@ class LeaseObserver(Collector):
             if labels not in snap.oldest or acquired < snap.oldest[labels]:
                 snap.oldest[labels] = acquired
         for line in lines:
+            reason = "rate" if line.waiting_for_rate else "holder"
             for actor, count in line.actors.items():
                 snap.waiting[actor] += count
+                snap.waiting_for[(actor, reason)] += count
         # What waits on each leaked key: a leak with a line is one users are waiting on.
         waiting_on = {
             tag: line.length
@@ -379,8 +388,16 @@ class LeaseObserver(Collector):
             "Messages waiting in the line of a busy key, by actor.",
             labels=["actor_name"],
         )
+        waiting_for = GaugeMetricFamily(
+            "dramatiq_lease_waiting_for",
+            "Messages waiting in the line of a busy key, by actor and what they wait for: the key's rate (rate), or "
+            "a holder (holder).",
+            labels=["actor_name", "reason"],
+        )
         for actor in actors_waiting:
             waiting.add_metric([actor], snap.waiting.get(actor, 0))
+            for waited in WAIT_REASONS:
+                waiting_for.add_metric([actor, waited], snap.waiting_for.get((actor, waited), 0))
         unreachable = GaugeMetricFamily(
             "dramatiq_lease_exporter_unreachable_nodes",
             "Redis Cluster masters that did not answer the last scan: what they hold is not in the lease figures.",
@@ -397,7 +414,7 @@ class LeaseObserver(Collector):
         yield ended
         yield ended_unknown
         if self.stale_after is None or not snap.at or time.time() - snap.at <= self.stale_after:
-            yield from (present, overdue, leaked, leaked_waiting, oldest, waiting, keys_full, saturation)
+            yield from (present, overdue, leaked, leaked_waiting, oldest, waiting, waiting_for, keys_full, saturation)
             yield from (unreachable, unreadable)
         # Served from the start, not from the first success: an exporter that never completes a scan must
         # still age this gauge, or `time() - it > 120` has nothing to fire on.
