@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from dramatiq_leases.core import State
-from dramatiq_leases.exporter import LEAK_REASONS
+from dramatiq_leases.exporter import LEAK_REASONS, WAIT_REASONS
 from dramatiq_leases.mixin import MixinConfig
 
 from .support.promtool import check_promql, grafana_to_promql, run
@@ -67,6 +67,7 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "dramatiq_lease_expired_total": ("counter", FLEET, ACTOR),
     "dramatiq_lease_oldest_acquired_timestamp_seconds": ("gauge", FLEET, ACTOR),
     "dramatiq_lease_waiting": ("gauge", FLEET, ("actor_name",)),
+    "dramatiq_lease_waiting_for": ("gauge", FLEET, ("actor_name", "reason")),
     "dramatiq_lease_keys_full": ("gauge", FLEET, ACTOR),
     "dramatiq_lease_key_saturation": ("gauge", FLEET, ACTOR),
     "dramatiq_lease_exporter_last_scan_timestamp_seconds": ("gauge", FLEET, ()),
@@ -706,6 +707,14 @@ def test_dashboard_has_the_key_panels() -> None:
     quantiles = {re.search(r"histogram_quantile\(([\d.]+)", t["expr"]).group(1) for t in latency["targets"]}  # type: ignore[union-attr]  # a None fails the test too
     assert quantiles == {"0.5", "0.95", "0.99"}
 
+    # What lines wait for, stacked: the split adds up to the messages waiting.
+    (waiting_for,) = with_query("timeseries", r"dramatiq_lease_waiting_for\b")
+    assert waiting_for["title"] == "Waiting: for rate vs for a holder"
+    assert waiting_for["fieldConfig"]["defaults"]["custom"]["stacking"]["mode"] == "normal"
+    assert [re.search(r"sum by \((\w+)\)", t["expr"]).group(1) for t in waiting_for["targets"]] == ["reason"]  # type: ignore[union-attr]  # a None fails the test too
+    colored = {o["matcher"]["options"] for o in waiting_for["fieldConfig"]["overrides"]}
+    assert colored == {f"for {reason}" for reason in WAIT_REASONS}
+
     (heatmap,) = with_query("heatmap", r"wait_duration_seconds_bucket")
     assert heatmap["targets"][0]["format"] == "heatmap"
     assert heatmap["options"]["calculate"] is False, "the buckets come from Prometheus"
@@ -752,6 +761,7 @@ def test_busy_view_reads_the_exporters_json() -> None:
         assert set(tables[root]) <= set(fields), root
         assert {"key", "state", "line_length", "inspect_command"} <= set(tables[root])
     assert {"actor", "host", "pid", "age_seconds", "ttl_left_seconds"} <= set(tables["leases"])
+    assert {"waiting_for", "next_start_ms"} <= set(tables["hot_keys"])
     state_colors = {
         value
         for panel in busy_panels()
