@@ -25,10 +25,20 @@ from .grants import Grants
 from .keys import line_names, order_name, script_names, slot_names, validate_key, wake_name
 from .lease import Lease, new_token
 from .numbers import check_numbers
-from .protocol import DEFAULT_PARK_MS, DEFAULT_READY, PROMOTE_MS, GrantRequest, Join, Released, ReleaseRequest, Turn
+from .protocol import (
+    DEFAULT_PARK_MS,
+    DEFAULT_READY,
+    PROMOTE_MS,
+    GrantRequest,
+    Join,
+    Released,
+    ReleaseRequest,
+    Turn,
+    hold_ms,
+)
 from .rates import Rate
 from .runner import ScriptRunner
-from .scripts import LINE, ORDER, WAKE_TTL_MS
+from .scripts import LINE, MAX_ID_LENGTH, ORDER, WAKE_TTL_MS
 
 __all__ = ["DEFAULT_PARK_MS", "DEFAULT_READY", "PROMOTE_MS", "Line"]
 
@@ -162,6 +172,34 @@ class Line:
         known by ``fence``, with ``slot``)."""
         request = ReleaseRequest(key, token, fence=fence, slot=slot, waiter=waiter, ready=ready, promote_ms=promote_ms)
         return self.grants.release(request) is not Released.NOT_HELD
+
+    def hold_back(
+        self,
+        key: str,
+        token: str,
+        *,
+        hold: int,
+        waiter: str,
+        fence: int | None = None,
+        slot: int | None = None,
+        promote_ms: int = PROMOTE_MS,
+    ) -> bool:
+        """Release ``token``'s grant of ``key`` and hold the key back for ``hold`` ms (:meth:`Leases.release`'s
+        ``hold``), its message, ``waiter``, waiting at the head of the line meanwhile (its copy parked: it runs
+        first once the hold ends; its place lapses ``promote_ms`` after, if it does not come). ``False`` if
+        the token no longer held the key: then nothing is touched, no hold, no place.
+
+        Raises:
+          LeaseConfigError: ``hold`` is not a whole number of ms from 1 to 86 400 000, or ``waiter`` is empty or
+            longer than 512 bytes.
+          LeaseUnavailableError: Redis could not be asked; the lease expires by its TTL.
+        """
+        if not waiter or len(waiter.encode()) > MAX_ID_LENGTH:
+            raise LeaseConfigError(f"hold_back: waiter must be a string of 1 to {MAX_ID_LENGTH} bytes, got {waiter!r}")
+        request = ReleaseRequest(
+            key, token, fence=fence, slot=slot, promote_ms=promote_ms, hold_ms=hold_ms(hold), back=waiter
+        )
+        return self.grants.release(request) is Released.NOW
 
     def hold(
         self,

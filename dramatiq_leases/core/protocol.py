@@ -56,7 +56,7 @@ GRANT_ARGV = (
     "rates",
 )
 #: ``lua/release.lua``'s ARGV by name, in order.
-RELEASE_ARGV = ("token", "waiter", "grant", "retention_ms", "history", "ready", "promote_ms", "by")
+RELEASE_ARGV = ("token", "waiter", "grant", "retention_ms", "history", "ready", "promote_ms", "by", "hold_ms", "back")
 #: ``lua/acquire_plain.lua``'s ARGV by name, in order (the lease hash's field/value pairs follow them).
 GRANT_PLAIN_ARGV = (*GRANT_ARGV[:7], "grace_ms", "failover_ms")  # lua/acquire_plain.lua knows no rates
 #: ``lua/release_plain.lua``'s ARGV by name, in order.
@@ -214,6 +214,8 @@ class ReleaseRequest:
     :attr:`Released.EARLIER`). ``slot``: the grant's holder slot (``None``: looked for by token in every slot).
     ``waiter``: the holder was this waiter of the line and its actor returned: remembered as having run.
     ``by``: an operator releasing it in its holder's stead (the history records a ``force_released``).
+    ``hold_ms``: the holder holds the key back that long (no grant of it before; ``RateLimited``), and
+    ``back``, its message's waiter id, waits at the head of the key's line meanwhile.
     """
 
     key: str
@@ -224,12 +226,14 @@ class ReleaseRequest:
     ready: int = DEFAULT_READY
     promote_ms: int = PROMOTE_MS
     by: str = ""
+    hold_ms: int = 0
+    back: str = ""
 
     @property
     def plain(self) -> bool:
         """Whether ``lua/release_plain.lua`` is asked first (in a store without history): slot 0, by its holder,
         not a waiter of the line."""
-        return self.slot == 0 and not self.waiter and not self.by
+        return self.slot == 0 and not self.waiter and not self.by and not self.hold_ms
 
     def encode_plain(self, prefix: str, retention: int) -> tuple[list[str], list[Any]]:
         """``KEYS`` and ``ARGV`` of ``lua/release_plain.lua`` (see :meth:`GrantRequest.encode`)."""
@@ -260,6 +264,8 @@ class ReleaseRequest:
             self.ready,
             self.promote_ms,
             self.by,
+            self.hold_ms,
+            self.back,
         ]
         return keys, args
 
@@ -273,6 +279,13 @@ class Released(IntEnum):
     NOW = scripts.RELEASED
     #: Not held, but this grant (by its fence) is recorded as released: an earlier try's reply was lost.
     EARLIER = scripts.RELEASED_EARLIER
+
+
+def hold_ms(hold: int | None) -> int:
+    """A release's hold (``None``: 0, none), checked before Redis is asked."""
+    if hold is None:
+        return 0
+    return whole_ms(hold, "hold", maximum=scripts.MAX_HOLD_BACK_MS)
 
 
 def operator_name(by: str | None) -> str:

@@ -139,6 +139,8 @@ MAX_RATES = 4
 MAX_RATE_COUNT = 100_000
 #: The longest window of a rate (ms): 366 days.
 MAX_RATE_WINDOW = 366 * 86_400_000
+#: The longest a holder may hold its key back at its release (ms; ``RateLimited``'s ``retry_after``): a day.
+MAX_HOLD_BACK_MS = 86_400_000
 
 #: The acquire script's answers: granted, or busy with what its waiter should do (``lease.Wait``, in this order).
 GRANTED, BUSY = 1, 0
@@ -174,6 +176,7 @@ LUA_CONSTANTS: dict[str, int] = {
     "MAX_RATES": MAX_RATES,
     "MAX_RATE_COUNT": MAX_RATE_COUNT,
     "MAX_RATE_WINDOW": MAX_RATE_WINDOW,
+    "MAX_HOLD_BACK_MS": MAX_HOLD_BACK_MS,
     "GRANTED": GRANTED,
     "BUSY": BUSY,
     "WAIT_NONE": WAIT_NONE,

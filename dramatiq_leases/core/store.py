@@ -17,7 +17,7 @@ from .keys import DEFAULT_PREFIX, fence_name, lease_name, validate_prefix
 from .lease import Busy, Lease, LostReason, Renewal, Tracker, new_token
 from .line import Line
 from .numbers import check_numbers, whole_count, whole_ms
-from .protocol import GrantRequest, Released, ReleaseRequest, Turn, operator_name
+from .protocol import GrantRequest, Released, ReleaseRequest, Turn, hold_ms, operator_name
 from .rates import parse_rates
 from .reading import Reader, Reads
 from .recovery import DeadRelease, Recovery
@@ -365,16 +365,28 @@ class Leases(Reads, Histories):
         """
         return self._grants.renew_many(leases, links=links)
 
-    def release(self, lease: Lease) -> bool:
+    def release(self, lease: Lease, *, hold: int | None = None) -> bool:
         """Release ``lease`` if its token still holds it; ``False`` if it did not (nothing touched).
 
+        ``hold``: hold the key back that long (ms, up to a day) once released: nobody is granted any slot of
+        it before (a downstream answered 429 with ``Retry-After``; the middleware's :class:`RateLimited`).
+        Its line keeps its order and is called forward once the hold ends.
+
         Raises:
+          LeaseConfigError: ``hold`` is not a whole number of ms from 1 to 86 400 000.
           LeaseUnavailableError: Redis could not be asked; the lease expires by its TTL.
         """
-        return self.release_token(lease.key, lease.token, fence=lease.fence, slot=lease.slot)
+        return self.release_token(lease.key, lease.token, fence=lease.fence, slot=lease.slot, hold=hold)
 
     def release_token(
-        self, key: str, token: str, *, fence: int | None = None, slot: int | None = None, by: str | None = None
+        self,
+        key: str,
+        token: str,
+        *,
+        fence: int | None = None,
+        slot: int | None = None,
+        by: str | None = None,
+        hold: int | None = None,
     ) -> bool:
         """Release the lease on ``key`` only if ``token`` holds it; ``False`` if it did not (nothing touched).
 
@@ -382,13 +394,17 @@ class Leases(Reads, Histories):
         an operator). ``slot`` is the grant's :attr:`Lease.slot` (``None``: the token is looked for in every
         slot of the key). The front of the key's line, if any, is woken. ``by``: who releases it in its
         holder's stead (an operator, ``user@host``): the key's history records a ``force_released`` by them,
-        also from a store without ``history`` if the key has a history.
+        also from a store without ``history`` if the key has a history. ``hold``: as :meth:`release`'s (not
+        with ``by``: only the holder may hold its key back).
 
         Raises:
-          LeaseConfigError: ``by`` is not a string of at most 512 bytes (UTF-8).
+          LeaseConfigError: ``by`` is not a string of at most 512 bytes (UTF-8), or ``hold`` is not a whole
+            number of ms from 1 to 86 400 000, or both are given.
           LeaseUnavailableError: Redis could not be asked; the lease expires by its TTL.
         """
-        request = ReleaseRequest(key, token, fence=fence, slot=slot, by=operator_name(by))
+        request = ReleaseRequest(key, token, fence=fence, slot=slot, by=operator_name(by), hold_ms=hold_ms(hold))
+        if request.hold_ms and request.by:
+            raise LeaseConfigError("release_token: only the holder may hold its key back (hold), not an operator (by)")
         return self._grants.release(request) is Released.NOW
 
     # A with form ---------------------------------------------------------------

@@ -5,7 +5,8 @@ checks), :mod:`.backoff` (how a busy message waits), :mod:`.context` (what
 the parts share), :mod:`.delivery` (a delivery's start), :mod:`.acquiring` (one
 delivery's way to its lease), :mod:`.guard` (the run of an actor under its
 lease, safe from asynchronous exceptions), :mod:`.busy` (a busy key: back to
-the queue), :mod:`.outages` (sending a message back through a broker outage),
+the queue), :mod:`.held_back` (an actor that raised ``RateLimited``),
+:mod:`.outages` (sending a message back through a broker outage),
 :mod:`.waiting` (the process's side of the line), :mod:`.declarations` (what
 actors declare and messages carry), :mod:`.runs` (which thread holds which
 lease, and how a run ends), :mod:`.unique` (sends refused while another
@@ -24,6 +25,7 @@ from .errors import (
     LeaseOptionError,
     LeaseSendUnavailableError,
     LeaseWaitExceeded,
+    RateLimited,
 )
 from .guard import LeaseLost
 from .hooks import LeaseMiddleware
@@ -62,6 +64,7 @@ __all__ = [
     "LeaseOptionError",
     "LeaseSendUnavailableError",
     "LeaseWaitExceeded",
+    "RateLimited",
     "Sent",
     "current_lease",
     "try_send",

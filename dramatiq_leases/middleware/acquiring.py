@@ -69,6 +69,7 @@ class Acquisition:
         # Registered before Redis is asked: if anything interrupts us from here on, the
         # after-hooks release by this token (an owner-checked no-op if nothing was granted).
         self.run = Run(key, new_token(), threading.get_ident())
+        self.run.message = message
         # A unique record's end, at the message's ack, looks at whether its lease is still held: released first.
         self.run.release_inline = opts.unique is not None
         ctx.runs.register(self.run)

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import email.utils
+import math
+import time
+
 from dramatiq.middleware import SkipMessage
 from dramatiq.middleware.middleware import MiddlewareError
 
 from ..core.errors import LeaseBusyError, LeaseConfigError, LeaseError, LeaseKeyError, LeaseUnavailableError
 from ..core.lease import Busy
+from ..core.numbers import whole_ms
+from ..core.scripts import MAX_HOLD_BACK_MS
 
 
 class LeaseOptionError(LeaseConfigError, MiddlewareError):
@@ -87,3 +93,47 @@ class DuplicateMessage(LeaseError, MiddlewareError):  # noqa: N818 (the name the
 class LeaseSendUnavailableError(LeaseUnavailableError, MiddlewareError):
     """Raised to the producer by a send of a ``lock_unique`` actor whose record could not be asked for (Redis
     unreachable): refused, nothing enqueued, rather than sent unchecked."""
+
+
+class RateLimited(Exception):  # noqa: N818 (what the actor says: its downstream rate-limited it)
+    """Raise in an actor with ``lock_key`` whose downstream said "too many requests" (HTTP 429).
+
+    The message neither fails nor spends a retry (even with ``max_retries=0``): its lease is released with a
+    hold of ``retry_after`` ms, during which no message of its key starts (none of its ``lock_limit`` slots),
+    and the message waits at the head of the key's line, to run again first once the hold ends. Its wait
+    budget (``lock_max_wait``) starts again. Counted in ``dramatiq_lease_not_run_total{reason="rate_limited"}``
+    and logged at INFO. In an actor without ``lock_key`` it fails the message as any exception does.
+
+    Parameters:
+      retry_after: how long to hold the key back, in ms: a whole number from 1 to 86 400 000 (a day).
+        :meth:`after_header` reads an HTTP ``Retry-After`` value.
+
+    Raises:
+      LeaseConfigError: ``retry_after`` is out of range (raised where the actor raises this, so the
+        message fails with it, as with any bug).
+    """
+
+    def __init__(self, retry_after: int, *args: object) -> None:
+        self.retry_after = whole_ms(retry_after, "retry_after", owner="RateLimited", maximum=MAX_HOLD_BACK_MS)
+        super().__init__(*(args or (f"rate limited: retry after {self.retry_after} ms",)))
+
+    def __reduce__(self) -> tuple[type[RateLimited], tuple[object, ...]]:
+        return type(self), (self.retry_after, *self.args)  # pickled (Results stores exceptions) as it was made
+
+    @classmethod
+    def after_header(cls, value: str | None, *, default: int = 1000, now: float | None = None) -> RateLimited:
+        """The exception for an HTTP ``Retry-After`` header: seconds (``"120"``) or an HTTP date; ``default`` ms
+        when it is missing or unreadable; at least 1 ms, at most a day. ``now``: the Unix time to count a date
+        from (default: this machine's clock)."""
+        ms: float = default
+        text = (value or "").strip()
+        if text.isdigit():
+            ms = int(text) * 1000
+        elif text:
+            try:
+                when = email.utils.parsedate_to_datetime(text)
+            except (TypeError, ValueError):
+                when = None
+            if when is not None and when.tzinfo is not None:
+                ms = (when.timestamp() - (time.time() if now is None else now)) * 1000
+        return cls(int(min(max(math.ceil(ms), 1), MAX_HOLD_BACK_MS)))

@@ -79,11 +79,13 @@ class Run:
     __slots__ = (
         "coroutine_running",
         "end_deferred",
+        "error",
         "injected",
         "key",
         "lease",
         "lock",
         "lost_reason",
+        "message",
         "release_inline",
         "release_sent",
         "release_tried",
@@ -102,6 +104,10 @@ class Run:
         self.lease: Lease | None = None
         # Its id in the key's line, if it waited there (see dramatiq_leases.core.line).
         self.waiter: str | None = None
+        # The delivery it runs (its waiter id in the line is the message's, waited there or not).
+        self.message: Any = None
+        # What the actor raised, if it did: a RateLimited holds the key back at the release.
+        self.error: BaseException | None = None
         # What the actor returned, stored by C code the instant it returns: empty if it never did
         # (it raised, was interrupted, or never ran). Only a run that returned is remembered as done.
         self.returned: list[Any] = []
@@ -191,6 +197,7 @@ def call_under(
         out.extend(itertools.starmap(functools.partial(fn, **kwargs) if kwargs else fn, (args,)))
     except BaseException as e:
         error = e
+        run.error = e  # no call in between: the release reads it
     # Settle: each level absorbs one interruption (there are few sources: our LeaseLost, which
     # finish() cancels, TimeLimit's and Shutdown's). No loop: a backward jump is a delivery point.
     try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import socket
@@ -23,7 +24,7 @@ from ..core.store import Leases
 from ..exposition import WorkerExposition
 from ..otel_tracing import record_keys
 from ..prometheus import LeaseMetrics, PrometheusMetrics
-from . import delivery
+from . import delivery, held_back
 from .backoff import DEFAULT_MAX_BACKOFF, DEFAULT_MIN_BACKOFF
 from .busy import RoutineSkipFilter
 from .context import Context
@@ -290,7 +291,7 @@ class LeaseMiddleware(Middleware):
         if original is not None and inspect.iscoroutinefunction(original):
             # Dramatiq runs it on its event loop: track the coroutine itself, which can outlive the wait.
             fn = async_to_sync(self.runs.tracking_coroutine(original))
-        actor.fn = self.runs.guarded(fn)
+        actor.fn = self.runs.guarded(fn, functools.partial(held_back.rate_limited, self.context, broker))
         if self._booted:
             self.metrics.declare({"actor": actor.actor_name, "queue": actor.queue_name})
 

@@ -8,15 +8,17 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from ..core.errors import LeaseStateError, LeaseUnavailableError
 from ..core.heartbeat import Heartbeat
 from ..core.lease import Lease
 from ..core.metrics import LeaseMetrics
 from ..core.store import Leases
+from .errors import RateLimited
 from .guard import DONE, READY, LeaseLost, Run, call_under, coroutine_under
 from .releasing import Releaser
+from .waiting import waiter_id
 
 logger = logging.getLogger(__name__)
 
@@ -125,8 +127,15 @@ class Runs:
         if not running:
             self.heartbeat.stop()
 
-    def guarded(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """Wrap an actor's function so it runs only under its message's lease, released the moment it returns."""
+    def guarded(
+        self, fn: Callable[..., Any], rate_limited: Callable[[Run, RateLimited], NoReturn] | None = None
+    ) -> Callable[..., Any]:
+        """Wrap an actor's function so it runs only under its message's lease, released the moment it returns.
+
+        ``rate_limited``: what becomes of a delivery whose actor raised :class:`RateLimited` (its lease released
+        with a hold, as :meth:`end` does): it must not return (the middleware sends the message back and skips
+        the delivery); without it, the exception fails the message as any other.
+        """
         runs = self._runs
         end = self.end
 
@@ -140,7 +149,12 @@ class Runs:
             assert isinstance(run, Run)
             if run.state is not READY:
                 return fn(*args, **kwargs)  # a direct call from inside the running actor
-            return call_under(run, fn, args, kwargs, end)
+            if rate_limited is None:
+                return call_under(run, fn, args, kwargs, end)
+            try:
+                return call_under(run, fn, args, kwargs, end)
+            except RateLimited as e:
+                rate_limited(run, e)
 
         return guarded
 
@@ -254,6 +268,13 @@ class Runs:
         # re-driven from the dead-letter queue (same id, same retry count), and must then run.
         # A grant whose reply never came (lease None) is looked for by its token in every slot of the key.
         fence, slot = (lease.fence, lease.slot) if lease else (None, None)
+        error = run.error
+        if isinstance(error, RateLimited) and run.message is not None and not run.returned:
+            # Held back, its message first in the line once the hold ends (see .held_back).
+            waiter = waiter_id(run.message)
+            return self.leases.line.hold_back(
+                run.key, run.token, hold=error.retry_after, waiter=waiter, fence=fence, slot=slot
+            )
         if run.returned and run.waiter:
             return self.leases.line.release(run.key, run.token, waiter=run.waiter, fence=fence, slot=slot)
         return self.leases.release_token(run.key, run.token, fence=fence, slot=slot)

@@ -73,6 +73,8 @@
 -- `released` (0 from the counter's first grant) and `expired`; once it was (the counter has a `width`: how many
 -- slots may be held), each slot s keeps its own: `g:s` granted, `r:s` released, `e:s` expired, and each grant's
 -- hash names its `slot` and the `limit` it was granted under.
+-- A key its last holder held back (lua/release.lua's hold_ms, a RateLimited: the counter's `hold_until`) is full
+-- until then, as under a rate that allows no grant yet; the first grant after forgets the hold.
 -- With a history, a grant appends 'expired' (the previous grant was found ended by TTL) and 'granted', a copy
 -- that already ran 'duplicate', a waiter a newer one replaced (or older than the newest seen) 'superseded'.
 -- Pay only for what is used: a plain grant (limit 1, a key never held by several, nobody in its line, no
@@ -131,7 +133,7 @@ local RINGS = {unpack(KEYS, 11, 10 + nrates)}
 local LINE, DONE, WAITERS, HISTORY = KEYS[3], KEYS[4], KEYS[7], KEYS[9]
 local now, now_us = server_time()
 -- The counter first: one of another type fails the script here, before any write.
-local counter = redis.call('HMGET', KEYS[2], 'fence', 'width', 'released', 'released_ms')
+local counter = redis.call('HMGET', KEYS[2], 'fence', 'width', 'released', 'released_ms', 'hold_until')
 local prev_fence = tonumber(counter[1]) or 0
 -- nil: never held by several at once; bounded, should the field be written by hand.
 local width = tonumber(counter[2])
@@ -150,6 +152,8 @@ if failover_ms > 0 then grace_left = math.max(grace_left, failover_left(KEYS[5],
 -- And the key's rates: how long until they allow one more grant (read only).
 local rate_left = 0
 if nrates > 0 then rate_left = rate_wait(RINGS, RATES, now_us) end
+-- And a hold its last holder put on it (lua/release.lua's hold_ms: a RateLimited), which counts as a rate.
+if counter[5] then rate_left = math.max(rate_left, (tonumber(counter[5]) or 0) - now) end
 -- The holder's metadata, for the events that name it (read only with a history).
 local meta = nil
 if history > 0 then
@@ -207,6 +211,8 @@ local function grant(s, top)
     expired = prev_fence
   end
   local fence = next_fence(wide, wide and px or 0, expired)
+  -- A hold that ended: forgotten, so that the plain scripts may grant the key again.
+  if counter[5] then redis.call('HDEL', KEYS[2], 'hold_until') end
   -- The key turns wide while its one holder holds slot 0: that holder's release and renewals must keep the
   -- counter (its width counts this grant) as they would a wide holder's (prelude's record_release).
   if wide and narrow_held then redis.call('HSET', KEYS[1], 'wide', 1) end
@@ -361,16 +367,18 @@ end
 if sibling_holds then return {BUSY, pttl, holder_fence, now, WAIT_COPY_HOLDS, -1, 0, 0} end
 local free = limit - count
 if free_slot == nil then free = 0 end
+-- A slot free but for the rates (or a grace): the next start is when they allow, not when a holder ends.
+local slot_free = free > 0
 if rate_left > 0 then  -- full until the rates allow one more: waiters keep their places, as for a holder
   free = 0
-  if pttl < rate_left then pttl = rate_left end
+  if slot_free or pttl < rate_left then pttl = rate_left end
   -- Told to the counter, so that a release or a line call does not call waiters forward before then (they
   -- would only be refused again); a counter the retention expired is not made again for it.
   if counter[1] then redis.call('HSET', KEYS[2], 'rate_until', now + rate_left) end
 end
 if grace_left > 0 then  -- held, as far as anyone may know, until the grace ends
   free = 0
-  if count == 0 or pttl < grace_left then pttl = grace_left end
+  if slot_free or pttl < grace_left then pttl = grace_left end
 end
 
 --#include line

@@ -20,8 +20,9 @@
 -- (KEYS and ARGV in this order: core/protocol.py's GrantRequest.encode_plain.)
 -- Returns {GRANTED, fence, now[, previous_fence_expired]}, as lua/acquire.lua's plain path does, or NOT_PLAIN
 -- having written nothing (but a missing epoch record, as the general script would): the key is not plainly
--- free (held, lined, a waiter of it remembered, once held by several, without a counter within the restart
--- grace, or within the failover grace), and lua/acquire.lua must decide.
+-- free (held, lined, a waiter of it remembered, once held by several, held back by its last holder since its
+-- last grant, without a counter within the restart grace, or within the failover grace), and lua/acquire.lua
+-- must decide.
 -- The plain grant, beside the general script rather than inside it: a request of a key of one holder with no
 -- option (no history, no unique record, not latest, not back from the line: core/protocol.py's `plain`) pays
 -- for its own arguments and commands only: the clock, the counter read, one EXISTS, the counter and lease
@@ -37,8 +38,8 @@ if failover_ms == nil then return bad('failover_ms', ARGV[9]) end
 if failover_ms > 0 and KEYS[5] == nil then return bad('epoch record (KEYS[5])') end
 if #ARGV < 9 or (#ARGV - 9) % 2 ~= 0 then return bad('fields', #ARGV - 9) end
 -- The counter first: one of another type fails the script here, before any write.
-local counter = redis.call('HMGET', KEYS[2], 'fence', 'width', 'released')
-if counter[2] then return NOT_PLAIN end
+local counter = redis.call('HMGET', KEYS[2], 'fence', 'width', 'released', 'hold_until')
+if counter[2] or counter[4] then return NOT_PLAIN end
 local found
 if waiter == '' then
   found = redis.call('EXISTS', KEYS[1], KEYS[3])

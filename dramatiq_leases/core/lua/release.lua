@@ -22,6 +22,11 @@
 --   7 promote_ms: how long a waiter whose turn came has to show up
 --   8 by: who released it in the holder's stead (an operator), or '': the history's event is then
 --     'force_released' naming them, not 'released'
+--   9 hold_ms: hold the key back this long (0: no hold): no grant of any slot until then (the counter's
+--     `hold_until`, read by lua/acquire.lua; and its `rate_until`, so that nobody is called forward before).
+--     The holder's answer to a downstream's 429 (RateLimited); only its holder may hold a key back
+--   10 back: the waiter id the holder's message waits again as, put at the head of the line ('' none): its
+--     copy comes back when the hold ends, and runs first
 -- (KEYS and ARGV in this order: core/protocol.py's ReleaseRequest.encode.)
 -- Returns RELEASED ({RELEASED, woken...} if it woke waiters in place: their ids, for the caller to wake,
 -- lua/wake.lua), NOT_HELD if the token did not hold the lease (nothing is touched then), or RELEASED_EARLIER
@@ -46,6 +51,12 @@ if history == nil then return bad('history', ARGV[5]) end
 if ready == nil then return bad('ready', ARGV[6]) end
 if promote_ms == nil then return bad('promote_ms', ARGV[7]) end
 if by == nil or #by > MAX_ID_LENGTH then return bad('by', by) end
+local hold_ms = whole(ARGV[9], 0, MAX_HOLD_BACK_MS)
+local back = ARGV[10]
+if hold_ms == nil then return bad('hold_ms', ARGV[9]) end
+if back == nil or #back > MAX_ID_LENGTH or (back ~= '' and (hold_ms == 0 or by ~= '')) then
+  return bad('back', back)
+end
 if #KEYS < 7 then return bad('key count', #KEYS) end
 local LINE, DONE, WAITERS, HISTORY = KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local LEASE = KEYS[1]
@@ -67,7 +78,7 @@ if grant == 'find' then
   end
 end
 local cur
-if history == 0 then
+if history == 0 and hold_ms == 0 then
   cur = redis.pcall('HMGET', LEASE, 'token', 'fence', 'slot', 'wide')
 else
   cur = redis.pcall('HMGET', LEASE, 'token', 'fence', 'slot', 'wide', 'meta')
@@ -91,7 +102,13 @@ if lined then
 end
 local fence = tonumber(cur[2]) or 0
 local line_ok, waiters_ok, done_ok = true, true, true
-if waiter ~= '' or lined then
+-- The counter's hold, read before the first write too (one of another type: no hold recorded).
+local held = nil
+if hold_ms > 0 then
+  held = redis.pcall('HMGET', KEYS[2], 'hold_until', 'rate_until', 'fence')
+  if held.err then held = nil end
+end
+if waiter ~= '' or back ~= '' or lined then
   -- Keys of another type (written by hand) are left alone, also read before the first write: the lease is
   -- released whatever they hold, and the rest of the bookkeeping done.
   local function typed(k, want) local kind = redis.call('TYPE', k).ok return kind == want or kind == 'none' end
@@ -102,9 +119,10 @@ redis.call('DEL', LEASE)
 if history ~= 0 then
   local ev = {e = 'released', f = string.format('%d', fence), s = slot}
   if by ~= '' then ev.e, ev.by, ev.r = 'force_released', by, 'owner' end
+  if hold_ms > 0 then ev.e, ev.r, ev.w = 'rate_limited', 'hold ' .. hold_ms .. ' ms', back ~= '' and back or nil end
   history_append(HISTORY, history, server_time(), ev, cur[5])
 end
-if waiter == '' and not lined then
+if waiter == '' and not lined and hold_ms == 0 then
   -- The uncontended path: no line to wake, no waiter to remember.
   if fence > 0 then record_release(KEYS[2], fence, retention_ms, slot, cur[4]) end
   return RELEASED
@@ -120,8 +138,35 @@ if waiter ~= '' then
   if line_ok then redis.call('ZREM', LINE, waiter) end
   if waiters_ok then redis.call('HDEL', WAITERS, waiter) end
 end
-if not lined then return RELEASED end
 --#include line
+if hold_ms > 0 then
+  -- Held back: the key is full until then, whatever its slots; the waiters keep their places, and nobody is
+  -- called forward before (the parked would only be refused again; a waiter in place asks again at its block's
+  -- end and learns the hold's). A counter this makes (it had none: written by hand, or its retention expired it
+  -- during the hold) ends with the hold: never a key without TTL.
+  if held then
+    local until_ms = now + hold_ms
+    redis.call('HSET', KEYS[2], 'hold_until', math.max(until_ms, tonumber(held[1]) or 0),
+      'rate_until', math.max(until_ms, tonumber(held[2]) or 0))
+    local left = redis.call('PTTL', KEYS[2])
+    if (left == -1 and not held[3]) or (left >= 0 and left < hold_ms) then redis.call('PEXPIRE', KEYS[2], hold_ms) end
+  end
+  if back ~= '' and line_ok and waiters_ok then
+    -- At the head: before the line's first (by first attempt), so it runs first once the hold ends.
+    local head = redis.call('ZRANGE', LINE, 0, 0, 'WITHSCORES')
+    local place = now
+    if head[2] then place = math.min(place, tonumber(head[2]) - 1) end
+    local actor = ''
+    local ok, m = pcall(cjson.decode, cur[5] or '')
+    if ok and type(m) == 'table' and type(m.actor) == 'string' then actor = string.gsub(m.actor, '%s', '_') end
+    redis.call('ZADD', LINE, place, back)
+    put(WAITERS, back, 'p', now + hold_ms + promote_ms, '', actor)
+    redis.call('PEXPIRE', LINE, math.max(LINE_TTL_MS, hold_ms + promote_ms))
+    redis.call('PEXPIRE', WAITERS, math.max(LINE_TTL_MS, hold_ms + promote_ms))
+  end
+  return RELEASED
+end
+if not lined then return RELEASED end
 local free = math.max(1, width - present(SLOTS, width))
 line_front(LINE, WAITERS, now, free)
 local woken = {}
