@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from dramatiq_leases.core import RedisClient
-from dramatiq_leases.exporter import LEAK_REASONS
+from dramatiq_leases.exporter import LEAK_REASONS, WAIT_REASONS
 from dramatiq_leases.prometheus import LOST_REASONS, NOT_RUN_REASONS
 
 from .promtool import require
@@ -42,7 +42,7 @@ LABEL_VALUES: dict[str, set[str] | None] = {
     "queue_name": None,
     "le": None,
     "outcome": {"acquired", "busy", "error", "ok", "lost"},
-    "reason": {*LOST_REASONS, *NOT_RUN_REASONS, *(reason.value for reason in LEAK_REASONS)},
+    "reason": {*LOST_REASONS, *NOT_RUN_REASONS, *(reason.value for reason in LEAK_REASONS), *WAIT_REASONS},
     "operation": {"acquire", "renew", "release", "scan"},
     "kind": {"lease", "line", "waiters", "fence"},  # dramatiq_lease_exporter_unreadable_keys
 }
