@@ -23,6 +23,8 @@ _WORDS = {
     "failed": "not run: its key was full (dead-lettered)",
     "superseded": "not run: a newer message took its place in the line",
     "gave_up": "given up: waited past lock_max_wait",
+    "rate_limited": "released by its holder, rate limited (RateLimited): the key held back",
+    "debounced": "not run: a newer send of its burst runs instead (lock_debounce)",
 }
 
 

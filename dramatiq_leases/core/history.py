@@ -39,6 +39,8 @@ EVENTS = (
     "superseded",
     "gave_up",
     "force_released",
+    "rate_limited",
+    "debounced",
 )
 
 
@@ -59,7 +61,10 @@ class HistoryEvent:
     #: ``duplicate`` (a copy of a message that already ran, not run; or a send ``lock_unique`` refused,
     #: :attr:`by` naming the message holding the record); ``skipped`` and ``failed`` (the key
     #: was full and ``lock_on_busy`` said so); ``superseded`` (a newer message of the key took its place
-    #: in the line: ``lock_on_busy="latest"``); ``gave_up`` (``lock_max_wait`` spent).
+    #: in the line: ``lock_on_busy="latest"``); ``gave_up`` (``lock_max_wait`` spent); ``rate_limited`` (released
+    #: by its holder, whose actor raised ``RateLimited``, holding the key back: :attr:`reason` says how long, and
+    #: :attr:`waiter` is the message that runs first after); ``debounced`` (not run: a newer send of its burst,
+    #: :attr:`by`, runs instead: ``lock_debounce``).
     event: str
     #: When, in the Redis server's Unix time (ms).
     time_ms: int
@@ -75,7 +80,8 @@ class HistoryEvent:
     #: deadline had passed; ``owner``: released with its token), and events given a reason by their caller.
     reason: str = ""
     #: Who caused it, when known: the operator (``user@host``) of a ``force_released``; the newer waiter of
-    #: a ``superseded``; ``fence N``, the grant holding the key now, of a ``lost`` by ``stolen``.
+    #: a ``superseded``; ``fence N``, the grant holding the key now, of a ``lost`` by ``stolen``; the message
+    #: that runs instead of a ``debounced``.
     by: str = ""
     #: The holder slot, on a key held by several at once (``lock_limit``); ``None`` otherwise.
     slot: int | None = None
@@ -200,22 +206,35 @@ class History:
         return parse(entries)
 
     def record(
-        self, key: str, event: str, *, fence: int, reason: str, meta: Mapping[str, str] | None, waited_ms: int
+        self,
+        key: str,
+        event: str,
+        *,
+        fence: int,
+        reason: str,
+        meta: Mapping[str, str] | None,
+        waited_ms: int,
+        by: str = "",
     ) -> None:
         """:meth:`~.store.Leases.record_history`."""
         if not self.cap:
             return
         validate_key(key)
-        if event not in ("skipped", "failed", "gave_up"):
-            raise LeaseConfigError(f"record_history: event must be 'skipped', 'failed' or 'gave_up', got {event!r}")
+        if event not in _RECORDED:
+            raise LeaseConfigError(f"record_history: event must be one of {_RECORDED}, got {event!r}")
         fence = whole_count(fence, "fence", maximum=2**53, owner="record_history")
-        if not isinstance(reason, str) or len(reason.encode()) > MAX_ID_LENGTH:  # the scripts count bytes
-            raise LeaseConfigError(f"record_history: reason must be a string of at most {MAX_ID_LENGTH} bytes")
+        for name, text in (("reason", reason), ("by", by)):
+            if not isinstance(text, str) or len(text.encode()) > MAX_ID_LENGTH:  # the scripts count bytes
+                raise LeaseConfigError(f"record_history: {name} must be a string of at most {MAX_ID_LENGTH} bytes")
         waited_ms = whole_ms(waited_ms, "waited_ms", minimum=0, owner="record_history")
         packed = meta_args(key, dict(meta or {}))  # checked as a lease's metadata is
-        args = [self.cap, event, fence, reason, packed[3] if len(packed) > 2 else "", waited_ms]
+        args = [self.cap, event, fence, reason, packed[3] if len(packed) > 2 else "", waited_ms, by]
         with unavailable(f"record the history of {key!r}", key):
             self.runner.call(self._script, [history_name(self.prefix, key)], args)
+
+
+#: The events decided outside the scripts, which :meth:`Histories.record_history` appends.
+_RECORDED = ("skipped", "failed", "gave_up", "debounced")
 
 
 class Histories:
@@ -243,15 +262,16 @@ class Histories:
         reason: str = "",
         meta: Mapping[str, str] | None = None,
         waited_ms: int = 0,
+        by: str = "",
     ) -> None:
-        """Append an event decided outside the scripts (``skipped``, ``failed``, ``gave_up``) to the history of
-        ``key``, stamped with the server's time; nothing (no call) if this store keeps no history. ``meta``: the
-        message's metadata (``message_id``, ``actor``, ``host``, ``pid``), named in the event; ``waited_ms``:
-        how long it had waited for the key.
+        """Append an event decided outside the scripts (``skipped``, ``failed``, ``gave_up``, ``debounced``) to the
+        history of ``key``, stamped with the server's time; nothing (no call) if this store keeps no history.
+        ``meta``: the message's metadata (``message_id``, ``actor``, ``host``, ``pid``), named in the event;
+        ``waited_ms``: how long it had waited for the key; ``by``: who or what caused it.
 
         Raises:
           LeaseConfigError: an unknown ``event``, a ``fence`` or ``waited_ms`` that is not a whole number, a
-            ``reason`` over 512 bytes (UTF-8), or ``meta`` that is not strings.
+            ``reason`` or ``by`` over 512 bytes (UTF-8), or ``meta`` that is not strings.
           LeaseUnavailableError: Redis could not be asked.
         """
-        self._history.record(key, event, fence=fence, reason=reason, meta=meta, waited_ms=waited_ms)
+        self._history.record(key, event, fence=fence, reason=reason, meta=meta, waited_ms=waited_ms, by=by)

@@ -36,7 +36,7 @@ def validate_key(key: object, *, what: str = "lease key") -> str:
 
 
 #: The kinds of Redis key a lease key has, named ``{prefix}:{kind}:{tag}`` (see :func:`lease_name` and its siblings).
-KEY_KINDS = ("lease", "fence", "line", "waiters", "done", "history", "epoch", "rate")
+KEY_KINDS = ("lease", "fence", "line", "waiters", "done", "history", "epoch", "rate", "debounce")
 
 _GLOB = "glob characters in the SCAN patterns that `list` and the exporter build from the prefix would match other keys"
 
@@ -177,6 +177,11 @@ def unique_name(prefix: str, key: str) -> str:
 def order_name(prefix: str, key: str) -> str:
     """The Redis key of ``key``'s order record (``lock_on_busy="latest"``: a hash; see :mod:`.scripts`)."""
     return f"{prefix}:order:{{{hash_tag(key)}}}"
+
+
+def debounce_name(prefix: str, key: str) -> str:
+    """The Redis key of ``key``'s debounce record (``lock_debounce``: a hash; see :mod:`.debounce`)."""
+    return f"{prefix}:debounce:{{{hash_tag(key)}}}"
 
 
 def history_name(prefix: str, key: str) -> str:

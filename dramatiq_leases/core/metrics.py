@@ -21,8 +21,18 @@ LOST_REASONS = tuple(reason.value for reason in LostReason)
 #: budget (``lock_max_wait``), it was a stray copy of a message that already ran, or its actor's ``lock_limit``
 #: callable failed on the worker (``limit_error``, per delivery: it raised, and Retries decides, or it
 #: returned a bad value, and the message is dead-lettered); or its actor raised ``RateLimited``
-#: (``rate_limited``: acknowledged, and its copy runs once the key's hold ends).
-NOT_RUN_REASONS = ("skipped", "failed", "superseded", "gave_up", "duplicate", "limit_error", "rate_limited")
+#: (``rate_limited``: acknowledged, and its copy runs once the key's hold ends); or a newer send of its burst
+#: runs instead (``debounced``: ``lock_debounce``).
+NOT_RUN_REASONS = (
+    "skipped",
+    "failed",
+    "superseded",
+    "gave_up",
+    "duplicate",
+    "limit_error",
+    "rate_limited",
+    "debounced",
+)
 
 #: Outcomes of one renewal (the ``outcome`` label of ``dramatiq_lease_renewals_total``).
 RENEWAL_OUTCOMES = ("ok", "lost", "error")

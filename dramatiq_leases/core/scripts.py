@@ -142,6 +142,16 @@ MAX_RATE_WINDOW = 366 * 86_400_000
 #: The longest a holder may hold its key back at its release (ms; ``RateLimited``'s ``retry_after``): a day.
 MAX_HOLD_BACK_MS = 86_400_000
 
+#: The longest quiet window, and cap, of a debounce (``lock_debounce``, ``lock_debounce_max``; ms): a day.
+MAX_DEBOUNCE_MS = 86_400_000
+#: How long a key's debounce record is kept after its last change (ms): a week, as an order record (a message
+#: older than the last run must still be known as such when a backlog or a dead letter brings it back).
+DEBOUNCE_MS = 7 * 86_400_000
+#: How often a message waiting for a newer send's confirm asks again, at most (ms).
+DEBOUNCE_STEP_MS = 250
+#: The debounce script's verdicts on a delivery (``core.debounce.Verdict``).
+DEBOUNCE_RUN, DEBOUNCE_WAIT, DEBOUNCED, DEBOUNCE_UNKNOWN = 1, 2, 3, 4
+
 #: The acquire script's answers: granted, or busy with what its waiter should do (``lease.Wait``, in this order).
 GRANTED, BUSY = 1, 0
 WAIT_NONE, WAIT_IN_PLACE, WAIT_PARK, WAIT_SOON, WAIT_DUPLICATE, WAIT_SUPERSEDED, WAIT_COPY_HOLDS, WAIT_GRACE = range(8)
@@ -177,6 +187,13 @@ LUA_CONSTANTS: dict[str, int] = {
     "MAX_RATE_COUNT": MAX_RATE_COUNT,
     "MAX_RATE_WINDOW": MAX_RATE_WINDOW,
     "MAX_HOLD_BACK_MS": MAX_HOLD_BACK_MS,
+    "MAX_DEBOUNCE_MS": MAX_DEBOUNCE_MS,
+    "DEBOUNCE_MS": DEBOUNCE_MS,
+    "DEBOUNCE_STEP_MS": DEBOUNCE_STEP_MS,
+    "DEBOUNCE_RUN": DEBOUNCE_RUN,
+    "DEBOUNCE_WAIT": DEBOUNCE_WAIT,
+    "DEBOUNCED": DEBOUNCED,
+    "DEBOUNCE_UNKNOWN": DEBOUNCE_UNKNOWN,
     "GRANTED": GRANTED,
     "BUSY": BUSY,
     "WAIT_NONE": WAIT_NONE,
@@ -308,6 +325,8 @@ LINE = _load("line")
 UNIQUE = _load("unique")
 #: The order of a send, for ``lock_on_busy="latest"`` (``lua/order.lua``).
 ORDER = _load("order")
+#: A key's bursts of sends, and which message of each runs (``lock_debounce``: ``lua/debounce.lua``).
+DEBOUNCE = _load("debounce")
 #: Read many lease hashes with the server time (``lua/inspect_many.lua``).
 INSPECT_MANY = _load("inspect_many")
 #: Append an event decided outside the scripts to a key's history (``lua/history.lua``).
@@ -330,6 +349,7 @@ ALL = {
     "history": HISTORY,
     "unique": UNIQUE,
     "order": ORDER,
+    "debounce": DEBOUNCE,
     "wake": WAKE,
 }
 #: The file (``lua/<name>.lua``) of each script of :data:`ALL` not built from a file of its own name.

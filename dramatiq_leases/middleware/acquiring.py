@@ -15,13 +15,12 @@ import time
 from typing import Any, NoReturn
 
 import dramatiq
-from dramatiq.middleware import SkipMessage
 
 from ..core.errors import LeaseUnavailableError
 from ..core.lease import Lease, new_token
 from ..core.protocol import Turn, Wait
 from ..core.scripts import MAX_LIMIT
-from .busy import SKIP_MARK, gives_up, mark_skipped, on_busy, record_history, send_back
+from .busy import SKIP_MARK, gives_up, mark_skipped, on_busy, record_history, send_back, skip
 from .context import Context
 from .declarations import latest_handoff
 from .errors import LeaseBusyFailed, LeaseLimitError, LeaseOptionError
@@ -332,12 +331,6 @@ def holders_of(ctx: Context, key: str) -> str:
         f"message {info.meta.get('message_id', '?')} of actor {info.meta.get('actor', '?')!r} (fence {info.fence})"
         for info in infos
     )
-
-
-def skip(message: Any, reason: str) -> NoReturn:
-    """Skip this delivery, marked as this middleware's skip."""
-    message.options[SKIP_MARK] = True
-    raise SkipMessage(reason) from None
 
 
 def refuse(message: Any, error: Exception) -> NoReturn:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 import dramatiq
-from dramatiq.middleware import Interrupt
+from dramatiq.middleware import Interrupt, SkipMessage
 
 from ..core.errors import LeaseError
 from ..core.metrics import LeaseMetrics
@@ -51,6 +51,12 @@ def mark_skipped(message: Any, *, requeued: bool = False) -> None:
     message.options[SKIP_MARK] = True
     if requeued:
         message.options[REQUEUED_MARK] = True
+
+
+def skip(message: Any, reason: str) -> NoReturn:
+    """Skip this delivery, marked as this middleware's skip."""
+    message.options[SKIP_MARK] = True
+    raise SkipMessage(reason) from None
 
 
 def record_history(waiting: Waiting, key: str, event: str, meta: dict[str, str], **facts: Any) -> None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from ..core.metrics import LeaseMetrics
 from ..core.store import Leases
+from .debouncing import Debouncing
 from .declarations import Declarations
 from .runs import Runs
 from .unique import Uniqueness
@@ -28,6 +29,7 @@ class Context:
       runs: which thread holds which lease.
       waiting: the process's side of the line.
       unique: the ``lock_unique`` records.
+      debouncing: the ``lock_debounce`` records.
       host: this host's name, in every lease's metadata.
     """
 
@@ -37,4 +39,5 @@ class Context:
     runs: Runs
     waiting: Waiting
     unique: Uniqueness
+    debouncing: Debouncing
     host: str

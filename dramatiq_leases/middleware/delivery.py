@@ -16,8 +16,8 @@ import dramatiq
 from dramatiq.middleware import Interrupt
 
 from ..core.errors import LeaseConfigError, LeaseKeyError
-from .acquiring import Acquisition, limit_failed, refuse, skip
-from .busy import REQUEUED_MARK, send_back
+from .acquiring import Acquisition, limit_failed, refuse
+from .busy import REQUEUED_MARK, send_back, skip
 from .context import Context
 from .errors import LeaseLimitError, LeaseOptionError
 from .options import FIRST_ATTEMPT_OPTION
@@ -90,6 +90,10 @@ def acquire_or_skip(ctx: Context, broker: dramatiq.Broker, message: Any) -> None
     except LeaseOptionError as e:  # it returned a bad value: a bad setting, dead-lettered
         ctx.metrics.not_run({"actor": message.actor_name, "queue": message.queue_name}, "limit_error")
         refuse(message, e)
+    if opts.debounce is not None:  # its burst's run, or sent back, or given way to a newer message (skipped)
+        time_limit = declarations.time_limit(message, actor)
+        deadline = hook_started + (math.inf if time_limit is None else time_limit / 2000)
+        ctx.debouncing.delivered(broker, message, key, opts, deadline)
     attempt = Acquisition(ctx, broker, message, actor=actor, key=key, opts=opts, limit=limit, hook_started=hook_started)
     attempt.granted(attempt.acquire())
     if opts.unique is not None:

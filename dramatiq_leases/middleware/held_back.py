@@ -18,8 +18,7 @@ import dramatiq
 from dramatiq.middleware import Interrupt
 
 from ..core.line import DEFAULT_PARK_MS
-from .acquiring import skip
-from .busy import REQUEUED_MARK, send_copy_back
+from .busy import REQUEUED_MARK, send_copy_back, skip
 from .context import Context
 from .errors import RateLimited
 from .guard import Run

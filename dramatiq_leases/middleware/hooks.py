@@ -28,6 +28,7 @@ from . import delivery, held_back
 from .backoff import DEFAULT_MAX_BACKOFF, DEFAULT_MIN_BACKOFF
 from .busy import RoutineSkipFilter
 from .context import Context
+from .debouncing import Debouncing
 from .declarations import Declarations
 from .dramatiq_metrics import DramatiqPrometheus
 from .options import (
@@ -185,6 +186,8 @@ class LeaseMiddleware(Middleware):
         lock_unique: str | None = None,
         lock_unique_ttl: int = DEFAULT_UNIQUE_TTL,
         lock_rate: str | Sequence[str] | None = None,
+        lock_debounce: int | None = None,
+        lock_debounce_max: int | None = None,
         metrics: LeaseMetrics | None = None,
         metrics_endpoint: bool = True,
         trace_keys: bool | None = None,
@@ -218,6 +221,8 @@ class LeaseMiddleware(Middleware):
                 "lock_unique": lock_unique,
                 "lock_unique_ttl": lock_unique_ttl,
                 "lock_rate": lock_rate,
+                "lock_debounce": lock_debounce,
+                "lock_debounce_max": lock_debounce_max,
             }
         )
         if trace_keys is not None:
@@ -241,6 +246,7 @@ class LeaseMiddleware(Middleware):
         self.dramatiq_prometheus = DramatiqPrometheus(self)
         self.waiting = Waiting(self.leases, on_drop=self.dramatiq_prometheus.left_delay_queue)
         self.unique = Uniqueness(self.declarations, self.leases, self.metrics)
+        self.debouncing = Debouncing(self.declarations, self.leases, self.metrics, self.waiting)
         self.host = socket.gethostname()  # named in every lease's metadata
         # What the parts read, instead of this middleware: the same objects as the attributes above.
         self.context = Context(
@@ -250,6 +256,7 @@ class LeaseMiddleware(Middleware):
             runs=self.runs,
             waiting=self.waiting,
             unique=self.unique,
+            debouncing=self.debouncing,
             host=self.host,
         )
         self._exposition = WorkerExposition(metrics_endpoint)
@@ -360,6 +367,7 @@ class LeaseMiddleware(Middleware):
             return
         self.unique.before_enqueue(broker, message, delay, resent=resent)
         stamp(self.context, broker, message, delay, resent=resent)
+        self.debouncing.before_enqueue(broker, message, resent=resent)
 
     def _resent(self, message: Any) -> bool:
         """Whether this enqueue is of a message sent before: a copy of the delivery this thread processes (a
@@ -370,6 +378,7 @@ class LeaseMiddleware(Middleware):
     def after_enqueue(self, broker: dramatiq.Broker, message: Any, delay: int | None) -> None:
         """The broker has the message: its unique record, if it took one, lives on past the send's grace."""
         self.unique.after_enqueue(broker, message, delay)
+        self.debouncing.after_enqueue(message)
 
     def after_ack(self, broker: dramatiq.Broker, message: Any) -> None:
         """Acknowledged: its unique record ends, unless the message was enqueued again meanwhile."""

@@ -11,7 +11,7 @@ from ..core.errors import LeaseConfigError
 from ..core.lease import default_interval
 from ..core.numbers import whole_limit, whole_ms
 from ..core.rates import Rate, parse_rates
-from ..core.scripts import MAX_LIMIT, MAX_MS
+from ..core.scripts import MAX_DEBOUNCE_MS, MAX_LIMIT, MAX_MS
 from ..core.unique import UNIQUE_MODES as CORE_UNIQUE_MODES
 from .errors import LeaseOptionError
 
@@ -31,6 +31,8 @@ ACTOR_OPTIONS = frozenset(
         "lock_unique",
         "lock_unique_ttl",
         "lock_rate",
+        "lock_debounce",
+        "lock_debounce_max",
     }
 )
 
@@ -120,6 +122,9 @@ class Options:
     unique_ttl: int = DEFAULT_UNIQUE_TTL
     #: At most N starts of a key per window (``lock_rate``): none if empty.
     rates: tuple[Rate, ...] = ()
+    #: The quiet window of a debounce (``lock_debounce``, ms; ``None``: none), and its cap (``lock_debounce_max``).
+    debounce: int | None = None
+    debounce_max: int | None = None
 
 
 def ms(owner: str, name: str, value: Any, *, minimum: int = 1, maximum: int = MAX_MS) -> int:
@@ -171,6 +176,12 @@ def resolve(owner: str, defaults: Mapping[str, Any], *sources: Mapping[str, Any]
     unique = get("lock_unique")
     if unique is not None and (not isinstance(unique, str) or unique not in UNIQUE_MODES):
         raise LeaseOptionError(f"{owner}: lock_unique must be None or one of {UNIQUE_MODES}, got {unique!r}")
+    debounce, debounce_max = check_debounce(owner, get("lock_debounce"), get("lock_debounce_max"))
+    if debounce is not None and unique is not None:
+        raise LeaseOptionError(
+            f"{owner}: lock_debounce={debounce} cannot be used with lock_unique={unique!r}: lock_unique would refuse "
+            "the later sends of a burst, whose newest arguments lock_debounce runs (a burst already runs once)"
+        )
     return Options(
         ttl=ttl,
         renew_interval=interval,
@@ -184,6 +195,8 @@ def resolve(owner: str, defaults: Mapping[str, Any], *sources: Mapping[str, Any]
         unique=unique,
         unique_ttl=ms(owner, "lock_unique_ttl", get("lock_unique_ttl"), minimum=1_000, maximum=MAX_DELAY),
         rates=check_rates(owner, get("lock_rate")),
+        debounce=debounce,
+        debounce_max=debounce_max,
     )
 
 
@@ -193,6 +206,23 @@ def check_rates(owner: str, value: Any) -> tuple[Rate, ...]:
         return parse_rates(value, name="lock_rate")
     except LeaseConfigError as e:
         raise LeaseOptionError(f"{owner}: {e}") from None
+
+
+def check_debounce(owner: str, quiet: Any, cap: Any) -> tuple[int | None, int | None]:
+    """``lock_debounce`` and ``lock_debounce_max``: ints of ms from 1 to a day (``None``: none), the cap at least
+    the quiet window and only with one; else :class:`LeaseOptionError` naming ``owner``, the option and the value."""
+    for name, value in (("lock_debounce", quiet), ("lock_debounce_max", cap)):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_DEBOUNCE_MS
+        ):
+            raise LeaseOptionError(
+                f"{owner}: {name} must be None or an int of milliseconds from 1 to {MAX_DEBOUNCE_MS}, got {value!r}"
+            )
+    if cap is not None and quiet is None:
+        raise LeaseOptionError(f"{owner}: lock_debounce_max={cap} needs lock_debounce (the quiet window it caps)")
+    if cap is not None and quiet is not None and cap < quiet:
+        raise LeaseOptionError(f"{owner}: lock_debounce_max={cap} is below lock_debounce={quiet}")
+    return quiet, cap
 
 
 def check_limit(owner: str, value: Any, *, returned_by: Any = None) -> int:

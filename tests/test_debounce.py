@@ -1,0 +1,299 @@
+"""``lock_debounce`` and ``lock_debounce_max``: one run per burst of sends, with the newest arguments
+(``core/debounce.py``, ``lua/debounce.lua``, ``middleware/debouncing.py``). Real Redis; real Dramatiq workers on
+both brokers.
+
+Send times come from the record the sends wrote and run times from the fences (the Redis server's clock in µs),
+so the checks are on the clock the scripts decided with, whatever this machine's speed.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+from dramatiq.brokers.rabbitmq import RabbitmqBroker
+from prometheus_client import CollectorRegistry
+
+from dramatiq_leases import LeaseOptionError, PrometheusMetrics, current_lease
+from dramatiq_leases.core import Leases
+from dramatiq_leases.core.debounce import Debounces, Verdict
+from dramatiq_leases.embedded import EmbeddedRedis
+
+from .support.brokers import BROKERS, RABBITMQ_URL, delete_rabbitmq_queues, unique_queue
+from .support.runs import Runs
+from .support.stack import MakeStack, Stack
+from .support.waiting import wait_for
+
+
+def server_ms(client: redis.Redis) -> int:
+    seconds, micros = client.time()
+    return int(seconds) * 1000 + int(micros) // 1000
+
+
+# --- the record --------------------------------------------------------------------------------------------------
+
+
+def test_the_newest_send_of_a_burst_runs_once_it_is_due(redis_client: redis.Redis) -> None:
+    """Each send within the quiet window of the last extends the burst; the older give way to the newest in the
+    broker; the newest runs once due, and once picked it stays picked (a copy, a retry)."""
+    records = Debounces(Leases(redis_client, prefix="t").runner, "t")
+    a = records.send("k", "a", 300, None)
+    records.confirm("k", a.seq, "a")
+    b = records.send("k", "b", 300, None)
+    assert b.seq > a.seq and 250 < b.due_in_ms <= 300
+    early = records.pick("k", b.seq, "b")
+    assert early.verdict is Verdict.WAIT and 0 < early.wait_ms <= 300
+    # b not confirmed yet (its producer is between the send and the broker): a waits for it, a while.
+    assert records.pick("k", a.seq, "a").verdict is Verdict.WAIT
+    records.confirm("k", b.seq, "b")
+    assert records.pick("k", a.seq, "a") == records.pick("k", a.seq, "a")
+    assert records.pick("k", a.seq, "a").verdict is Verdict.DEBOUNCED and records.pick("k", a.seq, "a").by == "b"
+    time.sleep(early.wait_ms / 1000 + 0.01)
+    assert records.pick("k", b.seq, "b").verdict is Verdict.RUN
+    assert records.pick("k", b.seq, "b").verdict is Verdict.RUN  # a copy of it
+    assert records.pick("k", a.seq, "a").by == "b"  # never older than the last run
+    c = records.send("k", "c", 300, None)  # after the pick: the next burst
+    assert 250 < c.due_in_ms <= 300
+
+
+def test_the_cap_bounds_a_burst_from_its_first_send(redis_client: redis.Redis) -> None:
+    """Sends that never leave a quiet window still run by the cap: the burst is due at its first send plus the
+    cap, stored with the burst (no key that expires on its own)."""
+    records = Debounces(Leases(redis_client, prefix="t").runner, "t")
+    first = records.send("k", "m0", 200, 500)
+    started = time.monotonic()
+    last = first
+    n = 0
+    while time.monotonic() - started < 0.45:
+        n += 1
+        last = records.send("k", f"m{n}", 200, 500)
+        records.confirm("k", last.seq, f"m{n}")
+        time.sleep(0.05)
+    assert last.due_in_ms <= 500 - 400  # the cap, not the quiet window, sets the due instant now
+    assert redis_client.hget("t:debounce:{k}", "first") is not None and redis_client.pttl("t:debounce:{k}") > 0
+
+
+def test_a_burst_whose_newest_comes_after_the_next_burst_began_still_runs(redis_client: redis.Redis) -> None:
+    """The cap cut a stream, or a backlog held the newest back: the ended burst's newest runs when it comes, its
+    older messages give way to it, and the next burst runs after it with newer arguments."""
+    records = Debounces(Leases(redis_client, prefix="t").runner, "t")
+    old = records.send("k", "old", 100, None)
+    records.confirm("k", old.seq, "old")
+    a = records.send("k", "a", 100, None)
+    records.confirm("k", a.seq, "a")
+    time.sleep(0.12)
+    b = records.send("k", "b", 100, None)  # after a's burst was due, before a came: the next burst
+    records.confirm("k", b.seq, "b")
+    assert records.pick("k", old.seq, "old").by == "a"
+    assert records.pick("k", a.seq, "a").verdict is Verdict.RUN
+    time.sleep(0.12)
+    assert records.pick("k", b.seq, "b").verdict is Verdict.RUN
+    assert records.pick("k", a.seq, "a").verdict is Verdict.DEBOUNCED  # never after a newer run
+
+
+def test_a_newer_send_never_confirmed_holds_an_older_one_back_for_a_while_only(redis_client: redis.Redis) -> None:
+    """Its producer failed after the send: the older message runs in its stead once confirm_ms has passed."""
+    records = Debounces(Leases(redis_client, prefix="t").runner, "t")
+    a = records.send("k", "a", 50, None)
+    records.confirm("k", a.seq, "a")
+    records.send("k", "ghost", 50, None)
+    assert records.pick("k", a.seq, "a", confirm_ms=300).verdict is Verdict.WAIT
+    wait_for(
+        lambda: records.pick("k", a.seq, "a", confirm_ms=300).verdict is Verdict.RUN,
+        timeout=10,
+        what="the older message to run in the unconfirmed one's stead",
+    )
+
+
+def test_a_sequence_it_never_handed_out_is_unknown(redis_client: redis.Redis) -> None:
+    records = Debounces(Leases(redis_client, prefix="t").runner, "t")
+    assert records.pick("k", 5, "m").verdict is Verdict.UNKNOWN  # no record at all
+    records.send("k", "a", 100, None)
+    assert records.pick("k", 2**53 - 1, "m").verdict is Verdict.UNKNOWN  # made up
+
+
+# --- declaration ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"lock_debounce": -1}, "lock_debounce"),
+        ({"lock_debounce": 0}, "lock_debounce"),
+        ({"lock_debounce": 1.5}, "lock_debounce"),
+        ({"lock_debounce": 1000.0}, "lock_debounce"),
+        ({"lock_debounce": True}, "lock_debounce"),
+        ({"lock_debounce": "1s"}, "lock_debounce"),
+        ({"lock_debounce": 1000, "lock_debounce_max": 999}, "lock_debounce_max"),
+        ({"lock_debounce": 1000, "lock_debounce_max": -5}, "lock_debounce_max"),
+        ({"lock_debounce_max": 5000}, "lock_debounce_max"),
+        ({"lock_debounce": 1000, "lock_unique": "queued"}, "lock_unique"),
+    ],
+)
+def test_bad_debounces_are_refused_at_declaration(make_stack: MakeStack, options: dict[str, Any], named: str) -> None:
+    stack = make_stack(metrics=PrometheusMetrics(registry=CollectorRegistry()), metrics_endpoint=False)
+    with pytest.raises(LeaseOptionError) as info:
+
+        @stack.actor(actor_name="sync_record", lock_key="record:{rid}", **options)
+        def sync_record(rid: int) -> None:
+            pass
+
+    assert "actor 'sync_record'" in str(info.value) and named in str(info.value), info.value
+
+
+# --- in workers ----------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(params=BROKERS)
+def stack(request: pytest.FixtureRequest, redis_server: EmbeddedRedis) -> Iterator[Stack]:
+    """A worker of 4 threads on each broker, leases in database 1 with a history."""
+    options: dict[str, Any] = {
+        "metrics": PrometheusMetrics(registry=CollectorRegistry()),
+        "metrics_endpoint": False,
+        "history": 200,
+    }
+    if request.param == "rabbitmq":
+        s = Stack("", redis_server.url(1), broker=RabbitmqBroker(url=RABBITMQ_URL), **options)
+        s.queue = unique_queue("debounce")  # type: ignore[attr-defined]
+    else:
+        s = Stack(redis_server.url(0), redis_server.url(1), **options)
+        s.queue = "default"  # type: ignore[attr-defined]
+    yield s
+    s.stop()
+    if request.param == "rabbitmq":
+        delete_rabbitmq_queues(s.queue)  # type: ignore[attr-defined]
+
+
+def not_run(stack: Stack, actor: str, queue: str, reason: str) -> float:
+    registry = stack.leases_mw.metrics._registry  # type: ignore[attr-defined]
+    labels = {"actor_name": actor, "queue_name": queue, "reason": reason}
+    return registry.get_sample_value("dramatiq_lease_not_run_total", labels) or 0.0
+
+
+def test_a_burst_runs_once_with_its_newest_arguments_after_the_quiet_window(stack: Stack) -> None:
+    """Ten edits in a row: one run, of the last, starting once the key had no send for the quiet window (not
+    before it, and within a second of it); the nine others acknowledged, counted and logged."""
+    runs = Runs()
+    queue: str = stack.queue  # type: ignore[attr-defined]
+
+    @stack.actor(queue_name=queue, lock_key="record:{rid}", lock_debounce=400, max_retries=0)
+    def sync_record(rid: int, revision: int) -> None:
+        runs.add(revision=revision, fence=current_lease().fence)
+
+    stack.start()
+    messages = []
+    for revision in range(10):
+        messages.append(sync_record.send(7, revision))
+        time.sleep(0.05)
+    last_sent = int(stack.leases.client.hget("dramatiq-leases:debounce:{record:7}", "newest_at") or 0)
+    for message in messages:
+        assert stack.recorder.wait_settled(message.message_id, timeout=30) == "acked"
+    [run] = runs.items
+    assert run["revision"] == 9
+    started_ms = int(run["fence"]) // 1000
+    assert last_sent + 400 <= started_ms
+    assert started_ms - (last_sent + 400) < 1_000, started_ms - (last_sent + 400)
+    assert not_run(stack, "sync_record", queue, "debounced") == 9
+    # Each names a message sent after it: the newest of the burst when it was delivered.
+    order = {m.message_id: n for n, m in enumerate(messages)}
+    events = [e for e in stack.leases.history("record:7") if e.event == "debounced"]
+    assert len(events) == 9 and all(order[e.by] > order[e.message_id] for e in events)
+
+
+def test_the_cap_runs_a_burst_that_never_pauses(stack: Stack) -> None:
+    """Sends every 100 ms for 2 s with a quiet window of 300 ms and a cap of 800 ms: a run at least every
+    800 ms of sends (the cap), each with the newest arguments sent before it, and never one going backwards."""
+    runs = Runs()
+    queue: str = stack.queue  # type: ignore[attr-defined]
+
+    @stack.actor(queue_name=queue, lock_key="record:{rid}", lock_debounce=300, lock_debounce_max=800, max_retries=0)
+    def sync_record(rid: int, revision: int) -> None:
+        runs.add(revision=revision, fence=current_lease().fence)
+
+    stack.start()
+    messages = []
+    started = time.monotonic()
+    revision = 0
+    while time.monotonic() - started < 2.0:
+        messages.append(sync_record.send(7, revision))
+        revision += 1
+        time.sleep(0.1)
+    for message in messages:
+        assert stack.recorder.wait_settled(message.message_id, timeout=30) == "acked"
+    done = sorted(runs.items, key=lambda r: int(r["fence"]))
+    revisions = [r["revision"] for r in done]
+    assert revisions == sorted(revisions) and revisions[-1] == revision - 1  # never backwards; the last one runs
+    assert 2 <= len(done) <= 5, revisions  # the cap ran the stream about every 800 ms, not once at its end
+    assert not_run(stack, "sync_record", queue, "debounced") == len(messages) - len(done)
+
+
+def test_a_send_during_the_run_starts_the_next_burst(stack: Stack) -> None:
+    """The burst's run is running; a send now is the next burst's, which runs after it, with its arguments."""
+    runs = Runs()
+    queue: str = stack.queue  # type: ignore[attr-defined]
+    running = threading.Event()
+    release = threading.Event()
+
+    @stack.actor(queue_name=queue, lock_key="record:{rid}", lock_debounce=200, max_retries=0)
+    def sync_record(rid: int, revision: int) -> None:
+        runs.add(revision=revision)
+        if revision == 1:
+            running.set()
+            assert release.wait(20)
+
+    stack.start()
+    first = [sync_record.send(7, 0), sync_record.send(7, 1)]
+    assert running.wait(20)
+    second = [sync_record.send(7, 2), sync_record.send(7, 3)]
+    release.set()
+    for message in first + second:
+        assert stack.recorder.wait_settled(message.message_id, timeout=30) == "acked"
+    assert [r["revision"] for r in runs.items] == [1, 3]
+
+
+def test_a_debounced_run_still_waits_for_its_rate_and_its_limit(stack: Stack) -> None:
+    """Debounce picks the run; lock_rate and lock_limit then hold for it as for any message: two keys' bursts
+    under a rate of 1/s start at least a second apart."""
+    runs = Runs()
+    queue: str = stack.queue  # type: ignore[attr-defined]
+
+    @stack.actor(queue_name=queue, lock_key="tenant:{tenant}", lock_debounce=200, lock_rate="1/s", max_retries=0)
+    def sync_tenant(tenant: str, revision: int) -> None:
+        runs.add(revision=revision, fence=current_lease().fence)
+
+    stack.start()
+    messages = [sync_tenant.send("acme", n) for n in range(3)]
+    for message in messages:
+        assert stack.recorder.wait_settled(message.message_id, timeout=30) == "acked"
+    wait_for(lambda: runs.count() == 1, timeout=10, what="the first burst's run")
+    time.sleep(0.3)  # a second burst, after the first one ran
+    messages = [sync_tenant.send("acme", n) for n in range(3, 6)]
+    for message in messages:
+        assert stack.recorder.wait_settled(message.message_id, timeout=30) == "acked"
+    fences = [int(r["fence"]) for r in runs.items]
+    assert [r["revision"] for r in runs.items] == [2, 5]
+    assert fences[1] - fences[0] >= 1_000_000  # the rate held for the debounced run
+
+
+def test_a_message_without_a_sequence_of_ours_is_registered_at_its_delivery(stack: Stack) -> None:
+    """A sequence is input from whoever writes to the broker: one that is none of ours (made up, or from a producer
+    without the middleware) is registered when delivered, as a send then; the burst still runs once."""
+    runs = Runs()
+    queue: str = stack.queue  # type: ignore[attr-defined]
+
+    @stack.actor(queue_name=queue, lock_key="record:{rid}", lock_debounce=200, max_retries=0)
+    def sync_record(rid: int, revision: int) -> None:
+        runs.add(revision=revision)
+
+    stack.start()
+    messages = [
+        sync_record.send_with_options(args=(7, 0), lease_debounce="bogus"),
+        sync_record.send_with_options(args=(7, 1), lease_debounce=2**60),
+    ]
+    for message in messages:
+        assert stack.recorder.wait_settled(message.message_id, timeout=30) == "acked"
+    assert runs.count() == 1
