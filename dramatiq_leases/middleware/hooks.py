@@ -116,7 +116,16 @@ class LeaseMiddleware(Middleware):
         list of such that all hold). A message the rate does not allow yet
         finds its key full and does what ``lock_on_busy`` says: ``"wait"``
         takes its place in the key's line and starts when the rate allows.
-        Default ``None`` (no rate).
+        Default ``None`` (no rate). An actor whose downstream says "too many
+        requests" raises :class:`RateLimited`: its key is held back, and the
+        message runs again first, without a retry.
+      lock_debounce: default ``lock_debounce`` in ms: one run per burst of
+        sends of a key (sends within this long of each other), with the newest
+        message's arguments, once the key had no send for this long; the
+        others are acknowledged without running (see :mod:`.debouncing`).
+        Default ``None`` (none).
+      lock_debounce_max: default ``lock_debounce_max`` in ms: a burst runs once
+        its first send is this old, even if sends keep coming. Default ``None``.
       metrics: where to report; default :class:`PrometheusMetrics`.
       metrics_endpoint: when Dramatiq's own ``Prometheus`` middleware is
         absent, serve the lease metrics of all worker processes on
@@ -162,7 +171,8 @@ class LeaseMiddleware(Middleware):
     ``lock_ttl``, ``lock_renew_interval``, ``lock_max_hold``,
     ``lock_min_backoff``, ``lock_max_backoff``, ``lock_max_wait``,
     ``lock_give_up``, ``lock_limit``, ``lock_on_busy``, ``lock_unique``,
-    ``lock_unique_ttl``, ``lock_rate``. ``send_with_options(lease=lease)`` hands a lease
+    ``lock_unique_ttl``, ``lock_rate``, ``lock_debounce``, ``lock_debounce_max``.
+    ``send_with_options(lease=lease)`` hands a lease
     acquired by the producer to the worker, which adopts it once. A message
     of an actor without ``lock_key`` that carries any of these is refused at
     send time. Every time is a whole number of milliseconds.
