@@ -80,7 +80,7 @@ class Debounces:
         Raises:
           LeaseUnavailableError: Redis could not be asked.
         """
-        args = ["send", 0, message_id, quiet, cap or 0, 1 if in_broker else 0, 0]
+        args: list[str | int] = ["send", 0, message_id, quiet, cap or 0, 1 if in_broker else 0, 0]
         reply: Any = self._call("debounce a send", key, args)
         seq, due_in = reply  # {seq, ms}: lua/debounce.lua
         return Stamp(int(seq), max(0, int(due_in)))
