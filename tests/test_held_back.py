@@ -8,7 +8,9 @@ check is on the times the scripts decided with, whatever this machine's speed.
 
 from __future__ import annotations
 
+import json
 import pickle
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -20,6 +22,7 @@ from dramatiq.brokers.rabbitmq import RabbitmqBroker
 from prometheus_client import CollectorRegistry
 
 from dramatiq_leases import PrometheusMetrics, RateLimited, current_lease
+from dramatiq_leases.cli import main
 from dramatiq_leases.core import Busy, Lease, LeaseConfigError, Leases
 from dramatiq_leases.core.protocol import Turn
 from dramatiq_leases.embedded import EmbeddedRedis
@@ -118,6 +121,23 @@ def test_the_held_back_waiter_goes_first_once_the_hold_ends(redis_client: redis.
 
     assert isinstance(late(), Turn)
     wait_for(lambda: isinstance(late(), Lease), timeout=10, what="the lapsed place to let the next waiter in")
+
+
+def test_show_tells_a_key_is_held_back_and_when_it_may_start(
+    capsys: pytest.CaptureFixture[str], redis_server: EmbeddedRedis
+) -> None:
+    """``show KEY`` on a held-back key: its line (the held-back message at its head) waits for the hold, not for
+    a holder, and says when the next start may be."""
+    leases = Leases(redis.Redis.from_url(redis_server.url(0)))
+    lease = leases.try_acquire("vendor:acme", 10_000)
+    assert isinstance(lease, Lease)
+    assert leases.line.hold_back("vendor:acme", lease.token, hold=60_000, waiter="m:0", fence=lease.fence)
+    assert main(["--redis-url", redis_server.url(0), "show", "vendor:acme"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"head m:0; oldest waiting .*; waiting for rate: next start in 5\d{4} ms", out), out
+    assert main(["--redis-url", redis_server.url(0), "show", "vendor:acme", "--json"]) == 0
+    line = json.loads(capsys.readouterr().out)["line"]
+    assert line["waiting_for"] == "rate" and 55_000 < line["next_start_ms"] <= 60_000
 
 
 def test_no_key_of_a_hold_lives_without_ttl(redis_client: redis.Redis) -> None:

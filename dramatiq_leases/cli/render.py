@@ -271,9 +271,11 @@ def describe_line(line: LineInfo) -> str:
     if not line.length:
         return "empty"
     states = ", ".join(f"{n} {state}" for state, n in sorted(line.states.items()))
+    # Waiting for its rate (lock_rate) or a hold (RateLimited), not for a holder: when the next start may be.
+    why = f"; waiting for rate: next start in {line.next_start_ms} ms" if line.waiting_for_rate else ""
     # Escaped whole: the head and the states are as the waiters' entries spell them.
     return printable(
-        f"{line.length} waiting ({states}); head {line.head}; oldest waiting {format_duration(line.oldest_wait)}"
+        f"{line.length} waiting ({states}); head {line.head}; oldest waiting {format_duration(line.oldest_wait)}{why}"
     )
 
 
@@ -285,6 +287,8 @@ def line_dict(line: LineInfo) -> dict[str, Any]:
         "oldest_wait": line.oldest_wait,
         "states": line.states,
         "actors": line.actors,
+        "waiting_for": "rate" if line.waiting_for_rate else "holder",
+        "next_start_ms": line.next_start_ms if line.waiting_for_rate else None,
     }
 
 

@@ -262,9 +262,10 @@ class Acquisition:
         not_run(ctx, message, self.key, reason, said, meta=self.meta, newer=result.newer)
         if reason != "superseded":  # a superseded waiter is recorded by the script that replaced it
             waited = max(0, result.now_ms - self.first) if self.first else 0
-            record_history(
-                ctx.waiting, self.key, reason, self.meta, reason=f"lock_on_busy={opts.on_busy}", waited_ms=waited
-            )
+            why = f"lock_on_busy={opts.on_busy}"
+            if opts.rates:  # full for its holders, or for its rate: the rate is named, as in the log line
+                why += f"; lock_rate={','.join(map(str, opts.rates))}"
+            record_history(ctx.waiting, self.key, reason, self.meta, reason=why, waited_ms=waited)
         if reason == "failed":
             message.fail()
             message.options[SKIP_MARK] = True
