@@ -58,7 +58,7 @@ GRANT_ARGV = (
 #: ``lua/release.lua``'s ARGV by name, in order.
 RELEASE_ARGV = ("token", "waiter", "grant", "retention_ms", "history", "ready", "promote_ms", "by", "hold_ms", "back")
 #: ``lua/acquire_plain.lua``'s ARGV by name, in order (the lease hash's field/value pairs follow them).
-GRANT_PLAIN_ARGV = (*GRANT_ARGV[:7], "grace_ms", "failover_ms")  # lua/acquire_plain.lua knows no rates
+GRANT_PLAIN_ARGV = (*GRANT_ARGV[:7], "grace_ms", "failover_ms", "rates")
 #: ``lua/release_plain.lua``'s ARGV by name, in order.
 RELEASE_PLAIN_ARGV = ("token", "grant", "retention_ms")
 
@@ -145,7 +145,7 @@ class GrantRequest:
     def plain(self) -> bool:
         """Whether ``lua/acquire_plain.lua`` is asked first (in a store without history): a key of one holder, no
         unique record, not latest, and not back from the line (whose key is likely still lined)."""
-        return self.limit == 1 and not self.unique and not self.latest and not self.first_ms and not self.rates
+        return self.limit == 1 and not self.unique and not self.latest and not self.first_ms
 
     def encode_plain(
         self, prefix: str, retention: int, *, grace: int = 0, failover: int = 0
@@ -153,12 +153,14 @@ class GrantRequest:
         """``KEYS`` and ``ARGV`` of ``lua/acquire_plain.lua`` (see :meth:`encode`)."""
         args: list[Any] = [
             *(self.token, self.ttl, self.max_hold, self.interval, margin_ms(self.ttl), retention, self.waiter),
-            *(grace, failover),
+            *(grace, failover, len(self.rates)),
+            *(n for rate in self.rates for n in (rate.count, rate.window)),
             *self.fields,
         ]  # GRANT_PLAIN_ARGV
         if self.waiter:
             args += ["waiter", self.waiter]
-        return list(script_names(prefix, self.key)), args
+        rings = [rate_name(prefix, self.key, rate.count, rate.window) for rate in self.rates]
+        return [*script_names(prefix, self.key), *rings], args
 
     def encode(
         self, prefix: str, retention: int, history: int, *, grace: int = 0, failover: int = 0, width: int = 1
