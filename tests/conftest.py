@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections.abc import Iterator
@@ -9,11 +10,17 @@ from typing import Any
 
 import pytest
 import redis
+from dramatiq.brokers.rabbitmq import RabbitmqBroker
+from dramatiq.middleware import Interrupt
 from dramatiq.middleware.time_limit import TimeLimit
+from dramatiq.worker import WorkerThread
+from prometheus_client import CollectorRegistry
 
+from dramatiq_leases import PrometheusMetrics
 from dramatiq_leases.embedded import EmbeddedRedis
 
 from .support import servers
+from .support.brokers import BROKERS, RABBITMQ_URL, delete_rabbitmq_queues, unique_queue
 from .support.stack import MakeStack, Stack
 
 _SERVER: tuple[str, str] = ("redis", "")
@@ -103,3 +110,45 @@ def make_stack(redis_server: EmbeddedRedis) -> Iterator[MakeStack]:
     yield make
     for stack in stacks:
         stack.stop()
+
+
+@pytest.fixture(params=BROKERS)
+def make_broker_stack(request: pytest.FixtureRequest, redis_server: EmbeddedRedis) -> Iterator[MakeStack]:
+    """Stacks on each broker (Redis: database 0 of the test's server; RabbitMQ: a queue of the test's own, deleted
+    after it), leases in database 1 with a history of 200 events and metrics of their own; each stack's queue is
+    ``stack.queue``. Keyword options go to :class:`Stack` (``threads``, ``broker``, the middleware's)."""
+    stacks: list[Stack] = []
+    queue = unique_queue("stack") if request.param == "rabbitmq" else "default"
+
+    def make(**options: Any) -> Stack:
+        options = {
+            "metrics": PrometheusMetrics(registry=CollectorRegistry()),
+            "metrics_endpoint": False,
+            "history": 200,
+            **options,
+        }
+        if request.param == "rabbitmq":
+            options.setdefault("broker", RabbitmqBroker(url=RABBITMQ_URL))
+        stack = Stack(redis_server.url(0), redis_server.url(1), queue=queue, **options)
+        stacks.append(stack)
+        return stack
+
+    yield make
+    for stack in stacks:
+        stack.stop()
+    if request.param == "rabbitmq":
+        delete_rabbitmq_queues(queue)
+
+
+@pytest.fixture
+def survivable_worker_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dramatiq's own handler of a failed message can be interrupted too, and the interruption then ends its
+    worker thread (as TimeLimit can do in production). Keep the threads alive: a storm of interruptions tests this
+    package's bookkeeping, not that window of Dramatiq's."""
+    process = WorkerThread.process_message
+
+    def surviving(self: WorkerThread, message: Any) -> None:
+        with contextlib.suppress(Interrupt):
+            process(self, message)
+
+    monkeypatch.setattr(WorkerThread, "process_message", surviving)

@@ -13,23 +13,20 @@ import pickle
 import re
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import redis
-from dramatiq.brokers.rabbitmq import RabbitmqBroker
-from prometheus_client import CollectorRegistry
 
-from dramatiq_leases import PrometheusMetrics, RateLimited, current_lease
+from dramatiq_leases import RateLimited, current_lease
 from dramatiq_leases.cli import main
 from dramatiq_leases.core import Busy, Lease, LeaseConfigError, Leases
 from dramatiq_leases.core.protocol import Turn
 from dramatiq_leases.embedded import EmbeddedRedis
+from dramatiq_leases.middleware import held_back
 
-from .support.brokers import BROKERS, RABBITMQ_URL, delete_rabbitmq_queues, unique_queue
 from .support.runs import Runs
-from .support.stack import Stack
+from .support.stack import MakeStack, Stack
 from .support.waiting import wait_for
 
 # --- the store ------------------------------------------------------------------------------------------------
@@ -153,6 +150,11 @@ def test_no_key_of_a_hold_lives_without_ttl(redis_client: redis.Redis) -> None:
     assert redis_client.pttl("t:fence:{k}") > 4_000
 
 
+def server_ms(client: Any) -> int:
+    seconds, micros = client.time()
+    return int(seconds) * 1000 + int(micros) // 1000
+
+
 def test_retry_after_reads_an_http_header() -> None:
     assert RateLimited.after_header("30").retry_after == 30_000
     assert RateLimited.after_header("Wed, 21 Oct 2015 07:28:30 GMT", now=1445412480.0).retry_after == 30_000
@@ -167,42 +169,17 @@ def test_retry_after_reads_an_http_header() -> None:
 # --- in an actor -----------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(params=BROKERS)
-def stack(request: pytest.FixtureRequest, redis_server: EmbeddedRedis) -> Iterator[Stack]:
-    """A worker of 4 threads on each broker, leases in database 1 with a history."""
-    options: dict[str, Any] = {
-        "metrics": PrometheusMetrics(registry=CollectorRegistry()),
-        "metrics_endpoint": False,
-        "history": 100,
-    }
-    if request.param == "rabbitmq":
-        queue = unique_queue("held-back")
-        s = Stack("", redis_server.url(1), broker=RabbitmqBroker(url=RABBITMQ_URL), **options)
-        s.queue = queue  # type: ignore[attr-defined]
-    else:
-        s = Stack(redis_server.url(0), redis_server.url(1), **options)
-        s.queue = "default"  # type: ignore[attr-defined]
-    yield s
-    s.stop()
-    if request.param == "rabbitmq":
-        delete_rabbitmq_queues(s.queue)  # type: ignore[attr-defined]
-
-
-def not_run(stack: Stack, actor: str, queue: str, reason: str) -> float:
-    registry = stack.leases_mw.metrics._registry  # type: ignore[attr-defined]
-    labels = {"actor_name": actor, "queue_name": queue, "reason": reason}
-    return registry.get_sample_value("dramatiq_lease_not_run_total", labels) or 0.0
-
-
 @pytest.mark.parametrize("limit", [1, 2])
-def test_rate_limited_holds_the_key_back_and_runs_again_first_without_a_retry(stack: Stack, limit: int) -> None:
+def test_rate_limited_holds_the_key_back_and_runs_again_first_without_a_retry(
+    make_broker_stack: MakeStack, limit: int
+) -> None:
     """The vendor said 429: no message of the key starts during the hold (none of its slots), the message that
     raised runs again first once it ends, acknowledged, its retry untouched (``max_retries=0``)."""
+    stack = make_broker_stack()
     runs = Runs()
     raised = threading.Event()
-    queue: str = stack.queue  # type: ignore[attr-defined]
 
-    @stack.actor(queue_name=queue, lock_key="vendor:{tenant}", lock_limit=limit, max_retries=0)
+    @stack.actor(lock_key="vendor:{tenant}", lock_limit=limit, max_retries=0)
     def call_vendor(tenant: str, n: int) -> None:
         runs.add(kind="start", n=n, fence=current_lease().fence)
         if n == 0 and not raised.is_set():
@@ -227,18 +204,18 @@ def test_rate_limited_holds_the_key_back_and_runs_again_first_without_a_retry(st
     # (first of all with one slot; with two, the line's first two go together).
     assert all(int(r["fence"]) // 1000 >= held.time_ms + 800 for r in [again, *later])
     assert sum(int(r["fence"]) < int(again["fence"]) for r in later) < limit
-    assert not_run(stack, "call_vendor", queue, "rate_limited") == 1
+    assert stack.not_run("call_vendor", "rate_limited") == 1
     assert not stack.recorder.nacked
     assert all(opts.get("retries", 0) == 0 for _, _, opts in stack.recorder.enqueues)
 
 
-def test_rate_limited_with_a_rate_waits_for_both(stack: Stack) -> None:
+def test_rate_limited_with_a_rate_waits_for_both(make_broker_stack: MakeStack) -> None:
     """With ``lock_rate`` the hold adds to the rate: each start waits for both, and the rate still holds."""
+    stack = make_broker_stack()
     runs = Runs()
-    queue: str = stack.queue  # type: ignore[attr-defined]
     raised = threading.Event()
 
-    @stack.actor(queue_name=queue, lock_key="vendor:{tenant}", lock_rate="2/s", max_retries=0)
+    @stack.actor(lock_key="vendor:{tenant}", lock_rate="2/s", max_retries=0)
     def call_vendor(tenant: str, n: int) -> None:
         runs.add(kind="start", n=n, fence=current_lease().fence)
         if n == 1 and not raised.is_set():
@@ -256,15 +233,15 @@ def test_rate_limited_with_a_rate_waits_for_both(stack: Stack) -> None:
     assert all(f // 1000 >= held.time_ms + 600 for f in fences if f // 1000 > held.time_ms)
 
 
-def test_rate_limited_in_an_async_actor(stack: Stack) -> None:
+def test_rate_limited_in_an_async_actor(make_broker_stack: MakeStack) -> None:
     """An async actor raises it through Dramatiq's event loop: the same hold, the same second run."""
+    stack = make_broker_stack()
     from dramatiq.middleware import AsyncIO
 
     stack.broker.add_middleware(AsyncIO())
     runs = Runs()
-    queue: str = stack.queue  # type: ignore[attr-defined]
 
-    @stack.actor(queue_name=queue, lock_key="vendor:{tenant}", max_retries=0)
+    @stack.actor(lock_key="vendor:{tenant}", max_retries=0)
     async def call_vendor(tenant: str) -> None:
         runs.add(kind="start")
         if runs.count(kind="start") == 1:
@@ -275,3 +252,179 @@ def test_rate_limited_in_an_async_actor(stack: Stack) -> None:
     wait_for(lambda: runs.count(kind="start") == 2, timeout=30, what="the second run")
     assert stack.recorder.wait_settled(message.message_id, timeout=30) == "acked"
     assert [e.event for e in stack.leases.history("vendor:acme")].count("rate_limited") == 1
+
+
+@pytest.mark.parametrize("on_busy", ["skip", "fail"])
+def test_a_held_back_message_of_a_skip_or_fail_actor_runs_again_even_if_its_copy_comes_back_early(
+    make_broker_stack: MakeStack, monkeypatch: pytest.MonkeyPatch, on_busy: str
+) -> None:
+    """A hold longer than a park (a ``Retry-After: 600`` against the 300 s park; shortened here to 1.5 s against
+    400 ms), or a worker clock ahead of the server's, brings the copy back while its key is still held: it waits
+    for the hold's end in the line whatever its ``lock_on_busy`` says, then runs, neither skipped nor failed."""
+    monkeypatch.setattr(held_back, "DEFAULT_PARK_MS", 400)
+    stack = make_broker_stack()
+    runs = Runs()
+
+    @stack.actor(lock_key="vendor:{tenant}", lock_on_busy=on_busy, max_retries=0)
+    def call_vendor(tenant: str) -> None:
+        runs.add(fence=current_lease().fence)
+        if runs.count() == 1:
+            raise RateLimited(retry_after=1_500)
+
+    stack.start()
+    message = call_vendor.send("acme")
+    wait_for(lambda: runs.count() >= 1, timeout=20, what="the first run")
+    wait_for(lambda: runs.count() == 2, timeout=20, what="the run after the hold")
+    skipped = stack.not_run("call_vendor", "skipped")
+    failed = stack.not_run("call_vendor", "failed")
+    assert (skipped, failed, stack.recorder.nacked) == (0, 0, []), (
+        f"the held-back message was not run again: skipped={skipped} failed={failed} nacked={stack.recorder.nacked}"
+    )
+    assert runs.count() == 2
+    assert stack.recorder.wait_settled(message.message_id, timeout=10) == "acked"
+
+
+def test_a_held_back_message_runs_again_even_when_the_hold_outlasts_its_wait_budget(
+    make_broker_stack: MakeStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hold longer than the wait budget (a ``Retry-After: 7200`` against an hour; shortened here to 2.5 s
+    against 1 s, parks of 400 ms) does not give the message up: its budget starts when the hold ends."""
+    monkeypatch.setattr(held_back, "DEFAULT_PARK_MS", 400)
+    stack = make_broker_stack()
+    runs = Runs()
+
+    @stack.actor(lock_key="vendor:{tenant}", lock_max_wait=1_000, max_retries=0)
+    def call_vendor(tenant: str) -> None:
+        runs.add(fence=current_lease().fence)
+        if runs.count() == 1:
+            raise RateLimited(retry_after=2_500)
+
+    stack.start()
+    message = call_vendor.send("acme")
+    wait_for(lambda: runs.count() >= 1, timeout=20, what="the first run")
+    wait_for(lambda: runs.count() == 2, timeout=20, what="the run after the hold")
+    gave_up = stack.not_run("call_vendor", "gave_up")
+    assert gave_up == 0 and not stack.recorder.nacked, "the held-back message was given up and dead-lettered"
+    assert runs.count() == 2
+    assert stack.recorder.wait_settled(message.message_id, timeout=10) == "acked"
+
+
+def test_a_lost_lease_holds_nothing_back_but_the_message_still_comes_back_after_retry_after(
+    make_broker_stack: MakeStack,
+) -> None:
+    """A lease lost before the raise (an operator released it) holds nothing back, but the message still comes
+    back only after ``retry_after``: not at once, against the downstream that just answered 429."""
+    stack = make_broker_stack()
+    runs = Runs()
+    raised_at: list[int] = []
+
+    @stack.actor(lock_key="vendor:{tenant}", max_retries=0)
+    def call_vendor(tenant: str) -> None:
+        lease = current_lease()
+        runs.add(fence=lease.fence)
+        if runs.count() == 1:
+            assert stack.leases.release_token(lease.key, lease.token, by="ops@host")
+            raised_at.append(server_ms(stack.leases.client))
+            raise RateLimited(retry_after=3_000)
+
+    stack.start()
+    message = call_vendor.send("acme")
+    wait_for(lambda: runs.count() == 2, timeout=20, what="the second run")
+    assert stack.recorder.wait_settled(message.message_id, timeout=10) == "acked"
+    again_ms = int(runs.items[1]["fence"]) // 1000
+    assert again_ms >= raised_at[0] + 3_000, f"ran again {again_ms - raised_at[0]} ms after a 429 of 3000 ms"
+
+
+def test_a_hold_with_latest_runs_the_newer_message_and_supersedes_the_held_back_one(
+    make_broker_stack: MakeStack,
+) -> None:
+    """``lock_on_busy="latest"`` with RateLimited. A newer revision sent during the hold waits for it (no
+    start before the hold ends), then runs; the held-back older revision, back at the hold's end, is superseded
+    (the newest wins), never run after the newer one."""
+    stack = make_broker_stack()
+    runs = Runs()
+    raised = threading.Event()
+
+    @stack.actor(lock_key="doc:{doc}", lock_on_busy="latest", max_retries=0)
+    def reindex(doc: int, revision: int) -> None:
+        runs.add(revision=revision, fence=current_lease().fence)
+        if revision == 0 and not raised.is_set():
+            raised.set()
+            raise RateLimited(retry_after=800)
+
+    stack.start()
+    first = reindex.send(1, 0)
+    assert raised.wait(20)
+    newer = reindex.send(1, 1)
+    for message in (first, newer):
+        assert stack.recorder.wait_settled(message.message_id, timeout=30) == "acked"
+    [held] = [e for e in stack.leases.history("doc:1") if e.event == "rate_limited"]
+    revisions = [r["revision"] for r in runs.items]
+    assert revisions == [0, 1], revisions
+    assert int(runs.items[1]["fence"]) // 1000 >= held.time_ms + 800
+    assert stack.not_run("reindex", "superseded") == 1
+
+
+def test_a_worker_stop_while_the_held_back_copy_is_parked_still_runs_it_once_after_the_hold(
+    make_broker_stack: MakeStack, request: pytest.FixtureRequest, redis_server: EmbeddedRedis
+) -> None:
+    """The worker holding the held-back copy in its delay queue stops during the hold; another worker takes
+    the copy over and runs the message once more, not before the hold ends, acknowledged, no retry spent."""
+    from .support.stack import taking_over_broker
+
+    rabbit = "rabbitmq" in request.node.callspec.id
+    runs = Runs()
+
+    def declare(stack: Stack) -> Any:
+        @stack.actor(actor_name="call_vendor", lock_key="vendor:{tenant}", max_retries=0)
+        def call_vendor(tenant: str) -> None:
+            runs.add(fence=current_lease().fence)
+            if runs.count() == 1:
+                raise RateLimited(retry_after=2_000)
+
+        return call_vendor
+
+    first = make_broker_stack()
+    call_vendor = declare(first)
+    first.start()
+    message = call_vendor.send("acme")
+    wait_for(lambda: runs.count() == 1 and first.leases_mw.waiting.parked == 1, timeout=20, what="the parked copy")
+    first.stop()
+    broker = None if rabbit else taking_over_broker(redis_server.url(0))
+    second = make_broker_stack(broker=broker) if broker is not None else make_broker_stack()
+    declare(second)
+    second.start()
+    wait_for(lambda: runs.count() == 2, timeout=30, what="the held-back message's second run")
+    time.sleep(1.0)
+    assert runs.count() == 2
+    [held] = [e for e in second.leases.history("vendor:acme") if e.event == "rate_limited"]
+    assert int(runs.items[1]["fence"]) // 1000 >= held.time_ms + 2_000
+    assert message.message_id not in first.recorder.nacked + second.recorder.nacked
+
+
+@pytest.mark.parametrize("mode", ["until_done", "queued"])
+def test_a_held_back_unique_message_keeps_its_record_until_it_runs_again(
+    make_broker_stack: MakeStack, mode: str
+) -> None:
+    """RateLimited with ``lock_unique``: the delivery is skipped with its copy parked, so the unique record
+    lives on (a second send is refused while the copy waits out the hold), and the message runs again once."""
+    from dramatiq_leases import DuplicateMessage
+
+    stack = make_broker_stack()
+    runs = Runs()
+
+    @stack.actor(lock_key="export:{rid}", lock_unique=mode, max_retries=0)
+    def export(rid: int) -> None:
+        runs.add(fence=current_lease().fence)
+        if runs.count() == 1:
+            raise RateLimited(retry_after=1_500)
+
+    stack.start()
+    message = export.send(1)
+    wait_for(lambda: runs.count() == 1, timeout=20, what="the first run")
+    time.sleep(0.3)
+    with pytest.raises(DuplicateMessage):
+        export.send(1)
+    wait_for(lambda: runs.count() == 2, timeout=30, what="the second run")
+    assert stack.recorder.wait_settled(message.message_id, timeout=10) == "acked"
+    wait_for(lambda: export.send(1) is not None, timeout=10, what="the record to end with the message")

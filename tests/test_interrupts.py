@@ -12,7 +12,6 @@ actor that returned is failed by an interruption that landed after it.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import random
 import sys
@@ -24,10 +23,9 @@ from typing import Any
 
 import dramatiq
 import pytest
-from dramatiq.middleware import Interrupt, Middleware, Shutdown
+from dramatiq.middleware import Middleware, Shutdown
 from dramatiq.middleware.time_limit import TimeLimitExceeded
 from dramatiq.threading import raise_thread_exception
-from dramatiq.worker import WorkerThread
 from prometheus_client import CollectorRegistry
 
 from dramatiq_leases import Busy, LeaseLost, PrometheusMetrics, current_lease
@@ -35,6 +33,7 @@ from dramatiq_leases.core import LostReason
 from dramatiq_leases.embedded import EmbeddedRedis
 
 from .support.brokers import pending, redis_dead_letters
+from .support.interrupts import LockFreeHandler
 from .support.stack import Stack
 from .support.waiting import wait_for
 
@@ -112,34 +111,6 @@ class Outcomes(Middleware):
         if exception is not None:
             frame = traceback.extract_tb(exception.__traceback__)[-1]
             self.failures[message.message_id] = (type(exception).__name__, frame.filename, frame.name)
-
-
-@pytest.fixture
-def survivable_worker_threads(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Dramatiq's own handler of a failed message can be interrupted too, and the interruption then
-    ends its worker thread (as TimeLimit can do in production). Keep the threads alive: the storm
-    tests this package's bookkeeping, not that window of Dramatiq's."""
-    process = WorkerThread.process_message
-
-    def surviving(self: WorkerThread, message: Any) -> None:
-        with contextlib.suppress(Interrupt):
-            process(self, message)
-
-    monkeypatch.setattr(WorkerThread, "process_message", surviving)
-
-
-class LockFreeHandler(logging.Handler):
-    """Keeps records in a list, without the handler lock an interruption could strand."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.records: list[logging.LogRecord] = []
-
-    def createLock(self) -> None:  # noqa: N802 (logging's name)
-        self.lock = None
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
 
 
 @pytest.fixture

@@ -40,10 +40,10 @@ from dramatiq_leases.embedded import EmbeddedRedis
 from dramatiq_leases.middleware.options import SENT_BACK_OPTION
 
 from .support.brokers import BROKERS, RABBITMQ_URL, pending, redis_dead_letters
+from .support.interrupts import LockFreeHandler
 from .support.processes import value
 from .support.stack import Stack
 from .support.waiting import wait_for
-from .test_interrupts import LockFreeHandler, survivable_worker_threads  # noqa: F401 (a fixture, used by name)
 from .test_limit_workers import LimitWorkers, call, most_at_once
 
 #: Dramatiq's INFO line for a message that does not run (dramatiq_leases/middleware/acquiring.py's not_run).

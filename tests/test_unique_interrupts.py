@@ -26,12 +26,12 @@ from dramatiq.worker import ConsumerThread
 from dramatiq_leases import Busy, DuplicateMessage
 from dramatiq_leases.core.unique import UniqueRecords
 
+from .support.interrupts import InterruptAfterEnqueue
 from .support.stack import MakeStack
 from .support.waiting import wait_for
-from .test_interrupts import survivable_worker_threads
 from .test_limit_workers import LimitWorkers, call, workers
 
-__all__ = ["survivable_worker_threads", "workers"]  # fixtures, imported
+__all__ = ["workers"]  # a fixture, imported
 
 
 def accepted(actor: Any, *args: Any, **options: Any) -> str | None:
@@ -62,25 +62,6 @@ def freed_within(actor: Any, *args: Any, seconds: float = 5.0) -> str:
     sent = wait_for(lambda: accepted(actor, *args), timeout=seconds, what="a send accepted after the final ack")
     assert sent is not None
     return sent
-
-
-class InterruptAfterEnqueue(Middleware):
-    """An asynchronous exception landing just after the broker took a copy, before the hooks learn of it.
-
-    Added after LeaseMiddleware, its ``after_enqueue`` runs before LeaseMiddleware's (Dramatiq runs after-hooks
-    in reverse): raising there is what ``raise_thread_exception`` does when it lands between ``do_enqueue``'s
-    reply (redis-py's parsing is Python) and the hooks. Fires once, for an enqueue ``which`` accepts.
-    """
-
-    def __init__(self, which: Any, error: type[BaseException] = TimeLimitExceeded) -> None:
-        self.which = which
-        self.error = error
-        self.fired: list[str] = []
-
-    def after_enqueue(self, broker: dramatiq.Broker, message: Any, delay: int | None) -> None:
-        if not self.fired and self.which(message, delay):
-            self.fired.append(message.message_id)
-            raise self.error
 
 
 def _retry_stack(make_stack: MakeStack, mode: str, error: type[BaseException] = TimeLimitExceeded) -> tuple[Any, ...]:

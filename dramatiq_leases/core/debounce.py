@@ -25,6 +25,21 @@ from .runner import ScriptRunner
 CONFIRM_MS = 10_000
 
 
+#: How far a genuine sequence may be from its message's ``message_timestamp`` (ms): the producer's clock against
+#: the Redis server's. One further off was not handed out at that send (made up, or garbled).
+STAMP_SKEW_MS = 600_000
+
+
+def genuine(seq: object, sent_ms: object) -> bool:
+    """Whether ``seq`` (a message option: input from whoever writes to the broker) can be a sequence a send took:
+    a whole number, in µs of a clock within :data:`STAMP_SKEW_MS` of the message's own send time (ms)."""
+    if isinstance(seq, bool) or not isinstance(seq, int) or not 1 <= seq <= scripts.MAX_ORDER:
+        return False
+    if isinstance(sent_ms, bool) or not isinstance(sent_ms, int):
+        return False
+    return abs(seq // 1000 - sent_ms) <= STAMP_SKEW_MS
+
+
 class Verdict(IntEnum):
     """What becomes of one delivery of a debounced message (``lua/debounce.lua``'s verdicts)."""
 
@@ -34,8 +49,6 @@ class Verdict(IntEnum):
     WAIT = scripts.DEBOUNCE_WAIT
     #: Not run: a newer message runs instead (:attr:`Pick.by`).
     DEBOUNCED = scripts.DEBOUNCED
-    #: Its sequence was not handed out by the key's record: it must be sent as a send first.
-    UNKNOWN = scripts.DEBOUNCE_UNKNOWN
 
 
 @dataclass(frozen=True)
@@ -93,12 +106,17 @@ class Debounces:
         """
         self._call("confirm a debounced send", key, ["confirm", seq, message_id, 0, 0, 0, 0])
 
-    def pick(self, key: str, seq: int, message_id: str, *, confirm_ms: int = CONFIRM_MS) -> Pick:
-        """The verdict on a delivery of the message sent as ``seq``.
+    def pick(
+        self, key: str, seq: int, message_id: str, quiet: int, cap: int | None, *, confirm_ms: int = CONFIRM_MS
+    ) -> Pick:
+        """The verdict on a delivery of the message sent as ``seq`` (a genuine sequence: see :func:`genuine`). One
+        the key's record never saw (the store lost the record that handed it out) is registered as the send it
+        was, at ``seq``, with ``quiet`` and ``cap``.
 
         Raises:
           LeaseUnavailableError: Redis could not be asked.
         """
-        reply: Any = self._call("pick a debounced run", key, ["pick", seq, message_id, 0, 0, 0, confirm_ms])
+        args: list[str | int] = ["pick", seq, message_id, quiet, cap or 0, 0, confirm_ms]
+        reply: Any = self._call("pick a debounced run", key, args)
         verdict, wait, by = reply  # {verdict, wait_ms, id}: lua/debounce.lua
         return Pick(Verdict(int(verdict)), int(wait), by.decode() if isinstance(by, bytes) else str(by))

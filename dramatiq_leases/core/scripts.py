@@ -150,7 +150,7 @@ DEBOUNCE_MS = 7 * 86_400_000
 #: How often a message waiting for a newer send's confirm asks again, at most (ms).
 DEBOUNCE_STEP_MS = 250
 #: The debounce script's verdicts on a delivery (``core.debounce.Verdict``).
-DEBOUNCE_RUN, DEBOUNCE_WAIT, DEBOUNCED, DEBOUNCE_UNKNOWN = 1, 2, 3, 4
+DEBOUNCE_RUN, DEBOUNCE_WAIT, DEBOUNCED = 1, 2, 3
 
 #: The acquire script's answers: granted, or busy with what its waiter should do (``lease.Wait``, in this order).
 GRANTED, BUSY = 1, 0
@@ -193,7 +193,6 @@ LUA_CONSTANTS: dict[str, int] = {
     "DEBOUNCE_RUN": DEBOUNCE_RUN,
     "DEBOUNCE_WAIT": DEBOUNCE_WAIT,
     "DEBOUNCED": DEBOUNCED,
-    "DEBOUNCE_UNKNOWN": DEBOUNCE_UNKNOWN,
     "GRANTED": GRANTED,
     "BUSY": BUSY,
     "WAIT_NONE": WAIT_NONE,

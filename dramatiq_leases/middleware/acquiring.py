@@ -25,7 +25,14 @@ from .context import Context
 from .declarations import latest_handoff
 from .errors import LeaseBusyFailed, LeaseLimitError, LeaseOptionError
 from .guard import Run
-from .options import ATTEMPTS_OPTION, FIRST_ATTEMPT_OPTION, LEASE_OPTION, SENT_BACK_OPTION, Options
+from .options import (
+    ATTEMPTS_OPTION,
+    FIRST_ATTEMPT_OPTION,
+    HELD_BACK_OPTION,
+    LEASE_OPTION,
+    SENT_BACK_OPTION,
+    Options,
+)
 from .ordering import order_of
 from .waiting import LINE_OPTION, MAX_IN_PLACE, waiter_id
 
@@ -143,6 +150,8 @@ class Acquisition:
                 self.meta["message_id"],
                 "ended" if adopted is None else "been adopted or taken by another holder",
             )
+        # A copy back from its hold (RateLimited) waits for the hold's end in the line, whatever lock_on_busy says.
+        held = HELD_BACK_OPTION in options
         return self.ctx.leases.line.join(
             key,
             opts.ttl,
@@ -153,13 +162,13 @@ class Acquisition:
             waiter=self.waiter,
             first_ms=self.first,
             may_wait=may_wait,
-            joins=opts.on_busy in ("wait", "latest"),
+            joins=held or opts.on_busy in ("wait", "latest"),
             limit=self.limit,
             latest=opts.on_busy == "latest",
             order=self.order,
             # A copy sent back (a Redis error, an interruption) may have a sibling in the broker: refused, it
             # is the message's outcome, and the sibling must not run after it.
-            final=opts.on_busy in ("skip", "fail") and bool(options.get(SENT_BACK_OPTION)),
+            final=not held and opts.on_busy in ("skip", "fail") and bool(options.get(SENT_BACK_OPTION)),
             # Its queued unique record ends with the grant; an actor without lock_unique pays nothing for it.
             unique=opts.unique is not None,
             rates=opts.rates,
@@ -285,7 +294,7 @@ class Acquisition:
         if lease.handoff is not None:
             ctx.metrics.handoff(self.meta, lease.handoff)
         # The wait clock belongs to this delivery: a retry of it (Retries) starts a new one.
-        for name in (FIRST_ATTEMPT_OPTION, ATTEMPTS_OPTION, SENT_BACK_OPTION, LINE_OPTION):
+        for name in (FIRST_ATTEMPT_OPTION, ATTEMPTS_OPTION, SENT_BACK_OPTION, LINE_OPTION, HELD_BACK_OPTION):
             message.options.pop(name, None)
         ctx.metrics.wait(self.meta, max(0.0, lease.acquired_at - first / 1000) if first else 0.0)
         logger.debug("Acquired lease %r (fence %d) for message %s.", self.key, lease.fence, message.message_id)

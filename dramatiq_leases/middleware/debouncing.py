@@ -8,8 +8,10 @@ whether the message is its burst's run (it then goes on to its lease, as any mes
 (acknowledged without running, counted ``dramatiq_lease_not_run_total{reason="debounced"}``, logged at INFO
 naming that message, and recorded in the key's history). Actors without ``lock_debounce`` pay nothing.
 
-A message's sequence is input from whoever writes to the broker: one that is not a whole number from 1 to
-``MAX_ORDER``, or that the key's record never handed out, is registered anew at its delivery, as a send then.
+A message's sequence is input from whoever writes to the broker: one that cannot be a send's (not a whole number
+of µs within ten minutes of the message's ``message_timestamp``) is registered anew at its delivery, as a send
+then; a genuine one the key's record never saw (the store lost the record) is registered at itself, so the
+messages the store forgot keep their send order.
 """
 
 from __future__ import annotations
@@ -20,15 +22,14 @@ from typing import Any
 
 import dramatiq
 
-from ..core.debounce import Debounces, Verdict
+from ..core.debounce import Debounces, Verdict, genuine
 from ..core.errors import LeaseUnavailableError
 from ..core.metrics import LeaseMetrics
-from ..core.scripts import MAX_ORDER
 from ..core.store import Leases
 from .busy import mark_skipped, record_history, send_back, send_copy_back, skip
 from .declarations import Declarations
-from .options import Options
-from .waiting import Waiting
+from .options import FIRST_ATTEMPT_OPTION, SENT_BACK_OPTION, Options
+from .waiting import LINE_OPTION, Waiting, waiter_id
 
 logger = logging.getLogger(__name__)
 
@@ -101,15 +102,15 @@ class Debouncing:
         message runs instead), and skip the delivery. Redis unreachable: sent back with backoff (fail closed)."""
         assert opts.debounce is not None
         seq = message.options.get(DEBOUNCE_OPTION)
-        valid = isinstance(seq, int) and not isinstance(seq, bool) and 1 <= seq <= MAX_ORDER
         try:
-            pick = self.records.pick(key, seq, message.message_id) if valid else None
-            if pick is None or pick.verdict is Verdict.UNKNOWN:
+            if genuine(seq, message.message_timestamp):
+                assert isinstance(seq, int)
+                pick = self.records.pick(key, seq, message.message_id, opts.debounce, opts.debounce_max)
+                wait_ms, by, verdict = pick.wait_ms, pick.by, pick.verdict
+            else:  # none, or not one a send took: registered now, as a send now
                 stamp = self.records.send(key, message.message_id, opts.debounce, opts.debounce_max, in_broker=True)
                 message.options[DEBOUNCE_OPTION] = stamp.seq
                 wait_ms, by, verdict = stamp.due_in_ms, "", Verdict.WAIT
-            else:
-                wait_ms, by, verdict = pick.wait_ms, pick.by, pick.verdict
         except LeaseUnavailableError as e:
             logger.warning("Could not debounce message %s of lease %r: %s. Retrying later.", message.message_id, key, e)
             send_back(broker, message, opts, deadline, count_attempt=True)
@@ -118,7 +119,10 @@ class Debouncing:
             return
         if verdict is Verdict.WAIT:
             logger.debug("Message %s of %r comes back in %d ms (lock_debounce).", message.message_id, key, wait_ms)
-            send_copy_back(broker, message, message.copy(), wait_ms + _DUE_SLACK_MS, deadline)
+            # Remembered once it runs (SENT_BACK_OPTION): a spare copy (an enqueue interrupted after the broker took
+            # it, sent again) is then a duplicate, not a second run of the burst.
+            copy = message.copy(options={SENT_BACK_OPTION: True})
+            send_copy_back(broker, message, copy, wait_ms + _DUE_SLACK_MS, deadline)
             skip(message, f"lease {key!r}: debounced, due in {wait_ms} ms")
         meta = {"actor": message.actor_name, "queue": message.queue_name, "message_id": message.message_id}
         self.metrics.not_run(meta, "debounced")
@@ -133,5 +137,12 @@ class Debouncing:
             key,
         )
         record_history(self.waiting, key, "debounced", meta, reason=f"lock_debounce={opts.debounce}", by=by)
+        if LINE_OPTION in message.options or FIRST_ATTEMPT_OPTION in message.options:
+            # It had a place in the key's line (a copy back from a hold, or parked): given up now, or the next
+            # grant would wait for it until its place lapsed.
+            try:
+                self.waiting.leases.line.leave(key, [waiter_id(message)])
+            except Exception as e:
+                logger.warning("Could not take message %s out of the line of %r: %s", message.message_id, key, e)
         mark_skipped(message)
         skip(message, f"lease {key!r}: debounced, message {by} runs instead")

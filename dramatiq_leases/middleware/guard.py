@@ -80,6 +80,7 @@ class Run:
         "coroutine_running",
         "end_deferred",
         "error",
+        "held",
         "injected",
         "key",
         "lease",
@@ -106,8 +107,9 @@ class Run:
         self.waiter: str | None = None
         # The delivery it runs (its waiter id in the line is the message's, waited there or not).
         self.message: Any = None
-        # What the actor raised, if it did: a RateLimited holds the key back at the release.
+        # What the actor raised, if it did: a RateLimited holds the key back at the release; `held` once it did.
         self.error: BaseException | None = None
+        self.held = False
         # What the actor returned, stored by C code the instant it returns: empty if it never did
         # (it raised, was interrupted, or never ran). Only a run that returned is remembered as done.
         self.returned: list[Any] = []

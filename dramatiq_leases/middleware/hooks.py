@@ -41,6 +41,7 @@ from .options import (
     DEFAULT_TTL,
     DEFAULT_UNIQUE_TTL,
     FIRST_ATTEMPT_OPTION,
+    HELD_BACK_OPTION,
     SENT_BACK_OPTION,
 )
 from .ordering import stamp
@@ -423,7 +424,7 @@ class LeaseMiddleware(Middleware):
         if exception is not None:
             # A failure while waiting (TimeLimit in the hook): Retries, which runs after us, must
             # send a new attempt, not this one's place and wait clock.
-            for name in (FIRST_ATTEMPT_OPTION, ATTEMPTS_OPTION, LINE_OPTION, SENT_BACK_OPTION):
+            for name in (FIRST_ATTEMPT_OPTION, ATTEMPTS_OPTION, LINE_OPTION, SENT_BACK_OPTION, HELD_BACK_OPTION):
                 message.options.pop(name, None)
 
     def after_skip_message(self, broker: dramatiq.Broker, message: Any) -> None:

@@ -50,6 +50,11 @@ FIRST_ATTEMPT_OPTION = "lease_first_attempt_ms"
 #: second copy (an enqueue that timed out, was tried again, and reached the broker after all) never runs again.
 SENT_BACK_OPTION = "lease_sent_back"
 
+#: Message option of the copy of a message whose actor raised ``RateLimited`` and held its key back: when the
+#: hold ends (ms). It waits for it in the key's line whatever its ``lock_on_busy`` says, and its wait budget
+#: starts then (see :mod:`.held_back`).
+HELD_BACK_OPTION = "lease_held_back"
+
 #: Message option of a ``lock_on_busy="latest"`` message: its order among its key's messages, taken at its first
 #: send and kept by every later enqueue of it (see :mod:`.ordering`).
 ORDER_OPTION = "lease_order"

@@ -272,9 +272,10 @@ class Runs:
         if isinstance(error, RateLimited) and run.message is not None and not run.returned:
             # Held back, its message first in the line once the hold ends (see .held_back).
             waiter = waiter_id(run.message)
-            return self.leases.line.hold_back(
+            run.held = self.leases.line.hold_back(
                 run.key, run.token, hold=error.retry_after, waiter=waiter, fence=fence, slot=slot
             )
+            return run.held
         if run.returned and run.waiter:
             return self.leases.line.release(run.key, run.token, waiter=run.waiter, fence=fence, slot=slot)
         return self.leases.release_token(run.key, run.token, fence=fence, slot=slot)

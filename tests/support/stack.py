@@ -80,8 +80,11 @@ class Stack:
         threads: int = 4,
         broker: Any = None,
         middleware: LeaseMiddleware | None = None,
+        queue: str = "default",
         **lease_options: Any,
     ) -> None:
+        #: The queue its actors are declared on by :meth:`actor` unless they name one.
+        self.queue = queue
         self.broker = broker or RedisBroker(url=broker_url)  # type: ignore[no-untyped-call]  # dramatiq leaves RedisBroker unannotated
         self.recorder = Recorder()
         self.leases_mw = middleware or LeaseMiddleware(redis_url=leases_url, **lease_options)
@@ -92,7 +95,14 @@ class Stack:
         self.worker: Worker | None = None
 
     def actor(self, **options: Any) -> ActorDecorator:
-        return dramatiq.actor(broker=self.broker, **options)
+        return dramatiq.actor(broker=self.broker, **{"queue_name": self.queue, **options})
+
+    def not_run(self, actor: str, reason: str) -> float:
+        """``dramatiq_lease_not_run_total`` of ``actor`` on this stack's queue for ``reason`` (its middleware's
+        metrics must be a ``PrometheusMetrics`` of a registry of its own)."""
+        registry = self.leases_mw.metrics._registry  # type: ignore[attr-defined]  # the test's own registry
+        labels = {"actor_name": actor, "queue_name": self.queue, "reason": reason}
+        return registry.get_sample_value("dramatiq_lease_not_run_total", labels) or 0.0
 
     def start(self) -> Stack:
         self.broker.emit_after("process_boot")

@@ -1,5 +1,7 @@
 -- KEYS:
---   1 record: the key's debounce record (keys.debounce_name), a hash: `seq` the last sequence handed out; the open
+--   1 record: the key's debounce record (keys.debounce_name), a hash: `seq` the last sequence handed out, `base`
+--     the first this record knew (a sequence outside them is one it never saw: kept by a record the store lost);
+--     the open
 --     burst's `first` (its first send, server ms) and `due` (when its run is due: the quiet window after its last
 --     send, or its first send plus the cap, whichever is sooner); its newest send `newest` (seq), `newest_at`
 --     (ms) and `newest_id`; the newest send known to be in the broker, `confirmed` and `confirmed_id`; the newest
@@ -9,20 +11,21 @@
 --   1 op: 'send', 'confirm' or 'pick'
 --   2 seq: the message's sequence (confirm, pick; 0 for send)
 --   3 message_id: the message's id
---   4 quiet_ms: the quiet window (send; else 0)
---   5 max_ms: the cap (send; 0: no cap)
+--   4 quiet_ms: the quiet window (send, pick; else 0)
+--   5 max_ms: the cap (send, pick; 0: no cap)
 --   6 confirmed: 1 if the message is in the broker already (send: a delivery without a sequence); else 0
 --   7 confirm_ms: how long a newer send not yet known to be in the broker holds an older one back (pick; else 0)
 -- send: a send of the key takes its sequence, above every one handed out and at least the server's clock in µs.
 -- It continues the open burst if it comes before the burst's `due`, else it starts one (the burst before, if its
 -- run was not picked yet, is `closed`: its newest still runs). Returns {seq, ms until the burst's run is due}.
 -- confirm: the send of `seq` reached the broker (its producer's after_enqueue). Returns 1.
--- pick: a delivery of the message sent as `seq`. Returns {verdict, wait_ms, id}: DEBOUNCE_RUN it runs (picked
+-- pick: a delivery of the message sent as `seq` (its caller found the sequence genuine: near its send's time). A
+-- sequence this record never saw (the store lost the record that handed it out) is registered as the send it
+-- was, at that sequence, so that the messages the store forgot keep their send order. Returns {verdict, wait_ms, id}: DEBOUNCE_RUN it runs (picked
 -- now, or before: a copy, a retry); DEBOUNCE_WAIT come back in wait_ms (its burst is not due yet, or a newer send
 -- is not yet known to be in the broker: its producer's confirm may follow within confirm_ms); DEBOUNCED not run,
 -- `id` naming the message that runs instead (the newest now: a newer send in the broker, the newest of its
--- burst, or the last picked); DEBOUNCE_UNKNOWN `seq` was not handed out here (made up, or a record the store
--- lost): the caller sends it again as a send (confirmed), and it waits as any.
+-- burst, or the last picked).
 -- Runs never go backwards: a message older than the last picked never runs, and one is picked only if no newer
 -- send of its burst is in the broker. A newer send never confirmed (its producer failed after the send) holds an
 -- older message back confirm_ms at most; that one then runs in its stead.
@@ -30,7 +33,7 @@
 local op, id = ARGV[1], ARGV[3]
 if op ~= 'send' and op ~= 'confirm' and op ~= 'pick' then return bad('op', op) end
 local seq = whole(ARGV[2], op == 'send' and 0 or 1, MAX_ORDER)
-local quiet_ms = whole(ARGV[4], op == 'send' and 1 or 0, MAX_DEBOUNCE_MS)
+local quiet_ms = whole(ARGV[4], op == 'confirm' and 0 or 1, MAX_DEBOUNCE_MS)
 local max_ms = whole(ARGV[5], 0, MAX_DEBOUNCE_MS)
 local confirmed = ARGV[6]
 local confirm_ms = whole(ARGV[7], op == 'pick' and 1 or 0, MAX_MS)
@@ -44,17 +47,18 @@ local REC = KEYS[1]
 local function field(v) return tonumber(v) or 0 end
 -- One of another type (written by hand) is replaced at a send: it records nothing this script could trust.
 local rec = redis.pcall('HMGET', REC, 'seq', 'first', 'due', 'newest', 'newest_id', 'confirmed', 'confirmed_id',
-  'closed', 'closed_id', 'picked', 'picked_id', 'newest_at')
+  'closed', 'closed_id', 'picked', 'picked_id', 'newest_at', 'base')
 if rec.err then
-  if op ~= 'send' then return {DEBOUNCE_UNKNOWN, 0, ''} end
+  if op == 'confirm' then return 1 end
   redis.call('DEL', REC)
   rec = {}
 end
 local picked, newest = field(rec[10]), field(rec[4])
+local now, now_us = server_time()
 
-if op == 'send' then
-  local now, now_us = server_time()
-  seq = math.max(field(rec[1]) + 1, now_us)
+-- A send: at a new sequence, or (a pick of one this record never saw) at its own.
+local function register(at)
+  seq = at
   local first, due = field(rec[2]), field(rec[3])
   if first == 0 or now >= due then
     -- A new burst. The one before ended unpicked (its newest is late, or still on its way): it still runs.
@@ -63,10 +67,20 @@ if op == 'send' then
   end
   due = now + quiet_ms
   if max_ms > 0 then due = math.min(due, first + max_ms) end
-  redis.call('HSET', REC, 'seq', seq, 'first', first, 'due', due, 'newest', seq, 'newest_at', now, 'newest_id', id)
+  redis.call('HSET', REC, 'seq', math.max(seq, field(rec[1])), 'first', first, 'due', due, 'newest', seq,
+    'newest_at', now, 'newest_id', id)
+  if not rec[13] then redis.call('HSET', REC, 'base', seq) end
   if confirmed == '1' and seq > field(rec[6]) then redis.call('HSET', REC, 'confirmed', seq, 'confirmed_id', id) end
   redis.call('PEXPIRE', REC, DEBOUNCE_MS)
-  return {seq, due - now}
+  rec = redis.call('HMGET', REC, 'seq', 'first', 'due', 'newest', 'newest_id', 'confirmed', 'confirmed_id', 'closed',
+    'closed_id', 'picked', 'picked_id', 'newest_at', 'base')
+  newest = seq
+  return due - now
+end
+
+if op == 'send' then
+  local due_in = register(math.max(field(rec[1]) + 1, now_us))
+  return {seq, due_in}
 end
 
 if op == 'confirm' then
@@ -77,11 +91,17 @@ if op == 'confirm' then
   return 1
 end
 
-if not rec[1] or seq > field(rec[1]) then return {DEBOUNCE_UNKNOWN, 0, ''} end
+if not rec[1] or seq > field(rec[1]) then
+  confirmed = '1'  -- delivered: in the broker
+  register(seq)
+elseif seq < field(rec[13]) then
+  -- Older than every send this record saw: known now, and judged as any older message (it gives way to a newer
+  -- one in the broker, or waits a while for one on its way).
+  redis.call('HSET', REC, 'base', seq)
+end
 if seq == picked then return {DEBOUNCE_RUN, 0, id} end
 if seq < picked then return {DEBOUNCED, 0, rec[11] or ''} end
 local closed = field(rec[8])
-local now = server_time()
 local function pick()
   redis.call('HSET', REC, 'picked', seq, 'picked_id', id)
   redis.call('PEXPIRE', REC, DEBOUNCE_MS)
