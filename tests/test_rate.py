@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import json
 import struct
+import threading
 import time
 from typing import Any
 
+import dramatiq
 import pytest
 import redis
+from dramatiq import Worker
+from dramatiq.middleware import Middleware
 from prometheus_client import CollectorRegistry
 
 from dramatiq_leases import LeaseOptionError, PrometheusMetrics, current_lease
@@ -218,3 +222,75 @@ def test_show_tells_where_a_key_stands_against_its_rates(
     rates = json.loads(capsys.readouterr().out)["rates"]
     assert [(r["count"], r["window_ms"], r["starts"]) for r in rates] == [(100, 86_400_000, 3), (3, 60_000, 3)]
     assert rates[0]["next_start_in_ms"] == 0 and 55_000 < rates[1]["next_start_in_ms"] <= 60_000
+
+
+class _Moves(Middleware):
+    """Each enqueue of a message, when (this machine's ms): a parked copy (its delay and eta) or a copy sent to its
+    queue (no delay: the send, or a parked copy leaving its delay queue)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.items: list[tuple[float, str, int | None, Any]] = []
+
+    def after_enqueue(self, broker: dramatiq.Broker, message: Any, delay: int | None) -> None:
+        with self.lock:
+            self.items.append((time.time() * 1000, message.message_id, delay, message.options.get("eta")))
+
+    def told(self) -> str:
+        """The enqueues, for a failure's message: ms since the first, message id, delay, eta (ms since the first)."""
+        with self.lock:
+            t0 = self.items[0][0] if self.items else 0.0
+            return "; ".join(
+                f"{at - t0:.0f} {mid[:8]} delay={delay} eta={eta - t0 if eta else None}"
+                for at, mid, delay, eta in self.items
+            )
+
+
+def test_the_head_parked_until_the_rate_allows_is_sent_on_then_whatever_the_worker_timeout(
+    make_broker_stack: MakeStack,
+) -> None:
+    """The head of a key's line parked until the rate allows one more start (no place to wait in place) is asked
+    back by no one: no release or grant calls it forward while the key is over its rate. Its copy is sent to its
+    queue within 250 ms of that instant, not at the next look of Dramatiq's delay-queue consumer, which backs off
+    to ``worker_timeout`` when idle (1 s here, Dramatiq's default); and it starts once the rate allows, not before.
+    On each broker."""
+    stack = make_broker_stack()
+    moves = _Moves()
+    stack.broker.add_middleware(moves)
+    runs = Runs()
+
+    @stack.actor(lock_key="vendor:{tenant}", lock_rate="1/2s", max_retries=0)
+    def call_vendor(tenant: str, n: int) -> None:
+        lease = current_lease()
+        assert lease is not None
+        runs.add(kind="run", n=n, fence=lease.fence)
+
+    @stack.actor(lock_key="other:{n}", max_retries=0)
+    def other(n: int) -> None:
+        runs.add(kind="other", n=n)
+
+    # Two threads: the one place to wait in place (a process's half) is taken by a waiter of another key, held
+    # here, so the vendor's head finds none and parks.
+    stack.broker.emit_after("process_boot")
+    stack.worker = Worker(stack.broker, worker_threads=2, worker_timeout=1_000)
+    stack.worker.start()
+    held = stack.leases.try_acquire("other:1", 20_000)
+    assert isinstance(held, Lease)
+    other.send(1)
+    wait_for(lambda: stack.leases_mw.waiting.in_place == 1, what="a waiter of the other key in place")
+    first = call_vendor.send("acme", 0)
+    assert stack.recorder.wait_settled(first.message_id) == "acked"  # ran; the key is over its rate for 2 s
+    wait_for(lambda: not stack.leases.holders("vendor:acme"), what="its lease to be released")
+    head = call_vendor.send("acme", 1)
+    wait_for(lambda: runs.count(kind="run") == 2, timeout=30, what="the head to run")
+    granted = sorted(int(r["fence"]) for r in runs.where(kind="run"))
+    assert granted[1] - granted[0] >= 2_000_000, granted
+    parks = [(at, eta) for at, mid, delay, eta in moves.items if mid == head.message_id and delay]
+    assert parks and parks[0][1] - parks[0][0] < 2_100, moves.told()  # parked until the rate allows
+    parked_at, eta = parks[0]
+    back = [at for at, mid, delay, _ in moves.items if mid == head.message_id and delay is None and at > parked_at]
+    assert back and back[0] - eta <= 250, moves.told()  # sent to its queue within 250 ms of that instant
+    assert [mid for _, mid, _, _ in moves.items].count(head.message_id) == 3, moves.told()  # sent, parked, back
+    assert stack.leases.release(held)
+    wait_for(lambda: runs.count(kind="other") == 1, what="the other key's waiter to run")
+    assert stack.recorder.wait_settled(head.message_id) == "acked"

@@ -8,17 +8,25 @@ the process dies, the broker hands the copy to another, which registers it.
 Asked back (a promotion on this process's channel, or found so by the check
 every :data:`TEND_INTERVAL`), the copy is taken out of Dramatiq's delay queue
 and sent to its queue at once, as Dramatiq itself does when an ``eta`` passes:
-enqueue the message, then acknowledge the delayed copy.
+enqueue the message, then acknowledge the delayed copy. Its ``eta`` is kept
+here too, and the copy is sent on the same way at that instant, to the
+millisecond: Dramatiq looks at its delay queues only between two fetches of
+their consumer, which back off to ``worker_timeout`` (1 s by default) when
+idle, and a copy parked until its key's rate allows one more start
+(``lock_rate``) is asked back by no one else, so it would start up to that
+much late.
 """
 
 from __future__ import annotations
 
 import contextlib
 import heapq
+import itertools
 import logging
 import threading
 import time
 import uuid
+import weakref
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
@@ -55,6 +63,10 @@ def waiter_id(message: Any) -> str:
 #: registration is dropped: a promotion can arrive between the copy's registration and Dramatiq's put.
 MAX_MISSES = 3
 
+#: How soon a copy whose eta came is looked for again when it was not in its delay queue yet (s): registered
+#: in ``before_delay_message``, it is put there just after.
+RETAKE_DELAY = 0.01
+
 
 class _Parked:
     __slots__ = ("consumer", "key", "misses", "proxy")
@@ -86,6 +98,11 @@ class Waiting:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._broker: dramatiq.Broker | None = None
+        # The etas of the copies held here, soonest first: (eta in epoch ms, tie-break, waiter, copy). The copy
+        # by a weak reference: one promoted or dropped meanwhile is not kept in memory until its eta.
+        self._due: list[tuple[float, int, str, weakref.ref[Any]]] = []
+        self._due_changed = threading.Condition()
+        self._due_order = itertools.count()
 
     # Lifecycle ---------------------------------------------------------------
 
@@ -114,6 +131,7 @@ class Waiting:
         self._threads = [
             threading.Thread(target=self._listen, name="dramatiq-leases-line-listener", daemon=True),
             threading.Thread(target=self._tend_loop, name="dramatiq-leases-line-tender", daemon=True),
+            threading.Thread(target=self._due_loop, name="dramatiq-leases-line-timer", daemon=True),
         ]
         for thread in self._threads:
             thread.start()
@@ -121,6 +139,8 @@ class Waiting:
     def shutdown(self) -> None:
         """Wake the threads waiting in place (they park their messages) and stop listening."""
         self._stop.set()
+        with self._due_changed:
+            self._due_changed.notify_all()
         for key, waiter in list(self._in_place.values()):
             try:
                 self.leases.line.wake(key, waiter)
@@ -203,6 +223,9 @@ class Waiting:
             return
         if state in ("p", "r"):
             self._parked.setdefault(waiter, []).append(_Parked(threading.current_thread(), message, key))
+            eta = message.options.get("eta")
+            if isinstance(eta, (int, float)) and not isinstance(eta, bool):
+                self._arm(float(eta), waiter, message)
         else:
             message.options["eta"] = current_millis()  # read by Dramatiq right after this hook: back at once
 
@@ -310,6 +333,47 @@ class Waiting:
                 if pubsub is not None:
                     with contextlib.suppress(Exception):
                         pubsub.close()
+
+    def _arm(self, eta_ms: float, waiter: str, proxy: Any) -> None:
+        """Send ``waiter``'s parked copy ``proxy`` on at ``eta_ms`` (epoch ms), unless it left before."""
+        with self._due_changed:
+            heapq.heappush(self._due, (eta_ms, next(self._due_order), waiter, weakref.ref(proxy)))
+            if self._due[0][3]() is proxy:  # sooner than what the timer sleeps for
+                self._due_changed.notify()
+
+    def _due_loop(self) -> None:
+        """Send on each parked copy held here at its eta (no Redis call: an enqueue and an ack, at that instant)."""
+        while True:
+            with self._due_changed:
+                if self._stop.is_set():  # read under the lock :meth:`shutdown` notifies under: no wake-up missed
+                    return
+                now = current_millis()
+                due: list[tuple[str, Any]] = []
+                while self._due and self._due[0][0] <= now:
+                    _, _, waiter, ref = heapq.heappop(self._due)
+                    proxy = ref()
+                    if proxy is not None:
+                        due.append((waiter, proxy))
+                if not due:
+                    wait = (self._due[0][0] - now) / 1000 if self._due else None
+                    self._due_changed.wait(wait)
+                    continue
+            for waiter, proxy in due:
+                try:
+                    self._send_due(waiter, proxy)
+                except Exception as e:
+                    logger.warning("Could not send a parked copy on at its eta: %s; it comes back by itself.", e)
+
+    def _send_due(self, waiter: str, proxy: Any) -> None:
+        """``proxy``'s eta came: send it on, if this process still holds it (promoted, dropped or moved by Dramatiq
+        meanwhile, it is gone); not found in its delay queue yet, look again shortly (a bounded number of times)."""
+        copies = self._parked.get(waiter)
+        if not copies or not any(p.proxy is proxy for p in copies):
+            return
+        if self.unpark(waiter):
+            return
+        if any(p.proxy is proxy for p in self._parked.get(waiter, [])):  # kept for another look
+            self._arm(current_millis() + RETAKE_DELAY * 1000, waiter, proxy)
 
     def _tend_loop(self) -> None:
         while not self._stop.wait(TEND_INTERVAL):
