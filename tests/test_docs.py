@@ -354,3 +354,115 @@ def test_the_readme_is_a_landing_page() -> None:
     for needed in ("pip install dramatiq-leases", "LeaseMiddleware", "lock_key", "current_lease", "make demo"):
         assert needed in text, f"README.md does not mention {needed}"
     assert "docs/guarantees.md" in text and "docs/guide.md" in text and "docs/reference.md" in text
+
+
+# --- (f) the architecture names every module, in its layer -----------------------------------------------
+
+PACKAGE = ROOT / "dramatiq_leases"
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+
+
+def package_modules() -> set[str]:
+    """Every module of the package and every Lua script, as paths under ``dramatiq_leases/``."""
+    found = [*PACKAGE.rglob("*.py"), *(PACKAGE / "core" / "lua").glob("*.lua")]
+    return {path.relative_to(PACKAGE).as_posix() for path in found}
+
+
+def architecture_layers() -> list[tuple[str, list[str]]]:
+    """The ``###`` layers of docs/architecture.md's module list, bottom first, with the modules each names
+    (the backticked paths in its tables' first column)."""
+    body = section(ARCHITECTURE.read_text(), "## What each module owns")
+    layers = []
+    for part in re.split(r"^### ", body, flags=re.MULTILINE)[1:]:
+        title, _, rest = part.partition("\n")
+        rows = [line for line in rest.splitlines() if line.startswith("| `")]
+        layers.append((title.strip(), [name for row in rows for name in re.findall(r"`([^`]+)`", row.split("|")[1])]))
+    return layers
+
+
+def imported_modules(module: str) -> set[str]:
+    """The package's modules that ``module`` (a path under ``dramatiq_leases/``) imports, ``TYPE_CHECKING``
+    imports and imports inside functions too."""
+    here = module.split("/")[:-1]
+
+    def resolve(parts: list[str], names: Iterable[str]) -> Iterator[str]:
+        base = "/".join(parts)
+        package = (PACKAGE / base / "__init__.py").is_file()
+        yield f"{base}/__init__.py".lstrip("/") if package else f"{base}.py"
+        for name in names:  # ``from . import web``: a submodule too
+            if package and (PACKAGE / base / f"{name}.py").is_file():
+                yield f"{base}/{name}.py".lstrip("/")
+
+    found: set[str] = set()
+    for node in ast.walk(ast.parse((PACKAGE / module).read_text())):
+        if isinstance(node, ast.ImportFrom):
+            dotted = (node.module or "").split(".") if node.module else []
+            if node.level:
+                parts = here[: len(here) - node.level + 1] + dotted
+            elif dotted[:1] == ["dramatiq_leases"]:
+                parts = dotted[1:]
+            else:
+                continue
+            found.update(resolve(parts, [] if node.module else [a.name for a in node.names]))
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                dotted = alias.name.split(".")
+                if dotted[0] == "dramatiq_leases":
+                    found.update(resolve(dotted[1:], []))
+    return found
+
+
+def test_the_architecture_names_every_module_in_its_layer() -> None:
+    """docs/architecture.md names every module and Lua script once, in one of its layers (core, integrations,
+    tools), and no module imports one of a layer above its own."""
+    layers = architecture_layers()
+    assert len(layers) == 3 and layers[0][0] == "Core", (
+        f"docs/architecture.md's module list should have three layers, core first: {[t for t, _ in layers]}"
+    )
+    named = [name for _, names in layers for name in names]
+    actual = package_modules()
+    missing, extra = sorted(actual - set(named)), sorted(set(named) - actual)
+    twice = sorted({name for name in named if named.count(name) > 1})
+    assert not (missing or extra or twice), (
+        f"docs/architecture.md's module list: missing {missing}; names what does not exist {extra}; twice {twice}"
+    )
+    layer = {name: i for i, (_, names) in enumerate(layers) for name in names}
+    upward = [
+        f"{module} ({layers[layer[module]][0]}) imports {target} ({layers[layer[target]][0]})"
+        for module in sorted(m for m in actual if m.endswith(".py"))
+        for target in sorted(imported_modules(module))
+        if layer[target] > layer[module]
+    ]
+    assert not upward, "imports pointing up a layer of docs/architecture.md:\n" + "\n".join(upward)
+
+
+# --- (g) the guide's contents -------------------------------------------------------------------------------
+
+GUIDE = ROOT / "docs" / "guide.md"
+
+
+def headings(text: str, level: int) -> list[str]:
+    """The text of every heading of ``level`` outside fenced code, in order."""
+    found, fenced = [], False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and line.startswith("#" * level + " "):
+            found.append(line[level + 1 :].strip())
+    return found
+
+
+def test_the_guide_contents_list_every_section_in_order() -> None:
+    """The list at the top of docs/guide.md (before its first ``##``) links every ``##`` section, in the
+    document's order, by its heading's text and anchor; ``###`` subsections are left to their section."""
+    text = GUIDE.read_text()
+    top = text.split("\n## ", 1)[0]
+    entries = re.findall(r"^- \[(.+)\]\(#([^)\s]+)\)\s*$", top, flags=re.MULTILINE)
+    sections = headings(text, 2)
+    listed = [title for title, _ in entries]
+    missing = [s for s in sections if s not in listed]
+    extra = [t for t in listed if t not in sections]
+    assert not (missing or extra), f"docs/guide.md's contents: missing {missing}; no such section {extra}"
+    assert listed == sections, f"docs/guide.md's contents are not in the sections' order: {listed}"
+    wrong = [f"{title} -> #{anchor}" for title, anchor in entries if anchor != slug(title)]
+    assert not wrong, f"docs/guide.md's contents link anchors other than their headings': {wrong}"
