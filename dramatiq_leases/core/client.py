@@ -171,6 +171,27 @@ def sentinel_client_from_url(url: str, *, socket_timeout: float = DEFAULT_SOCKET
     return client
 
 
+def client_like(client: redis.Redis, *, socket_timeout: float = DEFAULT_SOCKET_TIMEOUT) -> redis.Redis:
+    """A client of the server and database ``client`` connects to, with its connection settings (credentials,
+    TLS, socket options, a Sentinel-managed primary) but a connection pool of its own, never its connections.
+
+    A socket timeout (call or connect) the settings leave unset is ``socket_timeout``: a renewal hanging on a
+    socket without one could never confirm a lease.
+    """
+    pool = client.connection_pool
+    # Not the state a pool adds for its own connections (redis-py 7+: the maintenance-notification handler and
+    # the timeouts it restores, the HIMPORT registry): the new pool makes its own.
+    kwargs = {
+        name: value
+        for name, value in pool.connection_kwargs.items()
+        if not (name.startswith("orig_") or name.endswith("_handler") or name == "himport_registry")
+    }
+    for name in ("socket_timeout", "socket_connect_timeout"):
+        if kwargs.get(name) is None:
+            kwargs[name] = socket_timeout
+    return redis.Redis(connection_pool=redis.ConnectionPool(connection_class=pool.connection_class, **kwargs))
+
+
 def connection_kwargs(client: Any) -> dict[str, Any]:
     """The keyword arguments ``client`` makes its connections with (``socket_timeout``, ...); a Redis Cluster's
     too, whose connections are per node. Empty when the client does not say (a Sentinel client before use)."""

@@ -6,6 +6,7 @@ import functools
 import inspect
 import logging
 import socket
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -17,9 +18,10 @@ from ..core.client import client_from_url, connection_kwargs
 from ..core.errors import LeaseConfigError, LeaseKeyError
 from ..core.grants import DEFAULT_FAILOVER_GRACE
 from ..core.heartbeat import Heartbeat
-from ..core.keys import DEFAULT_PREFIX
+from ..core.keys import DEFAULT_PREFIX, validate_prefix
 from ..core.numbers import whole_count, whole_ms
 from ..core.replication import DEFAULT_REPLICA_TIMEOUT_MS, MAX_REPLICAS
+from ..core.scripts import MAX_HISTORY
 from ..core.store import Leases
 from ..exposition import WorkerExposition
 from ..otel_tracing import record_keys
@@ -27,6 +29,7 @@ from ..prometheus import LeaseMetrics, PrometheusMetrics
 from . import delivery, held_back
 from .backoff import DEFAULT_MAX_BACKOFF, DEFAULT_MIN_BACKOFF
 from .busy import RoutineSkipFilter
+from .connecting import URL_VARIABLE, client_for_broker, url_from_environment
 from .context import Context
 from .debouncing import Debouncing
 from .declarations import Declarations
@@ -60,123 +63,10 @@ _skip_filter = RoutineSkipFilter()
 class LeaseMiddleware(Middleware):
     """Runs each message of an actor with ``lock_key`` only while it holds a Redis lease on that key.
 
-    The lease is acquired before the actor runs, renewed by a heartbeat
-    while it runs, and released (owner-checked) when it returns or raises.
-    A message whose key is busy takes a place in the key's line (see
-    :mod:`.waiting`): near the head it waits in place, woken by the release
-    (at most half the worker threads, a quarter of its time limit at most);
-    further back it is parked in the broker until its turn nears. Retries'
-    budget is untouched. A lease lost mid-run interrupts the actor with
-    :class:`LeaseLost`. If Redis cannot be reached, the actor does not run.
-
-    Parameters:
-      redis_url: where leases are stored (``redis://...``; through Sentinel:
-        ``redis+sentinel://host:26379,host2:26379/service/db``, see
-        :meth:`Leases.from_url`); or pass ``client``.
-      client: a ready ``redis.Redis`` (``Sentinel(...).master_for(...)`` too)
-        or ``RedisCluster`` client instead of a URL.
-      prefix: prefix of every Redis key written. Default ``"dramatiq-leases"``.
-      lock_ttl: default ``lock_ttl`` in ms (at least 100). Default 30 000.
-      lock_renew_interval: default ``lock_renew_interval`` in ms. Default ``lock_ttl / 3``.
-      lock_max_hold: default ``lock_max_hold`` in ms: how long an actor may run
-        under its lease. Default the actor's ``time_limit`` (from TimeLimit)
-        plus TimeLimit's check interval and 1 s, so ``TimeLimitExceeded``
-        comes first and a hung actor cannot hold forever.
-      lock_min_backoff: default ``lock_min_backoff`` in ms. Default 50.
-      lock_max_backoff: default ``lock_max_backoff`` in ms. Default 2 000: a
-        waiting message asks at least every 2 s, so a freed key is taken soon
-        (see docs/benchmarks.md for the trade-off).
-      lock_max_wait: default ``lock_max_wait`` in ms, the wait budget; ``None``
-        waits forever. Default 3 600 000 (an hour).
-      lock_give_up: default ``lock_give_up``: ``"fail"`` (dead-letter the message)
-        or ``"drop"`` (acknowledge it without running). Default ``"fail"``.
-      lock_limit: default ``lock_limit``: how many messages of one key may run
-        at once (an int from 1 to 1 000, or a callable of the actor's
-        arguments returning one). Each holder has its own lease: token, TTL,
-        heartbeat, fence. An attempt counts the key's holders against its own
-        limit. Default 1.
-      lock_on_busy: default ``lock_on_busy``, what a message does when its
-        key is full: ``"wait"`` (its place in the key's line), ``"skip"``
-        (acknowledged without running), ``"fail"`` (dead-lettered without
-        running or a retry: :class:`LeaseBusyFailed`), ``"latest"`` (waits,
-        but the key keeps only its newest such message waiting; the one it
-        replaces is acknowledged without running). Default ``"wait"``. Every
-        message that does not run is logged (INFO, naming the key's holders)
-        and counted in ``dramatiq_lease_not_run_total{reason}``.
-      lock_unique: default ``lock_unique``: ``None`` (no uniqueness),
-        ``"queued"`` (a send is refused, with :class:`DuplicateMessage`,
-        while another message of its key is queued: sent and not started) or
-        ``"until_done"`` (until that message is done for good). Default
-        ``None`` (see :mod:`.unique`).
-      lock_unique_ttl: default ``lock_unique_ttl`` in ms: how long a unique
-        record outlives the last sign of life of its message (its send plus
-        its delay, a delivery, a retry, a park), so that a message purged or
-        deleted by hand frees its key. Default 3 600 000 (an hour).
-      lock_rate: default ``lock_rate``: at most N starts of a key in any
-        window of a given length (``"10/s"``, ``"5/10s"``, ``"5000/d"``, or a
-        list of such that all hold). A message the rate does not allow yet
-        finds its key full and does what ``lock_on_busy`` says: ``"wait"``
-        takes its place in the key's line and starts when the rate allows.
-        Default ``None`` (no rate). An actor whose downstream says "too many
-        requests" raises :class:`RateLimited`: its key is held back, and the
-        message runs again first, without a retry.
-      lock_debounce: default ``lock_debounce`` in ms: one run per burst of
-        sends of a key (sends within this long of each other), with the newest
-        message's arguments, once the key had no send for this long; the
-        others are acknowledged without running (see :mod:`.debouncing`).
-        Default ``None`` (none).
-      lock_debounce_max: default ``lock_debounce_max`` in ms: a burst runs once
-        its first send is this old, even if sends keep coming. Default ``None``.
-      metrics: where to report; default :class:`PrometheusMetrics`.
-      metrics_endpoint: when Dramatiq's own ``Prometheus`` middleware is
-        absent, serve the lease metrics of all worker processes on
-        ``$DRAMATIQ_LEASES_METRICS_PORT`` (default 9192). With it, they
-        appear on its endpoint (9191) whatever the order of the two, and
-        its own metrics do not count a busy message's rounds (see
-        :mod:`.dramatiq_metrics`): it is counted once, when it runs.
-      fence_retention: keep the fence counter of a key idle this long (ms),
-        then let it expire: bounded memory for fleets leasing per-user or
-        per-invoice keys (:class:`Leases`' ``fence_retention``; every
-        process using the store must agree). Default ``None``: for ever.
-      min_replicas: how many replicas must acknowledge each grant, adoption
-        and renewal (``WAIT``, in the same round trip) before it counts; 0
-        to 100, default 0 (none asked). A grant fewer acknowledged in time is
-        released and the message comes back later, as when Redis is
-        unreachable; a renewal round fewer acknowledged confirms nothing
-        (see :class:`Leases` and docs/replication.md). Not with RedisCluster.
-      replica_timeout: how long, in ms, to wait for those acknowledgements.
-        Default 500; shorter than the client's ``socket_timeout``.
-      history: keep each key's history, its newest ``history`` events (0 to
-        10 000), for a week after the last (:class:`Leases`' ``history``;
-        ``dramatiq-leases show KEY --history``). Default ``None``: none.
-      restart_grace: for a lease store without persistence: after the
-        server starts, a key it knows nothing of is not granted until it has
-        been up this long (ms; set it to the longest ``lock_ttl``), so that
-        no message runs beside a holder the restart made it forget
-        (:class:`Leases`' ``restart_grace``; an actor with a longer
-        ``lock_ttl`` is named in a warning when declared). Default ``None``:
-        none.
-      failover_grace: after the lease store's replication id changes (a
-        failover, a restart from a snapshot), no key is granted for this long
-        (ms; :class:`Leases`' ``failover_grace``; set it to the longest
-        ``lock_ttl``, an actor with a longer one is named in a warning when
-        declared; ``None`` or 0 turns it off). Default 30 000.
-      trace_keys: record lease keys in span attributes (``lease.key``).
-        Off by default, since keys often carry user ids; ``None`` leaves
-        the process-wide setting (``DRAMATIQ_LEASES_TRACE_KEYS``) as it is.
-
-    Each parameter ``lock_*`` is the default of the actor and message option
-    of the same name (a message option beats the actor option, which beats
-    the default): ``lock_key`` (a template such as
-    ``"invoice:{invoice_id}"`` or a callable taking the actor's arguments),
-    ``lock_ttl``, ``lock_renew_interval``, ``lock_max_hold``,
-    ``lock_min_backoff``, ``lock_max_backoff``, ``lock_max_wait``,
-    ``lock_give_up``, ``lock_limit``, ``lock_on_busy``, ``lock_unique``,
-    ``lock_unique_ttl``, ``lock_rate``, ``lock_debounce``, ``lock_debounce_max``.
-    ``send_with_options(lease=lease)`` hands a lease
-    acquired by the producer to the worker, which adopts it once. A message
-    of an actor without ``lock_key`` that carries any of these is refused at
-    send time. Every time is a whole number of milliseconds.
+    Its store: ``redis_url`` or ``client``; without either, ``$DRAMATIQ_LEASES_URL``, else the broker's own Redis
+    when the broker is a ``RedisBroker`` (chosen at the first hook, which gets the broker), else
+    :class:`LeaseConfigError`. Each ``lock_*`` parameter is the default of the actor and message option of the
+    same name. Every parameter, its default and meaning: docs/reference.md, "Middleware parameters".
     """
 
     def __init__(  # noqa: PLR0913 (keyword-only: the middleware's documented options)
@@ -209,13 +99,16 @@ class LeaseMiddleware(Middleware):
         restart_grace: int | None = None,
         failover_grace: int | None = DEFAULT_FAILOVER_GRACE,
     ) -> None:
-        if (redis_url is None) == (client is None):
-            raise LeaseConfigError("LeaseMiddleware needs exactly one of redis_url or client")
-        # Checked here to name this middleware's parameters; Leases checks them again.
-        whole_count(min_replicas, "min_replicas", maximum=MAX_REPLICAS, owner="LeaseMiddleware")
-        whole_ms(replica_timeout, "replica_timeout", owner="LeaseMiddleware")
+        if redis_url is not None and client is not None:
+            raise LeaseConfigError("LeaseMiddleware takes one of redis_url or client, not both")
+        # Checked here, even when the store is chosen later (see :mod:`.connecting`), to name this middleware's
+        # parameters; Leases checks them again.
+        _check_store_options(
+            prefix, fence_retention, min_replicas, replica_timeout, history, restart_grace, failover_grace
+        )
         if client is None:
-            client = client_from_url(redis_url or "")
+            redis_url = redis_url if redis_url is not None else url_from_environment()
+            client = None if redis_url is None else client_from_url(redis_url)  # None: the broker's, at a hook
         else:
             _warn_without_socket_timeout(client)
         self.declarations = Declarations(
@@ -238,41 +131,92 @@ class LeaseMiddleware(Middleware):
         )
         if trace_keys is not None:
             record_keys(trace_keys)
-        # Worker threads can be interrupted mid-command: each gets a connection of its own.
-        self.leases = Leases(
-            client,
-            prefix=prefix,
-            thread_connections=True,
-            fence_retention=fence_retention,
-            min_replicas=min_replicas,
-            replica_timeout=replica_timeout,
-            history=history,
-            restart_grace=restart_grace,
-            failover_grace=failover_grace,
-        )
+        self._store_options: dict[str, Any] = {
+            "prefix": prefix,
+            "fence_retention": fence_retention,
+            "min_replicas": min_replicas,
+            "replica_timeout": replica_timeout,
+            "history": history,
+            "restart_grace": restart_grace,
+            "failover_grace": failover_grace,
+        }
         self.metrics = metrics if metrics is not None else PrometheusMetrics()
-        self.heartbeat = Heartbeat(self.leases, metrics=self.metrics)
-        self.runs = Runs(self.leases, self.heartbeat, self.metrics)
         # Dramatiq's own Prometheus middleware, if the broker has it: not to count busy rounds.
         self.dramatiq_prometheus = DramatiqPrometheus(self)
-        self.waiting = Waiting(self.leases, on_drop=self.dramatiq_prometheus.left_delay_queue)
-        self.unique = Uniqueness(self.declarations, self.leases, self.metrics)
-        self.debouncing = Debouncing(self.declarations, self.leases, self.metrics, self.waiting)
         self.host = socket.gethostname()  # named in every lease's metadata
-        # What the parts read, instead of this middleware: the same objects as the attributes above.
-        self.context = Context(
-            leases=self.leases,
-            metrics=self.metrics,
-            declarations=self.declarations,
-            runs=self.runs,
-            waiting=self.waiting,
-            unique=self.unique,
-            debouncing=self.debouncing,
-            host=self.host,
-        )
         self._exposition = WorkerExposition(metrics_endpoint)
         self._booted = False
+        self._context: Context | None = None  # the store and the parts built on it, once chosen
+        self._choosing = threading.Lock()
+        if client is not None:
+            self._build(client)
         logging.getLogger("dramatiq.worker.WorkerThread").addFilter(_skip_filter)
+
+    # The store and the parts built on it: in __init__ when it is named (redis_url, client, DRAMATIQ_LEASES_URL),
+    # else at the first hook, which gets the broker (see :mod:`.connecting`).
+    heartbeat: Heartbeat
+    runs: Runs
+    waiting: Waiting
+    unique: Uniqueness
+    debouncing: Debouncing
+    #: What the parts read, instead of this middleware: the same objects as the attributes above.
+    context: Context
+
+    def _build(self, client: Any) -> Context:
+        """Build the store on ``client`` and the parts on it; published by one store, ``_context``, last: an
+        interruption before it leaves nothing a hook would use, and the next hook builds them again."""
+        # Worker threads can be interrupted mid-command: each gets a connection of its own.
+        leases = Leases(client, thread_connections=True, **self._store_options)
+        heartbeat = Heartbeat(leases, metrics=self.metrics)
+        runs = Runs(leases, heartbeat, self.metrics)
+        waiting = Waiting(leases, on_drop=self.dramatiq_prometheus.left_delay_queue)
+        unique = Uniqueness(self.declarations, leases, self.metrics)
+        debouncing = Debouncing(self.declarations, leases, self.metrics, waiting)
+        context = Context(
+            leases=leases,
+            metrics=self.metrics,
+            declarations=self.declarations,
+            runs=runs,
+            waiting=waiting,
+            unique=unique,
+            debouncing=debouncing,
+            host=self.host,
+        )
+        self.heartbeat, self.runs, self.waiting, self.unique, self.debouncing = (
+            heartbeat,
+            runs,
+            waiting,
+            unique,
+            debouncing,
+        )
+        self.context = context
+        self._context = context
+        return context
+
+    def _ready(self, broker: dramatiq.Broker) -> Context:
+        """The store and its parts; at the first hook of a middleware given none, the broker's Redis (or
+        :class:`LeaseConfigError` naming ``DRAMATIQ_LEASES_URL`` and ``redis_url``)."""
+        context = self._context
+        if context is not None:
+            return context
+        with self._choosing:  # two threads' first hooks at once build one store
+            context = self._context
+            if context is None:
+                context = self._build(client_for_broker(broker))
+            return context
+
+    @property
+    def leases(self) -> Leases:
+        """The lease store. Given ``redis_url``, ``client`` or ``DRAMATIQ_LEASES_URL``, from construction; else the
+        broker's Redis, from the first hook (raises :class:`LeaseConfigError` before)."""
+        context = self._context
+        if context is None:
+            raise LeaseConfigError(
+                "LeaseMiddleware() has no lease store yet: without redis_url, client or "
+                f"{URL_VARIABLE}, it shares its broker's Redis, chosen at its first hook (an actor declared, a "
+                "message sent, a worker's boot)"
+            )
+        return context.leases
 
     @property
     def booted(self) -> bool:
@@ -287,6 +231,7 @@ class LeaseMiddleware(Middleware):
 
     def before_declare_actor(self, broker: dramatiq.Broker, actor: dramatiq.Actor[Any, Any]) -> None:
         """Check the actor's lease options and prepare its key template; raises :class:`LeaseOptionError`."""
+        self._ready(broker)
         if not self.declarations.declare(broker, actor):
             return
         ttl = self.declarations.options(actor.actor_name, actor.options).ttl
@@ -320,6 +265,7 @@ class LeaseMiddleware(Middleware):
 
     def after_process_boot(self, broker: dramatiq.Broker) -> None:
         """Set up metrics for this worker process and note TimeLimit's default."""
+        self._ready(broker)
         self.declarations.note_time_limit(broker)
         self._exposition.boot(broker.middleware)
         self.metrics.declare_process()
@@ -332,8 +278,10 @@ class LeaseMiddleware(Middleware):
         """Keep Dramatiq's Prometheus from counting busy rounds: its metrics exist once every process boot ran.
 
         Name the line's channel too: the consumers start before ``after_worker_boot``, and a parked
-        copy they receive meanwhile is registered under it.
+        copy they receive meanwhile is registered under it. The store is chosen by now at the latest: the
+        hooks of the worker's threads (processing, delay queues, stops) come after this one and never choose it.
         """
+        self._ready(broker)
         self.dramatiq_prometheus.adjust(broker)
         self.waiting.prepare()
 
@@ -361,6 +309,7 @@ class LeaseMiddleware(Middleware):
         """Refuse, at send time, a message whose options are invalid or whose key cannot be rendered, or (with
         ``lock_unique``) whose key is taken: :class:`DuplicateMessage`. Give a first send with
         ``lock_on_busy="latest"`` its order (see :mod:`.ordering`)."""
+        self._ready(broker)
         self.waiting.on_enqueue(message)
         if delay is None and "eta" not in message.options:
             # Maybe one of our delayed copies leaving this process's delay queue, before anyone can run it.
@@ -436,6 +385,29 @@ class LeaseMiddleware(Middleware):
         """Release every lease this process holds for an actor no longer running (see :meth:`Runs.shutdown`)."""
         self.runs.shutdown()
         self._exposition.shutdown()
+
+
+def _check_store_options(
+    prefix: str,
+    fence_retention: int | None,
+    min_replicas: int,
+    replica_timeout: int,
+    history: int | None,
+    restart_grace: int | None,
+    failover_grace: int | None,
+) -> None:
+    """Raise :class:`LeaseConfigError` naming the first store-wide parameter that cannot work."""
+    owner = "LeaseMiddleware"
+    validate_prefix(prefix)
+    whole_count(min_replicas, "min_replicas", maximum=MAX_REPLICAS, owner=owner)
+    whole_ms(replica_timeout, "replica_timeout", owner=owner)
+    if fence_retention is not None:
+        whole_ms(fence_retention, "fence_retention", owner=owner)
+    if history is not None:
+        whole_count(history, "history", maximum=MAX_HISTORY, owner=owner)
+    for name, grace in (("restart_grace", restart_grace), ("failover_grace", failover_grace)):
+        if grace is not None:
+            whole_ms(grace, name, minimum=0, owner=owner)
 
 
 def _warn_without_socket_timeout(client: Any) -> None:
