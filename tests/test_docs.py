@@ -466,3 +466,25 @@ def test_the_guide_contents_list_every_section_in_order() -> None:
     assert listed == sections, f"docs/guide.md's contents are not in the sections' order: {listed}"
     wrong = [f"{title} -> #{anchor}" for title, anchor in entries if anchor != slug(title)]
     assert not wrong, f"docs/guide.md's contents link anchors other than their headings': {wrong}"
+
+
+# --- (h) the changelog ------------------------------------------------------------------------------------
+
+#: Keep a Changelog's kinds of change (and ours, Renamed), each a ``###`` heading, with what changed after.
+CHANGE_KINDS = ("Added", "Changed", "Deprecated", "Removed", "Fixed", "Security", "Renamed")
+
+
+def test_the_changelog_headings_say_what_changed_not_tracker_numbers() -> None:
+    """Releases are ``## [version]`` headings, each linked at the bottom; changes are ``### Kind`` headings
+    (``### Fixed: what``); no heading or entry names an issue, a ticket or a stop of the tracker."""
+    text = (ROOT / "CHANGELOG.md").read_text()
+    releases = headings(text, 2)
+    assert releases and releases[0] == "[Unreleased]", f"CHANGELOG.md should open with [Unreleased]: {releases[:1]}"
+    wrong = [r for r in releases if not re.fullmatch(r"\[(Unreleased|\d+\.\d+\.\d+)\]( - \d{4}-\d{2}-\d{2})?", r)]
+    unlinked = [r for r in releases if not re.search(rf"^{re.escape(r.split()[0])}: https://", text, flags=re.M)]
+    kinds = [h for h in headings(text, 3) if not h.startswith(CHANGE_KINDS)]
+    tracker = re.findall(r"^.*\b(?:issues?|tickets?|stops?) #?\d+\b.*$|^.*(?<![\w&])#\d+\b.*$", text, flags=re.M)
+    assert not (wrong or unlinked or kinds or tracker), (
+        f"CHANGELOG.md: releases not [version]: {wrong}; releases without a link: {unlinked}; "
+        f"change headings not of a kind {CHANGE_KINDS}: {kinds}; lines naming tracker numbers: {tracker}"
+    )
