@@ -1,90 +1,10 @@
 """Lua scripts behind every lease operation, built once from ``core/lua/*.lua``.
 
-Each operation is one script and one round trip, but for two: a grant or a
-release that uses no option runs a plain script of a few commands first
-(``lua/acquire_plain.lua``, ``lua/release_plain.lua``), which answers
-:data:`NOT_PLAIN` without writing when the key is busy, lined or wide; the
-general script then decides, a round trip later. A ``.lua`` file begins with
-its header: its KEYS and ARGV, one per line (``--   N name: what it is``, the
-name the script gives it), then what it returns. The helpers the scripts share
-are written once, in sections of ``lua/prelude.lua``; a script names those it
-uses with ``--#include NAME ...`` where it needs them, and the loader copies
-them in there. A file may be built in variants: the lines between ``--#if NAME``
-and ``--#else`` (or ``--#end``) are kept only in the build given NAME, those
-between ``--#else`` and ``--#end`` only in the others. So ``lua/acquire.lua``
-is :data:`ACQUIRE` and :data:`ACQUIRE_LATEST`: what only ``lock_on_busy="latest"``
-needs never runs in, nor grows, a plain acquire. The constants the Lua uses are
-this module's (:data:`LUA_CONSTANTS`): the loader declares, after the header,
-each one a script names, so Python and Lua read one value.
-
-A script touches only the keys its caller passed in ``KEYS``; it builds no key
-name (servers that enforce declared keys, such as Dragonfly, refuse a script
-that does). A key's holder slots are declared as many as the caller expects;
-a script that finds more answers :data:`NEED_SLOTS` with how many, before its
-first write, and is asked again. The waiters a script wakes are in its answer,
-and the caller wakes them (``lua/wake.lua``): their wake lists are named after
-them. With ``DRAMATIQ_LEASES_CHECK_KEYS=1`` in the environment (the test suite
-sets it, for every process it starts), each script is built with a check that
-fails it on any key not in its ``KEYS`` (:data:`CHECK_KEYS`). All the keys of
-one lease key share one hash tag (the epoch record, a tag of the same Cluster
-slot), so every script runs unchanged on Redis Cluster.
-
-Key layout for a lease key ``K`` under prefix ``P`` (``T`` is the hash tag,
-see :func:`dramatiq_leases.core.keys.hash_tag`):
-
-* ``P:lease:{T}``: a hash holding the lease: ``token``, ``fence``, ``ttl``,
-  ``interval``, ``margin_ms``, ``acquired_ms``, ``renewed_ms``,
-  ``max_hold_until_ms`` (0: none), ``adopted_ms`` (set once a handed-over lease
-  was adopted) and the holder's metadata. It always carries a TTL. A key
-  several may hold at once (``limit``) has a hash per holder slot: slot 0 is
-  ``P:lease:{T}``, slot ``s`` is ``P:lease:{T}:s``; each also names its
-  ``slot`` and the ``limit`` it was granted under. A holder granted while the key had one holder is marked
-  ``wide`` once the key has several: its release and renewals then keep the counter as a slot's do.
-* ``P:fence:{T}``: a hash that outlives every grant: ``fence`` (the last fencing token handed out, across all
-  slots), ``released`` (the last fence released; 0, written by the counter's first grant, until one was; a counter a
-  release made again keeps that release's),
-  ``released_ms`` (when) and ``expired`` (the last fence seen ending by TTL). Once a key was held by several,
-  ``width`` (how many slots may be held) and per slot ``g:s``, ``r:s``, ``e:s`` (granted, released, expired)
-  instead; it then outlives every holder, whatever the retention.
-* ``P:line:{T}``: the line of waiters, a sorted set by first attempt;
-  ``P:waiters:{T}``: each waiter's state, ``"<p|m|r> <deadline_ms> <holder> <actor>"``
-  (parked, promoted, waiting in place); ``P:line:{T}:w:<waiter>``: the list a
-  waiter waiting in place blocks on (``lua/wake.lua``); ``P:done:{T}``: waiters that ran, by
-  expiry (and ``s:<waiter>``: waiters a newer one replaced, ``latest``); the
-  waiters hash's field ``""`` names the key's latest waiter. See :mod:`.line`.
-  All carry TTLs.
-* ``P:rate:{T}:N/W``: the ring of a key's rate of N grants per W ms (``lock_rate``): the times of its last N
-  grants (see the ``rate`` section of ``lua/prelude.lua`` and :mod:`.rates`); kept W ms after its last grant.
-* ``P:history:{T}``: the key's history, if the store keeps one (``Leases(history=N)``): a list of
-  compact JSON events, newest first, capped to N and kept :data:`HISTORY_MS` after its last event
-  (see ``history_append`` in ``lua/prelude.lua`` and :mod:`.history`).
-* ``P:order:{T}``: the key's order record (``lock_on_busy="latest"`` only), a hash: ``seq`` (the last order
-  handed to a send, ``lua/order.lua``), ``seen`` and ``by`` (the newest order that reached the lease, granted or
-  waiting as the key's latest, and its waiter, ``lua/acquire.lua``); kept :data:`ORDER_MS` after its last change.
-* ``P:unique:{T}``: the key's unique records (``lock_unique``), a sorted set of ``q:<attempt>:<message id>``
-  (queued) and ``d:<attempt>:<message id>`` (until done) by the server time each ends; its TTL is its last
-  record's. See :mod:`.unique`.
-* ``P:epoch:{S}``: the epoch record of Cluster slot ``S``'s keys (``S``, a tag in that slot:
-  ``core/slot_tags.txt``), a string ``"<rid> <since>"``: the server's replication id a grant last saw, and
-  when a grant first saw it replace another (the failover grace; ``failover_left`` in ``lua/prelude.lua``).
-  Kept for ever, like a fence counter: at most one per slot, 16 384.
-
-The holder's deadline. A holder stops trusting its lease ``margin_ms`` before
-the key can expire: at ``min(renewed_ms + ttl, max_hold_until_ms) - margin_ms``
-in server time, or earlier (it counts from when it *sent* the renewal), and the
-margin is the time its interrupted actor has to stop. Those are facts the
-holder wrote itself, so a script that finds the deadline *and* the margin past
-knows no holder can still be running under the lease: that, and only that, is
-what :data:`RELEASE_IF_DEAD` calls dead. It is the instant the key would have
-expired by itself had nobody changed its TTL.
-
-Lua scripts are not transactions: a command that fails midway keeps the writes
-before it. So every script checks all of its arguments before its first write,
-and a lease hash gets its TTL in the command right after the one that creates
-it, which cannot fail (``PEXPIRE`` of a valid integer on a key just written).
-
-Times are Redis server time (``TIME``) in milliseconds, so hosts with skewed
-clocks agree on ages and deadlines.
+One script and one round trip per operation (a grant or release without options tries a plain script
+first). The loader copies in ``lua/prelude.lua``'s sections at each ``--#include``, keeps a variant's
+``--#if`` lines, and declares the constants of :data:`LUA_CONSTANTS` each script names. How a script is
+built, the keys it may touch (:data:`CHECK_KEYS`), the key layout and the holder's deadline:
+docs/scripts.md.
 """
 
 from __future__ import annotations
