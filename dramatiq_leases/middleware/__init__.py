@@ -12,8 +12,9 @@ actors declare and messages carry), :mod:`.runs` (which thread holds which
 lease, and how a run ends), :mod:`.unique` (sends refused while another
 message of their key is queued or running), :mod:`.stop_budget` (time
 limits against the worker's shutdown timeout), :mod:`.dramatiq_metrics` (Dramatiq's own
-Prometheus middleware, kept from counting busy rounds), :mod:`.errors`, and
-:mod:`.hooks` (:class:`LeaseMiddleware` itself).
+Prometheus middleware, kept from counting busy rounds), :mod:`.errors`, :mod:`.connecting` (the
+store of a middleware given no Redis: ``DRAMATIQ_LEASES_URL`` or the broker's), and :mod:`.hooks`
+(:class:`LeaseMiddleware` itself).
 """
 
 from .backoff import DEFAULT_MAX_BACKOFF, DEFAULT_MIN_BACKOFF

@@ -16,11 +16,19 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from dramatiq.middleware.middleware import MiddlewareError
+
 from ..core.client import RedisClient, client_like
 from ..core.errors import LeaseConfigError
 
 #: The environment variable naming the lease store of a ``LeaseMiddleware()`` given no ``redis_url`` or client.
 URL_VARIABLE = "DRAMATIQ_LEASES_URL"
+
+
+class NoLeaseStoreError(LeaseConfigError, MiddlewareError):
+    """No Redis for the leases (a :class:`LeaseConfigError`). A ``MiddlewareError`` too, as Dramatiq's hooks
+    swallow any other: the actor's declaration, the send or the worker's boot fails instead of going on
+    without the middleware, and an actor never runs unprotected."""
 
 
 def url_from_environment() -> str | None:
@@ -29,13 +37,13 @@ def url_from_environment() -> str | None:
 
 
 def client_for_broker(broker: Any) -> RedisClient:
-    """A client of ``broker``'s own Redis with connections of its own; raises :class:`LeaseConfigError` when the
+    """A client of ``broker``'s own Redis with connections of its own; raises :class:`NoLeaseStoreError` when the
     broker is not a ``RedisBroker`` (or has no client yet)."""
     from dramatiq.brokers.redis import RedisBroker
 
     client = getattr(broker, "client", None) if isinstance(broker, RedisBroker) else None
     if client is None or not hasattr(client, "connection_pool"):
-        raise LeaseConfigError(
+        raise NoLeaseStoreError(
             f"LeaseMiddleware() has no Redis for its leases: its broker is a {type(broker).__name__}, not a "
             f"RedisBroker whose Redis it could share. Set {URL_VARIABLE} (redis://host:6379/1, or any URL "
             "redis_url takes), or pass LeaseMiddleware(redis_url=...) or LeaseMiddleware(client=...)."

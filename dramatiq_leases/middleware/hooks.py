@@ -29,7 +29,7 @@ from ..prometheus import LeaseMetrics, PrometheusMetrics
 from . import delivery, held_back
 from .backoff import DEFAULT_MAX_BACKOFF, DEFAULT_MIN_BACKOFF
 from .busy import RoutineSkipFilter
-from .connecting import URL_VARIABLE, client_for_broker, url_from_environment
+from .connecting import URL_VARIABLE, NoLeaseStoreError, client_for_broker, url_from_environment
 from .context import Context
 from .debouncing import Debouncing
 from .declarations import Declarations
@@ -195,14 +195,23 @@ class LeaseMiddleware(Middleware):
 
     def _ready(self, broker: dramatiq.Broker) -> Context:
         """The store and its parts; at the first hook of a middleware given none, the broker's Redis (or
-        :class:`LeaseConfigError` naming ``DRAMATIQ_LEASES_URL`` and ``redis_url``)."""
+        :class:`LeaseConfigError` naming ``DRAMATIQ_LEASES_URL`` and ``redis_url``, a ``MiddlewareError`` that
+        Dramatiq's hooks pass on)."""
         context = self._context
         if context is not None:
             return context
         with self._choosing:  # two threads' first hooks at once build one store
             context = self._context
             if context is None:
-                context = self._build(client_for_broker(broker))
+                try:
+                    context = self._build(client_for_broker(broker))
+                except NoLeaseStoreError:
+                    raise
+                except Exception as e:  # any other would be swallowed by Dramatiq's hooks: never go on without
+                    raise NoLeaseStoreError(
+                        f"LeaseMiddleware() could not set up its leases on its broker's Redis: {e}; set "
+                        f"{URL_VARIABLE}, or pass redis_url or client"
+                    ) from e
             return context
 
     @property
