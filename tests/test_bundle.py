@@ -746,7 +746,7 @@ def test_dashboard_has_the_key_panels() -> None:
 
 def test_busy_view_reads_the_exporters_json() -> None:
     from dramatiq_leases.exporter.busy_page import HotKeyRow, LeaseRow
-    from dramatiq_leases.exporter.server import LEASES_PATH
+    from dramatiq_leases.exporter.routes import LEASES_PATH
 
     tables = {}
     for panel in busy_panels():

@@ -15,8 +15,13 @@ which a digest kept in the PNG itself tells.
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import html.parser
 import json
 import re
+import shutil
+import subprocess
 import threading
 import urllib.error
 import urllib.parse
@@ -31,8 +36,8 @@ import pytest
 from dramatiq_leases.core import Busy, Lease, Leases
 from dramatiq_leases.core.heartbeat import Heartbeat
 from dramatiq_leases.embedded import EmbeddedRedis
-from dramatiq_leases.exporter import Exporter
-from dramatiq_leases.exporter.busy_html import BUSY_PAGE, BUSY_PAGE_PATH
+from dramatiq_leases.exporter import Exporter, page
+from dramatiq_leases.exporter.page import BUSY_PAGE, BUSY_PAGE_PATH
 
 from .support.browser import chromium, content_digest, publish, screenshot, until
 from .support.waiting import wait_for
@@ -276,3 +281,76 @@ def test_the_page_script_builds_no_markup_from_data() -> None:
     script = BUSY_PAGE.decode()
     for parser in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write", "eval(", "new Function"):
         assert parser not in script, parser
+
+
+# --- the page's sources: package data files, each parsed ---------------------------------------------------
+
+#: Elements HTML writes without an end tag.
+VOID = {"meta", "link", "br", "img", "input", "hr", "col", "source", "wbr", "area", "base", "embed", "track"}
+
+
+class _Nesting(html.parser.HTMLParser):
+    """Checks that every element is closed, in order (html.parser itself forgives anything)."""
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.open: list[str] = []
+        self.errors: list[str] = []
+        self.ids: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.ids += [value for name, value in attrs if name == "id" and value]
+        if tag not in VOID:
+            self.open.append(tag)
+
+    def handle_endtag(self, tag: str) -> None:
+        if not self.open or self.open[-1] != tag:
+            self.errors.append(f"</{tag}> at {self.getpos()} closes {self.open[-1:] or 'nothing'}")
+        else:
+            self.open.pop()
+
+
+def nesting(text: str) -> _Nesting:
+    parser = _Nesting()
+    parser.feed(text)
+    parser.close()
+    return parser
+
+
+def test_the_page_is_three_package_files_served_as_one_document_under_its_policy() -> None:
+    """busy.html, busy.css and busy.js ship in the package (read with importlib.resources); the HTML is
+    well-formed and links the other two (so it opens as is from the source tree); the served page is it with
+    both inlined, and the Content-Security-Policy's hashes are those of exactly what is inlined."""
+    source = page.source("busy.html")
+    parsed = nesting(source)
+    assert parsed.errors == [] and parsed.open == [], (parsed.errors, parsed.open)
+    assert source.startswith("<!doctype html>") and len(parsed.ids) == len(set(parsed.ids)), parsed.ids
+    assert '<link rel="stylesheet" href="busy.css">' in source and '<script src="busy.js"></script>' in source
+    served = nesting(BUSY_PAGE.decode())
+    assert served.errors == [] and served.open == [] and served.ids == parsed.ids
+    style, script = "\n" + page.source("busy.css"), "\n" + page.source("busy.js")
+    assert f"<style>{style}</style>" in BUSY_PAGE.decode() and f"<script>{script}</script>" in BUSY_PAGE.decode()
+    for directive, text in (("script-src", script), ("style-src", style)):
+        digest = base64.b64encode(hashlib.sha256(text.encode()).digest()).decode()
+        assert f"{directive} 'sha256-{digest}';" in page.CONTENT_SECURITY_POLICY, directive
+    # Every id the script asks for is in the page.
+    asked = set(re.findall(r'getElementById\("([\w-]+)"\)', script))
+    asked |= {f"{table}-empty" for table in re.findall(r'fill\("([\w-]+)"', script)}
+    assert asked and asked <= set(parsed.ids), asked - set(parsed.ids)
+    # The stylesheet's braces balance (no CSS parser in the standard library; a browser would drop the rest).
+    css = re.sub(r"/\*.*?\*/", "", page.source("busy.css"), flags=re.S)
+    depth = 0
+    for char in css:
+        depth += {"{": 1, "}": -1}.get(char, 0)
+        assert depth in (0, 1), "a brace out of place in busy.css"
+    assert depth == 0
+
+
+def test_the_page_script_is_valid_javascript(tmp_path: Path) -> None:
+    node = shutil.which("node") or shutil.which("nodejs")
+    if node is None:
+        pytest.skip("node is not installed: `node --check` parses busy.js where it is")
+    script = tmp_path / "busy.js"
+    script.write_text(page.source("busy.js"), encoding="utf-8")
+    done = subprocess.run([node, "--check", str(script)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr

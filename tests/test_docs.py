@@ -111,7 +111,14 @@ def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentP
 
 
 def long_flags(parser: argparse.ArgumentParser) -> set[str]:
-    return {s for a in parser._actions for s in a.option_strings if s.startswith("--") and s != "--help"}
+    """The parser's long flags, but those hidden from ``--help`` (removed flags, refused naming their replacement)."""
+    return {
+        s
+        for a in parser._actions
+        if a.help != argparse.SUPPRESS
+        for s in a.option_strings
+        if s.startswith("--") and s != "--help"
+    }
 
 
 def synopsis() -> tuple[set[str], dict[str, set[str]], set[str]]:

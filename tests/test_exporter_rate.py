@@ -19,7 +19,7 @@ from dramatiq_leases.core import Busy, Lease, Leases
 from dramatiq_leases.core.rates import parse_rates
 from dramatiq_leases.embedded import EmbeddedRedis
 from dramatiq_leases.exporter import WAIT_REASONS, Exporter
-from dramatiq_leases.exporter.busy_html import BUSY_PAGE
+from dramatiq_leases.exporter.page import BUSY_PAGE
 
 from .test_exporter import scrape, server_ms
 

@@ -1,5 +1,5 @@
-"""The exporter safe by default: a loopback bind, ``--web.config.file`` (TLS, basic auth), masked keys, and a
-CLI that never prints a Redis password.
+"""The exporter safe by default: a loopback bind, one access system (``--web.config.file``: TLS, basic auth,
+client certificates), masked keys, and a CLI that never prints a Redis password.
 
 Certificates are made here (``cryptography``, self-signed); the passwords' bcrypt hashes too, at the lowest
 cost so a request costs milliseconds. The in-process :class:`Exporter` serves what the command serves
@@ -42,8 +42,7 @@ from dramatiq_leases.core import Lease, Leases
 from dramatiq_leases.core.keys import history_name
 from dramatiq_leases.embedded import EmbeddedRedis, free_port
 from dramatiq_leases.exporter import Exporter
-from dramatiq_leases.exporter.busy_html import BUSY_PAGE_PATH
-from dramatiq_leases.exporter.server import BusyAccess
+from dramatiq_leases.exporter.page import BUSY_PAGE_PATH
 from dramatiq_leases.exporter.webconfig import load_web_config
 
 from .support.waiting import wait_for
@@ -404,14 +403,10 @@ def test_no_cli_output_carries_the_redis_password(
 
 
 def test_mask_keys_masks_the_busy_view_and_the_history(leases: Leases) -> None:
-    args = build_parser().parse_args(["exporter", "--mask-keys"])
-    assert args.busy_keys == "hashed" and build_parser().parse_args(["exporter"]).busy_keys == "plain"
-    assert (
-        main(["--redis-url", f"redis://127.0.0.1:{free_port()}/0", "exporter", "--mask-keys", "--busy-keys", "hashed"])
-        == 2
-    )
+    assert build_parser().parse_args(["exporter", "--mask-keys"]).mask_keys
+    assert not build_parser().parse_args(["exporter"]).mask_keys
     digest = "sha256:" + hashlib.sha256(PERSONAL.encode()).hexdigest()[:16]
-    with serving(leases, None, host="127.0.0.1", busy_access=BusyAccess(hash_keys=True)) as exporter:
+    with serving(leases, None, host="127.0.0.1", mask_keys=True) as exporter:
         base = f"http://127.0.0.1:{exporter.port}"
         doc = json.loads(fetch(base + "/leases")[2])
         (row,) = doc["leases"]
@@ -437,7 +432,7 @@ def test_mask_keys_keeps_the_key_out_of_history_errors_and_logs(
     url = "/leases/history?key=" + urllib.parse.quote(digest)
     with (
         caplog.at_level(logging.DEBUG),
-        serving(leases, None, host="127.0.0.1", busy_access=BusyAccess(hash_keys=True)) as exporter,
+        serving(leases, None, host="127.0.0.1", mask_keys=True) as exporter,
     ):
         base = f"http://127.0.0.1:{exporter.port}"
         name = history_name(leases.prefix, PERSONAL)
@@ -556,20 +551,94 @@ def test_a_config_needing_bcrypt_without_it_says_which_extra_to_install(tmp_path
     )
 
 
-def test_basic_auth_and_a_busy_token_are_one_too_many(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    ("argv", "replacement"),
+    [
+        (["--busy-token-file", "TOKEN"], "--web.config.file FILE and its basic_auth_users or client certificates"),
+        (["--busy-view", "open"], "--open-lease-views"),
+        (["--busy-view", "local"], "--open-lease-views"),
+        (["--busy-keys", "hashed"], "--mask-keys"),
+        (["--busy-view"], "--open-lease-views"),
+    ],
+)
+def test_the_busy_views_own_flags_are_refused_naming_the_one_access_system(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], replacement: str
+) -> None:
+    """The bearer token and the view's own open rule are gone: giving one is a usage error at start, naming
+    what replaces it, never a flag silently dropped (a token ignored on a loopback bind would let every local
+    user read the view it guarded)."""
     token = tmp_path / "token"
     token.write_text("s3cr3t-busy-token-0123456789")
+    argv = [str(token) if word == "TOKEN" else word for word in argv]
+    # Nothing listens at this Redis: the flag is refused before it is asked anything (exit 2, not 4).
+    code = main(["--redis-url", f"redis://127.0.0.1:{free_port()}/0", "exporter", *argv])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    last = err.splitlines()[-1]
+    assert last.startswith(f"dramatiq-leases exporter: error: argument {argv[0]}: removed in 0.2: "), last
+    assert replacement in last and "s3cr3t" not in err
+    assert main(["exporter", "--help"]) == 0
+    assert argv[0] not in capsys.readouterr().out, "a removed flag is not offered"
+
+
+# --- one access system: the web configuration, or the loopback, or the one flag ------------------------------
+
+
+def test_without_authentication_a_public_bind_serves_metrics_and_refuses_the_lease_views(
+    leases: Leases, certs: Certs, tmp_path: Path
+) -> None:
+    """TLS alone authenticates nobody: on 0.0.0.0 the lease views stay closed (403) to every path spelling and
+    method, while /metrics is served; --open-lease-views opens them, and nothing else does."""
+    tls = {"cert_file": str(certs.server_cert), "key_file": str(certs.server_key)}
+    config = write_config(tmp_path / "web.yml", {"tls_server_config": tls})
+    context = client_context(certs)
+    history = "/leases/history?key=" + urllib.parse.quote(PERSONAL)
+    for path_config in (None, config):
+        scheme = "https" if path_config else "http"
+        with serving(leases, path_config) as exporter:
+            base = f"{scheme}://127.0.0.1:{exporter.port}"
+            assert fetch(base + "/metrics", context=context if path_config else None)[0] == 200
+            for path in ("/leases", "/busy", history):
+                status, _, body = fetch(base + path, context=context if path_config else None)
+                assert status == 403 and json.loads(body)["error"] == "forbidden", (path_config, path, body)
+                assert "--open-lease-views" in json.loads(body)["detail"]
+                assert PERSONAL.encode() not in body
+        with serving(leases, path_config, open_lease_views=True) as exporter:
+            base = f"{scheme}://127.0.0.1:{exporter.port}"
+            for path in ("/leases", "/busy", history):
+                assert fetch(base + path, context=context if path_config else None)[0] == 200, (path_config, path)
+
+
+def test_open_lease_views_opens_nothing_the_web_config_closes(leases: Leases, tmp_path: Path) -> None:
+    """With basic auth every path needs the credentials, the flag notwithstanding: it only concerns requests
+    the web configuration lets through unauthenticated, and basic auth lets none through."""
     config = write_config(tmp_path / "web.yml", {"basic_auth_users": {USER: HASH}})
-    code = main(
-        [
-            "--redis-url",
-            f"redis://127.0.0.1:{free_port()}/0",
-            "exporter",
-            "--web.config.file",
-            str(config),
-            "--busy-token-file",
-            str(token),
-        ]
-    )
-    assert code == 2
-    assert "--busy-token-file and the basic_auth_users of --web.config.file" in capsys.readouterr().err
+    with serving(leases, config, open_lease_views=True) as exporter:
+        base = f"http://127.0.0.1:{exporter.port}"
+        for path in ("/metrics", "/leases", "/busy", "/leases/history?key=" + urllib.parse.quote(PERSONAL)):
+            status, _, body = fetch(base + path)
+            assert status == 401 and PERSONAL.encode() not in body, (path, status)
+            assert fetch(base + path, GOOD)[0] == 200, path
+
+
+def test_a_client_certificate_given_if_asked_opens_the_lease_views_only_to_its_holder(
+    leases: Leases, certs: Certs, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """VerifyClientCertIfGiven lets a client without a certificate in: it reads /metrics, not the lease views."""
+    tls = {
+        "cert_file": str(certs.server_cert),
+        "key_file": str(certs.server_key),
+        "client_auth_type": "VerifyClientCertIfGiven",
+        "client_ca_file": str(certs.client_cert),
+    }
+    with (
+        caplog.at_level(logging.INFO),
+        serving(leases, write_config(tmp_path / "web.yml", {"tls_server_config": tls})) as exporter,
+    ):
+        url = f"https://127.0.0.1:{exporter.port}"
+        assert fetch(url + "/metrics", context=client_context(certs))[0] == 200
+        status, _, body = fetch(url + "/leases", context=client_context(certs))
+        assert status == 403 and PERSONAL.encode() not in body
+        status, _, body = fetch(url + "/leases", context=client_context(certs, client=True))
+        assert status == 200 and json.loads(body)["leases"][0]["key"] == PERSONAL
+    assert "are served to holders of a client certificate --web.config.file" in caplog.text

@@ -3,9 +3,10 @@
 Each test runs the real command (``python -m dramatiq_leases.cli``, a
 subprocess) against a private Redis: a port out of range is a usage error
 found before anything starts; an unknown host or a port in use ends in one
-line and exit 5; ``/metrics`` is served on every bind, while ``/leases``, which
-shows lease keys, is refused on a non-loopback bind unless the operator opts in
-(``--busy-view open``) or sets a token (``--busy-token-file``).
+line and exit 5; ``/metrics`` is served on every bind, while the lease views,
+which show lease keys, are refused on a non-loopback bind unless the operator
+opts in (``--open-lease-views``) or ``--web.config.file`` authenticates the
+reader (tests/test_exporter_security.py).
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ CLI = [sys.executable, "-m", "dramatiq_leases.cli"]
 # A key as real ones look: it names a person. It must never reach a reader who was not let in.
 PERSONAL = "gdpr-export:user:alice@example.com"
 META = {"actor": "gdpr_export", "queue": "exports", "host": "worker-3", "pid": "4242", "message_id": "msg-9"}
-TOKEN = "s3cr3t-busy-token-0123456789"
 
 
 @pytest.fixture
@@ -166,8 +166,10 @@ def test_the_help_documents_exit_5() -> None:
     done = run_cli("exporter", "--help")
     assert done.returncode == 0
     assert "5    exporter: cannot listen on HOST:PORT" in done.stdout
-    for flag in ("--busy-view {local,open}", "--busy-token-file FILE", "--busy-keys {plain,hashed}"):
+    for flag in ("--web.config.file FILE", "--open-lease-views", "--mask-keys"):
         assert flag in done.stdout
+    for removed in ("--busy-view", "--busy-token-file", "--busy-keys"):
+        assert removed not in done.stdout
 
 
 # --- who may read /leases --------------------------------------------------------------------------------------
@@ -192,14 +194,15 @@ def test_on_every_interface_metrics_are_served_and_the_busy_view_is_refused_sayi
             else:
                 doc = json.loads(body)
                 assert doc["error"] == "forbidden"
-                assert "--busy-token-file" in doc["detail"] and "--busy-view open" in doc["detail"]
+                assert "--web.config.file" in doc["detail"] and "--open-lease-views" in doc["detail"]
                 assert f"0.0.0.0:{running.port}" in doc["detail"]
             for leak in (PERSONAL, META["message_id"], META["host"]):
                 assert leak.encode() not in body
     # The operator is told at start, on stderr.
-    assert f"The Busy view (/leases) is refused (403) on the non-loopback bind 0.0.0.0:{running.port}" in (
-        running.log.read_text()
-    )
+    assert (
+        "The lease views (/leases, /busy, /leases/history) are refused (403) on the non-loopback bind "
+        f"0.0.0.0:{running.port}"
+    ) in running.log.read_text()
 
 
 def test_the_library_exporter_on_every_interface_refuses_the_busy_view_too(leases: Leases) -> None:
@@ -211,37 +214,14 @@ def test_the_library_exporter_on_every_interface_refuses_the_busy_view_too(lease
         exporter.close()
 
 
-def test_busy_view_open_serves_it_to_anyone_who_reaches_the_port(
+def test_open_lease_views_serves_them_to_anyone_who_reaches_the_port(
     redis_server: EmbeddedRedis, leases: Leases, tmp_path: Path
 ) -> None:
-    with exporter(redis_server, tmp_path, "--busy-view", "open", host="0.0.0.0") as running:
+    with exporter(redis_server, tmp_path, "--open-lease-views", host="0.0.0.0") as running:
         (row,) = running.page()["leases"]
         assert row["key"] == PERSONAL and row["host"] == META["host"]
-    assert f"is served to anyone who reaches 0.0.0.0:{running.port} (--busy-view open)" in running.log.read_text()
-
-
-@pytest.mark.parametrize("host", ["0.0.0.0", "127.0.0.1"])
-def test_a_token_file_guards_the_busy_view_on_any_bind(
-    redis_server: EmbeddedRedis, leases: Leases, tmp_path: Path, host: str
-) -> None:
-    token_file = tmp_path / "busy-token"
-    token_file.write_text(TOKEN + "\n")  # as `echo` writes it: the newline is not part of the token
-    with exporter(redis_server, tmp_path, "--busy-token-file", str(token_file), host=host) as running:
-        assert get(running.port, "/metrics")[0] == 200, "metrics need no token"
-        for headers, error in (
-            ({}, "unauthorized"),
-            ({"Authorization": f"Basic {TOKEN}"}, "unauthorized"),
-            ({"Authorization": f"Bearer {TOKEN[:-1]}"}, "invalid_token"),
-            ({"Authorization": f"Bearer {TOKEN}x"}, "invalid_token"),
-            ({"Authorization": "Bearer "}, "unauthorized"),
-        ):
-            status, response_headers, body = get(running.port, "/leases", headers)
-            assert (status, json.loads(body)["error"]) == (401, error), headers
-            assert response_headers["WWW-Authenticate"].startswith('Bearer realm="dramatiq-leases"')
-            assert PERSONAL.encode() not in body and TOKEN.encode() not in body
-        (row,) = running.page({"Authorization": f"bearer {TOKEN}"})["leases"]  # the scheme is case-insensitive
-        assert row["key"] == PERSONAL
-    assert TOKEN not in running.log.read_text()
+        assert get(running.port, "/busy")[0] == 200
+    assert f"are served to anyone who reaches 0.0.0.0:{running.port} (--open-lease-views)" in running.log.read_text()
 
 
 def test_hashed_keys_show_a_digest_and_no_inspect_command(
@@ -249,7 +229,7 @@ def test_hashed_keys_show_a_digest_and_no_inspect_command(
 ) -> None:
     assert not leases.line.join(PERSONAL, 60_000, waiter="msg-10:0")  # a waiter: the key is a hot key too
     digest = "sha256:" + hashlib.sha256(PERSONAL.encode()).hexdigest()[:16]
-    with exporter(redis_server, tmp_path, "--busy-keys", "hashed") as running:
+    with exporter(redis_server, tmp_path, "--mask-keys") as running:
         doc = wait_for(lambda: (d := running.page())["hot_keys"] and d, what="the hot key")
     (row,) = doc["leases"]
     assert row["key"] == digest and row["inspect_command"] is None and row["actor"] == META["actor"]
@@ -302,42 +282,6 @@ def test_an_ipv6_loopback_in_brackets_is_a_loopback_bind(
 
 
 @pytest.mark.parametrize(
-    ("content", "why"),
-    [
-        (None, "cannot read"),
-        ("", "at least 16 characters"),
-        ("short-token", "at least 16 characters"),
-        ("a token with spaces in it", "visible ASCII characters without spaces"),
-    ],
-)
-def test_a_bad_token_file_is_a_usage_error_found_before_anything_starts(
-    tmp_path: Path, content: str | None, why: str
-) -> None:
-    path = tmp_path / "token"
-    if content is not None:
-        path.write_text(content)
-    done = run_cli("--redis-url", f"redis://127.0.0.1:{free_port()}/0", "exporter", "--busy-token-file", str(path))
-    assert done.returncode == 2, done.stderr
-    last = done.stderr.splitlines()[-1]
-    assert last.startswith(
-        f"dramatiq-leases exporter: error: argument --busy-token-file: {str(path)!r}"
-        if content is not None
-        else f"dramatiq-leases exporter: error: argument --busy-token-file: cannot read {str(path)!r}"
-    )
-    assert why in last and "Traceback" not in done.stderr
-    if content:
-        assert content not in done.stderr, "the token is never printed"
-
-
-def test_an_open_busy_view_takes_no_token(tmp_path: Path) -> None:
-    path = tmp_path / "token"
-    path.write_text(TOKEN)
-    done = run_cli("exporter", "--busy-view", "open", "--busy-token-file", str(path))
-    assert done.returncode == 2
-    assert "argument --busy-token-file: not allowed with argument --busy-view" in done.stderr
-
-
-@pytest.mark.parametrize(
     ("address", "loopback"),
     [
         ("127.0.0.1", True),
@@ -352,7 +296,7 @@ def test_an_open_busy_view_takes_no_token(tmp_path: Path) -> None:
     ],
 )
 def test_what_counts_as_a_loopback_bind(address: str, loopback: bool) -> None:
-    from dramatiq_leases.exporter.server import is_loopback
+    from dramatiq_leases.exporter.access import is_loopback
 
     assert is_loopback(address) is loopback
 

@@ -23,7 +23,7 @@ from dramatiq_leases.core.history import HistoryEvent
 from dramatiq_leases.core.keys import history_name
 from dramatiq_leases.embedded import EmbeddedRedis
 from dramatiq_leases.exporter.observer import LeaseObserver
-from dramatiq_leases.exporter.server import BusyAccess, ExporterApp
+from dramatiq_leases.exporter.routes import ExporterApp
 
 from .support.processes import Processes, clean_env, wait_until
 from .support.scriptcalls import grant_call, release_call
@@ -285,11 +285,11 @@ def test_the_exporter_serves_a_keys_history_under_the_busy_views_rules(redis_cli
         )
         return status[0], json.loads(b"".join(body))
 
-    app = ExporterApp(CollectorRegistry(), None, BusyAccess(open=True), history_json=observer.history_json)
+    app = ExporterApp(CollectorRegistry(), None, history_json=observer.history_json, open_lease_views=True)
     status, doc = get(app, "key=invoice%3A42")
     assert status == "200 OK" and doc["key"] == "invoice:42"
     assert [(e["event"], e["fence"], e["holder"]) for e in doc["events"]] == [("granted", lease.fence, "web-1:42")]
     assert get(app, "")[0].startswith("400")
-    closed = ExporterApp(CollectorRegistry(), None, BusyAccess(), history_json=observer.history_json)
-    assert get(closed, "key=invoice%3A42")[0].startswith("403")  # not on a loopback bind, no token
+    closed = ExporterApp(CollectorRegistry(), None, history_json=observer.history_json)
+    assert get(closed, "key=invoice%3A42")[0].startswith("403")  # not on a loopback bind, nobody authenticated
     assert observer.busy_json()["history_path"] == "/leases/history?key="

@@ -1,6 +1,6 @@
 """Issue 23 attacked: what a client on the network, a demanding user and an on-call engineer would try.
 
-Against the protected exporter (``--web.config.file`` basic auth, the Busy view's bind rule, ``--mask-keys``):
+Against the protected exporter (``--web.config.file`` basic auth, the lease views' bind rule, ``--mask-keys``):
 credentials of every odd shape, paths and methods that might slip past a check, a password bcrypt refuses,
 a web configuration that says one thing twice. Against the CLI: Redis passwords that ``urlsplit`` misreads.
 Against the export page (real chromium): Redis going away while a lock counts down. Every server is real
@@ -31,7 +31,6 @@ from dramatiq_leases.cli import main
 from dramatiq_leases.core import Lease, Leases
 from dramatiq_leases.embedded import EmbeddedRedis, free_port
 from dramatiq_leases.exporter import Exporter
-from dramatiq_leases.exporter.server import BusyAccess
 from dramatiq_leases.exporter.webconfig import WebConfigError, load_web_config
 
 from .support.waiting import wait_for
@@ -138,7 +137,7 @@ def test_good_credentials_in_any_scheme_case_and_spacing_are_accepted(leases: Le
 
 
 def test_no_path_spelling_or_method_serves_the_busy_view_on_a_public_bind(leases: Leases) -> None:
-    """Without a token or basic auth on 0.0.0.0 the Busy view is refused (403); no spelling of its path routes
+    """Without basic auth on 0.0.0.0 the lease views are refused (403); no spelling of its path routes
     around the check to a page that shows a key."""
     with serving(leases, None, host="0.0.0.0") as base:
         for path in (
@@ -202,7 +201,7 @@ def test_mask_keys_keeps_a_key_out_of_the_exporters_log(
     try:
         assert isinstance(store.try_acquire(PERSONAL, 300, meta=META), Lease)
         with caplog.at_level(logging.DEBUG, logger="dramatiq_leases"):
-            exporter = Exporter(store, host="127.0.0.1", port=0, busy_access=BusyAccess(hash_keys=True))
+            exporter = Exporter(store, host="127.0.0.1", port=0, mask_keys=True)
             try:
                 exporter.observer.scan()
                 wait_for(lambda: not store.holders(PERSONAL), timeout=5, what="the lease to expire")

@@ -30,7 +30,7 @@ from dramatiq_leases.core.keys import history_name, lease_name
 from dramatiq_leases.core.lease import LostReason
 from dramatiq_leases.embedded import EmbeddedRedis
 from dramatiq_leases.exporter.observer import LeaseObserver
-from dramatiq_leases.exporter.server import BusyAccess, ExporterApp
+from dramatiq_leases.exporter.routes import ExporterApp
 from dramatiq_leases.leader import EXIT_CODE
 
 from .support.blackhole import Blackhole
@@ -469,7 +469,7 @@ def test_the_cli_and_the_exporter_show_the_history_of_an_odd_key_safely(redis_se
     assert (event["event"], event["fence"], event["message_id"]) == ("granted", lease.fence, "m\x1b[31m\nx")
 
     status: list[str] = []
-    app = ExporterApp(CollectorRegistry(), None, BusyAccess(open=True), history_json=LeaseObserver(leases).history_json)
+    app = ExporterApp(CollectorRegistry(), None, history_json=LeaseObserver(leases).history_json, open_lease_views=True)
     environ = {"PATH_INFO": "/leases/history", "QUERY_STRING": urlencode({"key": ODD_KEY}), "REQUEST_METHOD": "GET"}
     body = json.loads(b"".join(app(environ, lambda s, headers: status.append(s))))  # type: ignore[arg-type]
     assert status == ["200 OK"] and body["key"] == ODD_KEY

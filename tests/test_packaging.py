@@ -33,6 +33,7 @@ PACKAGE_DATA = [
     "dramatiq_leases/py.typed",
     "dramatiq_leases/mixin/dashboard.json",
     *(f"dramatiq_leases/core/lua/{name}" for name in LUA),
+    *(f"dramatiq_leases/exporter/static/{name}" for name in ("busy.html", "busy.css", "busy.js")),
 ]
 MIXIN_HINT = "pip install 'dramatiq-leases[mixin]'"
 

@@ -6,8 +6,7 @@ Commands::
   dramatiq-leases show KEY [--json] [--show-token] [--history]
   dramatiq-leases release KEY (--owner TOKEN | --if-dead [--fence N])
   dramatiq-leases exporter [--host HOST] [--port PORT] [--interval SECONDS] [--top N]
-                           [--busy-view {local,open} | --busy-token-file FILE]
-                           [--busy-keys {plain,hashed} | --mask-keys] [--web.config.file FILE]
+                           [--web.config.file FILE] [--open-lease-views] [--mask-keys]
                            [--web.max-connections N] [--web.read-timeout SECONDS]
   dramatiq-leases demo [--invoices N] [--per-invoice N] [--job-seconds S]
 
@@ -174,14 +173,24 @@ def _host(text: str) -> str:
     return text
 
 
-def _token_file(path: str) -> str:
-    """The token in the file ``path``, read at parse time: a bad file is a usage error before anything starts."""
-    from ..exporter.server import read_token_file  # imports prometheus_client: only for the exporter
+class _Removed(argparse.Action):
+    """A flag that was removed: giving it is a usage error naming what replaces it (hidden from --help)."""
 
-    try:
-        return read_token_file(path)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+    def __init__(self, option_strings: Sequence[str], dest: str, replacement: str = "", **kwargs: object) -> None:
+        self.replacement = replacement
+        super().__init__(option_strings, dest=argparse.SUPPRESS, nargs="?", help=argparse.SUPPRESS)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, *_: object) -> None:
+        raise argparse.ArgumentError(self, f"removed in 0.2: {self.replacement}")
+
+
+#: The exporter's flags removed in 0.2, and what replaces each (docs/guide.md, "Protecting the exporter").
+REMOVED_EXPORTER_FLAGS = {
+    "--busy-view": "--busy-view open is now --open-lease-views (local, the default, needs no flag)",
+    "--busy-token-file": "protect the lease views (and every other path) with --web.config.file FILE and its "
+    "basic_auth_users or client certificates; a bearer token is no longer accepted",
+    "--busy-keys": "--busy-keys hashed is now --mask-keys (plain, the default, needs no flag)",
+}
 
 
 def _web_config(path: str) -> WebConfig:
@@ -298,8 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_host,
         default="127.0.0.1",
         help="address to listen on (default: 127.0.0.1, this host only; 0.0.0.0 for Prometheus on another "
-        "host: /leases is then refused unless --busy-view open, --busy-token-file or --web.config.file "
-        "basic auth)",
+        "host: the lease views are then refused unless --web.config.file authenticates the reader, or "
+        "--open-lease-views)",
     )
     p.add_argument("--port", type=_port, default=9808, help="port to listen on, 0 to 65535 (default: 9808)")
     p.add_argument(
@@ -318,48 +327,31 @@ def build_parser() -> argparse.ArgumentParser:
         help="rows of each table of /leases, which shows lease keys (default: 50; "
         "?limit= asks for fewer; 0 turns /leases off)",
     )
-    who = p.add_mutually_exclusive_group()
-    who.add_argument(
-        "--busy-view",
-        choices=("local", "open"),
-        default="local",
-        help="who may read /leases without a token: local (default) serves it on a loopback bind only "
-        "and answers 403 on any other; open serves it to anyone who reaches the port (it shows "
-        "lease keys, message ids, hosts and pids)",
-    )
-    who.add_argument(
-        "--busy-token-file",
-        type=_token_file,
-        metavar="FILE",
-        dest="busy_token",
-        help="serve /leases only to requests sending 'Authorization: Bearer TOKEN', TOKEN being the "
-        "content of FILE (at least 16 visible characters; read at start), on any bind",
-    )
-    keys = p.add_mutually_exclusive_group()
-    keys.add_argument(
-        "--busy-keys",
-        choices=("plain", "hashed"),
-        default="plain",
-        help="hashed shows each key of /leases as sha256:<16 hex digits> and no inspect command, and "
-        "/leases/history takes that digest (default: plain)",
-    )
-    keys.add_argument(
+    p.add_argument(
         "--mask-keys",
-        action="store_const",
-        const="hashed",
-        dest="busy_keys",
-        default=argparse.SUPPRESS,
-        help="the same as --busy-keys hashed, for keys that carry personal data",
+        action="store_true",
+        help="show each key of /leases as sha256:<16 hex digits> and no inspect command; /leases/history "
+        "then takes that digest (for keys that carry personal data)",
     )
     p.add_argument(
         "--web.config.file",
         type=_web_config,
         metavar="FILE",
         dest="web_config",
-        help="TLS and basic auth on every path, /metrics included, in the web configuration format of "
-        "Prometheus exporters (exporter-toolkit): tls_server_config, basic_auth_users (bcrypt), "
-        "http_server_config.headers; read at start (needs: pip install 'dramatiq-leases[exporter]')",
+        help="TLS and basic auth or client certificates on every path, /metrics and the lease views alike, "
+        "in the web configuration format of Prometheus exporters (exporter-toolkit): tls_server_config, "
+        "basic_auth_users (bcrypt), http_server_config.headers; read at start (needs: pip install "
+        "'dramatiq-leases[exporter]'). Those it authenticates may read the lease views on any bind",
     )
+    p.add_argument(
+        "--open-lease-views",
+        action="store_true",
+        help="serve the lease views (/leases, /busy, /leases/history: they show lease keys, message ids, hosts "
+        "and pids) to requests --web.config.file does not authenticate, on a bind that is not the loopback: "
+        "only for a network that only trusted readers reach",
+    )
+    for flag, replacement in REMOVED_EXPORTER_FLAGS.items():
+        p.add_argument(flag, action=_Removed, replacement=replacement)
     # As Prometheus' own flags: one client holding idle connections must not starve the scrape.
     p.add_argument(
         "--web.max-connections",
@@ -402,18 +394,9 @@ def _fail(err: TextIO, text: str) -> None:
 
 
 def _exporter(leases: Leases, args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    """``exporter``: its ``--busy-*`` and ``--web.config.file`` flags reach the exporter's HTTP app; a bind that
-    fails ends in one line."""
+    """``exporter``: a bind that fails ends in one line."""
     from ..exporter.server import ListenError  # prometheus_client: only for the exporter
 
-    config = getattr(args, "web_config", None)
-    if config is not None and config.users and args.busy_token:  # before any Redis call
-        _fail(
-            err,
-            "exporter: --busy-token-file and the basic_auth_users of --web.config.file both need the "
-            "Authorization header: choose one",
-        )
-        return EXIT_USAGE
     try:
         return cmd_exporter(leases, args, out)
     except ListenError as e:  # an environment error, not a usage one: the same flags may work elsewhere

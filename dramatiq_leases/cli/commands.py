@@ -324,7 +324,6 @@ def cmd_exporter(leases: Leases, args: argparse.Namespace, out: TextIO) -> int:
     except redis.RedisError as e:
         raise LeaseUnavailableError(f"{type(e).__name__}: {e}") from e
     from ..exporter import serve  # type: ignore[import-not-found, unused-ignore]
-    from ..exporter.server import BusyAccess
 
     serve(
         leases,
@@ -333,10 +332,9 @@ def cmd_exporter(leases: Leases, args: argparse.Namespace, out: TextIO) -> int:
         interval=args.interval,
         top=args.top,
         cli_options=exporter_cli_options(getattr(args, "url", None), leases.prefix),
-        busy_access=BusyAccess(
-            open=args.busy_view == "open", token=args.busy_token, hash_keys=args.busy_keys == "hashed"
-        ),
         web_config=getattr(args, "web_config", None),
+        open_lease_views=args.open_lease_views,
+        mask_keys=args.mask_keys,
         max_connections=args.max_connections,
         read_timeout=args.read_timeout,
     )

@@ -1,8 +1,8 @@
 """The Busy-page view: which leases are held now, worst first, and which keys have the longest lines.
 
 Built from one scan's leases and lines (no Redis call of its own), bounded to
-the top N rows of each table, and served as JSON by the exporter (see the
-package docstring for the shape, an API). Lease keys appear here and never in
+the top N rows of each table, and served as JSON by the exporter (its shape, an API:
+docs/reference.md, "The Busy view"). Lease keys appear here and never in
 metric labels: they are unbounded and may carry user ids.
 """
 
@@ -28,7 +28,7 @@ _SLOT = re.compile(r":[1-9]\d{0,2}")
 
 
 class LeaseRow(TypedDict):
-    """One held lease, as of the scan (see the package docstring)."""
+    """One held lease, as of the scan (docs/reference.md, "The Busy view")."""
 
     key: str
     actor: str
@@ -50,7 +50,7 @@ class LeaseRow(TypedDict):
 
 
 class HotKeyRow(TypedDict):
-    """One key with waiters in its line, as of the scan (see the package docstring)."""
+    """One key with waiters in its line, as of the scan (docs/reference.md, "The Busy view")."""
 
     key: str
     line_length: int

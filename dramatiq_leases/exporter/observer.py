@@ -22,7 +22,7 @@ from . import busy_page
 from ._endings import Ending, ended_by_ttl, grant_ending
 from ._masking import hashed_key, scrub
 from .busy_page import DEFAULT_TOP, BusyPage
-from .server import HISTORY_PATH
+from .routes import HISTORY_PATH
 
 __all__ = ["LEAK_REASONS", "WAIT_REASONS", "Ending", "LeaseObserver", "Snapshot", "ended_by_ttl", "grant_ending"]
 
