@@ -9,6 +9,7 @@ index (pip's cache keeps that quick).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -125,6 +126,19 @@ def test_the_installed_wheel_ships_py_typed_and_one_version(installed: Installed
     assert installed.venv in Path(typed).parents, f"imported from {typed}, not the venv"
     assert Path(typed).is_file()
     assert installed_version == module_version == dramatiq_leases.__version__
+
+
+def test_the_installed_wheel_serves_the_busy_page_from_its_package_data(installed: Installed) -> None:
+    """The page's sources are read with importlib.resources: the installed package, not the checkout, has them."""
+    code = (
+        "import hashlib; from dramatiq_leases.exporter import page; "
+        "print(page.__file__); print(hashlib.sha256(page.BUSY_PAGE).hexdigest())"
+    )
+    where, digest = checked(installed.run(installed.bin("python"), "-c", code)).split()
+    from dramatiq_leases.exporter import page
+
+    assert installed.venv in Path(where).parents, f"imported from {where}, not the venv"
+    assert digest == hashlib.sha256(page.BUSY_PAGE).hexdigest()
 
 
 def test_the_demo_runs_from_the_installed_wheel(installed: Installed) -> None:
