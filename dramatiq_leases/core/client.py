@@ -179,17 +179,22 @@ def client_like(client: redis.Redis, *, socket_timeout: float = DEFAULT_SOCKET_T
     socket without one could never confirm a lease.
     """
     pool = client.connection_pool
-    # Not the state a pool adds for its own connections (redis-py 7+: the maintenance-notification handler and
-    # the timeouts it restores, the HIMPORT registry): the new pool makes its own.
-    kwargs = {
-        name: value
-        for name, value in pool.connection_kwargs.items()
-        if not (name.startswith("orig_") or name.endswith("_handler") or name == "himport_registry")
-    }
+    kwargs = _settings(pool)
     for name in ("socket_timeout", "socket_connect_timeout"):
         if kwargs.get(name) is None:
             kwargs[name] = socket_timeout
     return redis.Redis(connection_pool=redis.ConnectionPool(connection_class=pool.connection_class, **kwargs))
+
+
+def _settings(pool: Any) -> dict[str, Any]:
+    """A pool's connection settings, without the state it adds for its own connections (redis-py 7+: the
+    maintenance-notification handler and the timeouts it restores, the HIMPORT registry): a new pool makes its
+    own, and shares none of another's."""
+    return {
+        name: value
+        for name, value in pool.connection_kwargs.items()
+        if not (name.startswith("orig_") or name.endswith("_handler") or name == "himport_registry")
+    }
 
 
 def connection_kwargs(client: Any) -> dict[str, Any]:
@@ -320,7 +325,7 @@ class ThreadConnections:
         client = getattr(local, "blocking", None)
         if client is None:
             pool = self.client.connection_pool
-            kwargs = {**pool.connection_kwargs, "socket_timeout": MAX_BLOCK_S + 2}
+            kwargs = {**_settings(pool), "socket_timeout": MAX_BLOCK_S + 2}
             client = local.blocking = redis.Redis(
                 connection_pool=redis.ConnectionPool(connection_class=pool.connection_class, **kwargs),
                 single_connection_client=True,
