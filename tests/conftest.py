@@ -6,6 +6,7 @@ import contextlib
 import os
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,12 +17,13 @@ from dramatiq.middleware.time_limit import TimeLimit
 from dramatiq.worker import WorkerThread
 from prometheus_client import CollectorRegistry
 
-from dramatiq_leases import PrometheusMetrics
+from dramatiq_leases import Leases, PrometheusMetrics
 from dramatiq_leases.embedded import EmbeddedRedis
 
 from .support import servers
 from .support.brokers import BROKERS, RABBITMQ_URL, delete_rabbitmq_queues, unique_queue
-from .support.stack import MakeStack, Stack
+from .support.limit_workers import LimitWorkers
+from .support.stack import MakeLeases, MakeStack, Stack
 
 _SERVER: tuple[str, str] = ("redis", "")
 
@@ -57,6 +59,29 @@ def redis_client(redis_server: EmbeddedRedis) -> Iterator[redis.Redis]:
     client = redis.Redis.from_url(redis_server.url(0), socket_timeout=2)
     yield client
     client.close()
+
+
+@pytest.fixture
+def make_leases(redis_server: EmbeddedRedis) -> Iterator[MakeLeases]:
+    """Lease stores on database ``db`` (0 unless told) of the test's redis-server, made with ``Leases.from_url``'s
+    options (``prefix``, ``history``, ``fence_retention``...); their clients are closed after the test."""
+    stores: list[Leases] = []
+
+    def make(db: int = 0, **options: Any) -> Leases:
+        store = Leases.from_url(redis_server.url(db), **options)
+        stores.append(store)
+        return store
+
+    yield make
+    for store in stores:
+        store.client.close()
+
+
+@pytest.fixture
+def leases(make_leases: MakeLeases) -> Leases:
+    """A store with the default options on database 0 of the test's redis-server (the database of ``redis_client``).
+    A module whose every test wants other options (a prefix, a history) overrides it with ``make_leases``."""
+    return make_leases()
 
 
 @pytest.fixture(autouse=True)
@@ -152,3 +177,12 @@ def survivable_worker_threads(monkeypatch: pytest.MonkeyPatch) -> None:
             process(self, message)
 
     monkeypatch.setattr(WorkerThread, "process_message", surviving)
+
+
+@pytest.fixture(params=BROKERS)
+def workers(request: pytest.FixtureRequest, redis_server: EmbeddedRedis, tmp_path: Path) -> Iterator[LimitWorkers]:
+    """A fleet of `dramatiq tests.apps.limit_app` processes on each broker (tests/support/limit_workers.py), killed
+    after the test (tests/test_workers.py has a fleet of its own app under the same name)."""
+    fleet = LimitWorkers(request.param, redis_server, tmp_path)
+    yield fleet
+    fleet.stop()

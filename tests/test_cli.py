@@ -22,11 +22,6 @@ from .support.waiting import wait_for
 META = {"actor": "send_invoice", "queue": "default", "message_id": "msg-1", "host": "web-7", "pid": "4242"}
 
 
-@pytest.fixture
-def leases(redis_server: EmbeddedRedis) -> Leases:
-    return Leases.from_url(redis_server.url())
-
-
 def cli(capsys: pytest.CaptureFixture[str], server: EmbeddedRedis, *argv: str) -> tuple[int, str, str]:
     code = main(["--redis-url", server.url(), *argv])
     out, err = capsys.readouterr()

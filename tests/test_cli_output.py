@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 
-import pytest
 import redis
 
 from dramatiq_leases.cli.render import printable
@@ -34,11 +33,6 @@ META = {
     "pid": "42\x9b",
     f"note\x1b[2J{CONTROLS}": "x\x1b]0;title\x07",  # a metadata field named by its writer
 }
-
-
-@pytest.fixture
-def leases(redis_client: redis.Redis) -> Leases:
-    return Leases(redis_client)
 
 
 def run(server: EmbeddedRedis, *argv: str) -> tuple[int, bytes, bytes]:

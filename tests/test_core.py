@@ -53,7 +53,8 @@ def calls_during(client: redis.Redis, action) -> dict[str, int]:  # type: ignore
 @pytest.fixture(params=["plain", "general"])
 def leases(redis_client: redis.Redis, request: pytest.FixtureRequest) -> Leases:
     """A store as users make it (a grant or release without options runs the plain scripts first), and one held
-    to the general scripts only: the same promises hold for both."""
+    to the general scripts only: the same promises hold for both. On ``redis_client`` itself, not a client of its
+    own (``make_leases``): the round trips counted below are that one client's, its connection already open."""
     leases = Leases(redis_client)
     leases.grants.plain = request.param == "plain"
     return leases

@@ -34,6 +34,8 @@ from dramatiq_leases.core.keys import hash_tag
 from dramatiq_leases.embedded import EmbeddedRedis, free_port
 from dramatiq_leases.exporter import DEFAULT_TOP, Exporter, inspect_command
 
+from .support.exporters import get, scrape, server_ms
+from .support.stack import MakeLeases
 from .support.waiting import wait_for
 
 PREFIX = "t"
@@ -42,10 +44,9 @@ WORK = {"actor": "send_invoice", "queue": "default", "host": "worker-2", "pid": 
 
 
 @pytest.fixture
-def leases(redis_server: EmbeddedRedis) -> Iterator[Leases]:
-    store = Leases.from_url(redis_server.url(1), prefix=PREFIX)
-    yield store
-    store.client.close()
+def leases(make_leases: MakeLeases) -> Leases:
+    """Leases in database 1 under the prefix ``t``, as a fleet's would be beside its broker."""
+    return make_leases(1, prefix=PREFIX)
 
 
 @contextmanager
@@ -63,16 +64,6 @@ def running(
         stop.set()
         thread.join(10)
         exporter.close()
-
-
-def get(exporter: Exporter, path: str, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
-    """Status, headers and body of a GET on the exporter (errors included)."""
-    request = urllib.request.Request(f"http://127.0.0.1:{exporter.port}{path}", headers=headers or {})
-    try:
-        with urllib.request.urlopen(request, timeout=5) as response:
-            return response.status, dict(response.headers), response.read()
-    except urllib.error.HTTPError as e:
-        return e.code, dict(e.headers), e.read()
 
 
 def page(exporter: Exporter, query: str = "") -> dict[str, Any]:
@@ -97,24 +88,8 @@ def page_when(
     return doc
 
 
-def scrape(exporter: Exporter) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """The samples of ``/metrics``, by name and labels."""
-    status, _, body = get(exporter, "/metrics")
-    assert status == 200
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(body.decode())
-        for s in family.samples
-    }
-
-
 def names(exposition: bytes) -> set[str]:
     return {family.name for family in text_string_to_metric_families(exposition.decode())}
-
-
-def server_ms(leases: Leases) -> int:
-    seconds, micros = leases.client.time()
-    return int(seconds) * 1000 + int(micros) // 1000
 
 
 def acquire(leases: Leases, key: str, ttl: int = 60_000, **kwargs: Any) -> Lease:

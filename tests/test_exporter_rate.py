@@ -21,7 +21,8 @@ from dramatiq_leases.embedded import EmbeddedRedis
 from dramatiq_leases.exporter import WAIT_REASONS, Exporter
 from dramatiq_leases.exporter.page import BUSY_PAGE
 
-from .test_exporter import scrape, server_ms
+from .support.exporters import scrape, server_ms
+from .support.stack import MakeLeases
 
 PREFIX = "t"
 VENDOR = {"actor": "call_vendor", "queue": "default", "host": "worker-1", "pid": "11"}
@@ -29,10 +30,9 @@ INVOICE = {"actor": "send_invoice", "queue": "default", "host": "worker-2", "pid
 
 
 @pytest.fixture
-def leases(redis_server: EmbeddedRedis) -> Iterator[Leases]:
-    store = Leases.from_url(redis_server.url(1), prefix=PREFIX)
-    yield store
-    store.client.close()
+def leases(make_leases: MakeLeases) -> Leases:
+    """Leases in database 1 under the prefix ``t``, as a fleet's would be beside its broker."""
+    return make_leases(1, prefix=PREFIX)
 
 
 @pytest.fixture

@@ -45,6 +45,7 @@ from dramatiq_leases.exporter import Exporter
 from dramatiq_leases.exporter.page import BUSY_PAGE_PATH
 from dramatiq_leases.exporter.webconfig import load_web_config
 
+from .support.stack import MakeLeases
 from .support.waiting import wait_for
 
 CLI = [sys.executable, "-m", "dramatiq_leases.cli"]
@@ -106,13 +107,12 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> Certs:
 
 
 @pytest.fixture
-def leases(redis_server: EmbeddedRedis) -> Iterator[Leases]:
-    store = Leases.from_url(redis_server.url())
-    store = Leases(store.client, history=5)  # a history, for /leases/history
+def leases(make_leases: MakeLeases) -> Leases:
+    """A store with a history (for /leases/history) in which a worker holds the personal key."""
+    store = make_leases(history=5)
     lease = store.try_acquire(PERSONAL, 60_000, interval=20_000, meta=META)
     assert isinstance(lease, Lease)
-    yield store
-    store.client.close()
+    return store
 
 
 def write_config(path: Path, doc: dict[str, Any]) -> Path:

@@ -29,6 +29,7 @@ from dramatiq_leases.core import Lease, Leases
 from dramatiq_leases.embedded import EmbeddedRedis, free_port
 from dramatiq_leases.exporter import Exporter
 
+from .support.stack import MakeLeases
 from .support.waiting import wait_for
 
 CLI = [sys.executable, "-m", "dramatiq_leases.cli"]
@@ -38,12 +39,12 @@ META = {"actor": "gdpr_export", "queue": "exports", "host": "worker-3", "pid": "
 
 
 @pytest.fixture
-def leases(redis_server: EmbeddedRedis) -> Iterator[Leases]:
-    store = Leases.from_url(redis_server.url())
+def leases(make_leases: MakeLeases) -> Leases:
+    """A store in which a worker holds the personal key."""
+    store = make_leases()
     lease = store.try_acquire(PERSONAL, 60_000, interval=20_000, meta=META)
     assert isinstance(lease, Lease)
-    yield store
-    store.client.close()
+    return store
 
 
 def run_cli(*argv: str) -> subprocess.CompletedProcess[str]:

@@ -18,14 +18,16 @@ from dramatiq_leases.core.keys import epoch_name
 from dramatiq_leases.embedded import EmbeddedRedis
 from dramatiq_leases.exporter.observer import Ending, grant_ending
 
+from .support.stack import MakeLeases
 from .support.waiting import wait_for
 
 RETENTION_MS = 300
 
 
 @pytest.fixture
-def leases(redis_client: redis.Redis) -> Leases:
-    return Leases(redis_client, fence_retention=RETENTION_MS)
+def leases(make_leases: MakeLeases) -> Leases:
+    """Every store of these tests has the retention."""
+    return make_leases(fence_retention=RETENTION_MS)
 
 
 def grant(leases: Leases, key: str, ttl: int = 5_000) -> Lease:

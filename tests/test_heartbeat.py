@@ -29,11 +29,6 @@ class Losses:
 
 
 @pytest.fixture
-def leases(redis_client: redis.Redis) -> Leases:
-    return Leases(redis_client)
-
-
-@pytest.fixture
 def heartbeat(leases: Leases) -> Iterator[Heartbeat]:
     hb = Heartbeat(leases)
     yield hb

@@ -29,11 +29,6 @@ from .support.waiting import wait_for
 META = {"actor": "export_report", "queue": "default", "host": "web-7", "pid": "4242"}
 
 
-@pytest.fixture
-def leases(redis_client: redis.Redis) -> Leases:
-    return Leases(redis_client)
-
-
 def grant(leases: Leases, key: str, *, limit: int = 3, ttl: int = 30_000, **kwargs: Any) -> Lease:
     kwargs.setdefault("interval", 10_000)  # as a worker's heartbeat would declare
     meta = {**META, **kwargs.pop("meta", {})}

@@ -33,6 +33,7 @@ from dramatiq_leases.embedded import EmbeddedRedis, free_port
 from dramatiq_leases.exporter import Exporter
 from dramatiq_leases.exporter.webconfig import WebConfigError, load_web_config
 
+from .support.stack import MakeLeases
 from .support.waiting import wait_for
 
 PERSONAL = "gdpr-export:user:alice@example.com"
@@ -56,12 +57,12 @@ def fetch(url: str, headers: dict[str, str] | None = None, method: str = "GET") 
 
 
 @pytest.fixture
-def leases(redis_server: EmbeddedRedis) -> Iterator[Leases]:
-    store = Leases.from_url(redis_server.url())
+def leases(make_leases: MakeLeases) -> Leases:
+    """A store in which a worker holds the personal key."""
+    store = make_leases()
     lease = store.try_acquire(PERSONAL, 60_000, interval=20_000, meta=META)
     assert isinstance(lease, Lease)
-    yield store
-    store.client.close()
+    return store
 
 
 @contextmanager

@@ -28,15 +28,16 @@ from dramatiq_leases.embedded import EmbeddedRedis, free_port
 from dramatiq_leases.middleware.options import ORDER_OPTION
 
 from .support.scriptcalls import grant_call
-from .support.stack import MakeStack, Stack
+from .support.stack import MakeLeases, MakeStack, Stack
 from .support.waiting import wait_for
 
 TTL = 10_000
 
 
 @pytest.fixture
-def leases(redis_client: redis.Redis) -> Leases:
-    return Leases(redis_client, prefix="t")
+def leases(make_leases: MakeLeases) -> Leases:
+    """Keys under the prefix ``t`` (the tests read them by name)."""
+    return make_leases(prefix="t")
 
 
 def server_us(client: RedisClient) -> int:

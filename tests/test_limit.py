@@ -18,6 +18,7 @@ from dramatiq_leases.core.info import text
 from dramatiq_leases.core.keys import epoch_name, fence_name, lease_name
 
 from .support.scriptcalls import grant_call
+from .support.stack import MakeLeases
 from .support.waiting import wait_for
 
 TTL = 10_000
@@ -26,8 +27,9 @@ EPOCH = epoch_name("t", "k").encode()
 
 
 @pytest.fixture
-def leases(redis_client: redis.Redis) -> Leases:
-    return Leases(redis_client, prefix="t")
+def leases(make_leases: MakeLeases) -> Leases:
+    """Keys under the prefix ``t`` (the tests read them by name)."""
+    return make_leases(prefix="t")
 
 
 def grant(leases: Leases, key: str = "k", ttl: int = TTL, limit: int = 3, **options: Any) -> Lease:

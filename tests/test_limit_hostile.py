@@ -27,6 +27,7 @@ from dramatiq_leases.core.protocol import Turn, Wait
 from dramatiq_leases.embedded import EmbeddedRedis
 
 from .support.lossy import LossyProxy, scripts_at_random
+from .support.stack import MakeLeases
 from .support.waiting import wait_for
 from .test_limit import held_slots, refused
 
@@ -35,8 +36,9 @@ TTL = 10_000
 
 
 @pytest.fixture
-def leases(redis_client: redis.Redis) -> Leases:
-    return Leases(redis_client, prefix="t")
+def leases(make_leases: MakeLeases) -> Leases:
+    """Keys under the prefix ``t`` (the tests read them by name)."""
+    return make_leases(prefix="t")
 
 
 def turn(reply: Lease | Busy) -> Turn:

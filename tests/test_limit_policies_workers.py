@@ -19,9 +19,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, cast
 
 import dramatiq
@@ -39,12 +37,12 @@ from dramatiq_leases.core.keys import DEFAULT_PREFIX
 from dramatiq_leases.embedded import EmbeddedRedis
 from dramatiq_leases.middleware.options import SENT_BACK_OPTION
 
-from .support.brokers import BROKERS, RABBITMQ_URL, pending, redis_dead_letters
+from .support.brokers import RABBITMQ_URL, pending, redis_dead_letters
 from .support.interrupts import LockFreeHandler
+from .support.limit_workers import LimitWorkers, call, most_at_once
 from .support.processes import value
 from .support.stack import Stack
 from .support.waiting import wait_for
-from .test_limit_workers import LimitWorkers, call, most_at_once
 
 #: Dramatiq's INFO line for a message that does not run (dramatiq_leases/middleware/acquiring.py's not_run).
 NOT_RUN = "Message %s of actor %r did not run (%s): %s (%s); lease %r is held by %s."
@@ -52,13 +50,6 @@ NOT_RUN = "Message %s of actor %r did not run (%s): %s (%s); lease %r is held by
 DUPLICATE = (
     "Message %s is a copy of one that already ran, or was refused by lock_on_busy, under lease %r; not running it."
 )
-
-
-@pytest.fixture(params=BROKERS)
-def workers(request: pytest.FixtureRequest, redis_server: EmbeddedRedis, tmp_path: Path) -> Iterator[LimitWorkers]:
-    w = LimitWorkers(request.param, redis_server, tmp_path)
-    yield w
-    w.stop()
 
 
 # --- behind a running holder, across worker processes --------------------------------------------------------

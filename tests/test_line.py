@@ -16,14 +16,16 @@ from dramatiq_leases.core import Busy, Lease, Leases
 from dramatiq_leases.core.protocol import Turn, Wait
 
 from .support.scriptcalls import grant_call
+from .support.stack import MakeLeases
 from .support.waiting import wait_for
 
 TTL = 10_000
 
 
 @pytest.fixture
-def leases(redis_client: redis.Redis) -> Leases:
-    return Leases(redis_client, prefix="t")
+def leases(make_leases: MakeLeases) -> Leases:
+    """Keys under the prefix ``t`` (the tests read them by name)."""
+    return make_leases(prefix="t")
 
 
 def join(

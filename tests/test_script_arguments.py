@@ -16,6 +16,7 @@ from dramatiq_leases.core.errors import LeaseUnavailableError
 from dramatiq_leases.core.keys import fence_name, history_name, lease_name, line_name, wake_name
 
 from .support.scriptcalls import acquire, line_call, release_call, renew_call
+from .support.stack import MakeLeases
 
 
 def sibling(kind: str, key: str) -> str:
@@ -24,8 +25,9 @@ def sibling(kind: str, key: str) -> str:
 
 
 @pytest.fixture
-def leases(redis_client: redis.Redis) -> Leases:
-    return Leases(redis_client, prefix="t")
+def leases(make_leases: MakeLeases) -> Leases:
+    """Keys under the prefix ``t`` (the tests read them by name)."""
+    return make_leases(prefix="t")
 
 
 def test_renew_refuses_an_empty_token_before_renewing_any_key(leases: Leases, redis_client: redis.Redis) -> None:

@@ -27,11 +27,9 @@ from dramatiq_leases import Busy, DuplicateMessage
 from dramatiq_leases.core.unique import UniqueRecords
 
 from .support.interrupts import InterruptAfterEnqueue
+from .support.limit_workers import LimitWorkers, call
 from .support.stack import MakeStack
 from .support.waiting import wait_for
-from .test_limit_workers import LimitWorkers, call, workers
-
-__all__ = ["workers"]  # a fixture, imported
 
 
 def accepted(actor: Any, *args: Any, **options: Any) -> str | None:

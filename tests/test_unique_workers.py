@@ -14,11 +14,9 @@ import pytest
 
 from dramatiq_leases.core.unique import UniqueRecords
 
-from .test_limit_workers import LimitWorkers, call, workers
+from .support.limit_workers import LimitWorkers, call
 
 pytestmark = pytest.mark.system
-
-__all__ = ["workers"]  # the fixture, imported
 
 
 def test_a_sigkilled_unique_message_keeps_its_record_through_its_redelivery(workers: LimitWorkers) -> None:

@@ -8,26 +8,16 @@ same protocol through the example apps against a real worker.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
 from dramatiq_leases import web
 from dramatiq_leases.core import Busy, Lease, Leases
 from dramatiq_leases.core.protocol import Turn
-from dramatiq_leases.embedded import EmbeddedRedis
 
 from .support.waiting import wait_for
 
 KEY = "export:report:7"
 TTL = 30_000
-
-
-@pytest.fixture
-def leases(redis_server: EmbeddedRedis) -> Iterator[Leases]:
-    store = Leases.from_url(redis_server.url())
-    yield store
-    store.client.close()
 
 
 def hold(leases: Leases, ttl: int = TTL) -> Lease:

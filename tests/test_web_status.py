@@ -8,25 +8,17 @@ TTL, a key held by several at once, and Redis away.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
 import pytest
 
 from dramatiq_leases import LeaseUnavailableError, web
 from dramatiq_leases.core import Lease, Leases
-from dramatiq_leases.embedded import EmbeddedRedis, free_port
+from dramatiq_leases.embedded import free_port
 
 from .support.waiting import wait_for
 
 KEY = "export:report:7"
 TTL = 30_000
-
-
-@pytest.fixture
-def leases(redis_server: EmbeddedRedis) -> Iterator[Leases]:
-    store = Leases.from_url(redis_server.url())
-    yield store
-    store.client.close()
 
 
 def granted(answer: Lease | web.Locked) -> Lease:

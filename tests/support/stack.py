@@ -13,7 +13,7 @@ from dramatiq.actor import ActorDecorator
 from dramatiq.brokers.redis import MAINTENANCE_SCALE, RedisBroker
 from dramatiq.middleware import Middleware
 
-from dramatiq_leases import LeaseMiddleware
+from dramatiq_leases import LeaseMiddleware, Leases
 
 
 class Recorder(Middleware):
@@ -120,3 +120,9 @@ class MakeStack(Protocol):
     """The ``make_stack`` fixtures: a started-later :class:`Stack` from its keyword options."""
 
     def __call__(self, **options: Any) -> Stack: ...
+
+
+class MakeLeases(Protocol):
+    """The ``make_leases`` fixture: a store on database ``db`` of the test's redis-server, from ``Leases`` options."""
+
+    def __call__(self, db: int = 0, **options: Any) -> Leases: ...
