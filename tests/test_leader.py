@@ -1,7 +1,9 @@
 """Leader: a process-level lease for singleton processes (issue 22, item 3).
 
 In-process: the arguments, standby and takeover at a release, renewals past the TTL, and each way a loss is
-told (a callback, LeaderLost in a worker thread, LeaderLost interrupting a blocked main thread). Across real
+told (a callback, LeaderLost in a worker thread, LeaderLost interrupting a blocked main thread); and what a
+demanding user would try: a nested ``with``, a body that raises, renewals hung on a socket that never answers
+(tests/support/blackhole.py), a Redis restart, a release racing the loss, exit mode beside other threads. Across real
 processes (tests/apps/leader_app.py, a scheduler-like loop that records its ticks with ``time.time()``, this
 machine's one clock): a SIGKILLed leader is replaced within TTL + 1 s; a leader cut off from Redis by a
 partition (tests/support/blackhole.py) is told no later than its local deadline, raising or exiting with
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -22,9 +25,13 @@ from typing import Any
 
 import pytest
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from dramatiq_leases import Leader, LeaderLost, LeaseConfigError, LeaseKeyError, Leases, LeaseStateError
-from dramatiq_leases.core.lease import Lease, LostReason
+from dramatiq_leases.core import Lease
+from dramatiq_leases.core.keys import lease_name
+from dramatiq_leases.core.lease import LostReason
 from dramatiq_leases.embedded import EmbeddedRedis
 from dramatiq_leases.leader import EXIT_CODE
 
@@ -360,6 +367,208 @@ def test_leaderlost_is_not_raised_in_a_new_thread_that_reuses_the_ident_of_the_g
         leader.release()
     assert caught == [], f"{caught!r} was raised in an unrelated thread"
     assert leader.lost_reason is LostReason.GONE and not leader.is_leader
+
+
+# --- within the block: nesting, raising, a hung or restarted Redis, racing releases ---------------------------
+
+
+def test_a_nested_with_of_one_leader_keeps_the_key_until_the_outer_with_ends(redis_client: redis.Redis) -> None:
+    """Re-entering the same Leader (a helper that does `with leader:` called inside the scheduler's own block)
+    must not release the key at the inner exit while the outer block still acts as leader: another process
+    would be granted it and both would lead."""
+    leases = Leases(redis_client)
+    leader = Leader(leases, KEY, ttl=600)
+    other = Leader(leases, KEY, ttl=600, poll=50)
+    with leader:
+        fence = leader.fence
+        with leader:
+            assert leader.fence == fence
+        assert leader.is_leader, "the inner exit released the outer block's key"
+        assert not other.wait(timeout=0.3), "another leader was granted the key inside the outer block"
+    assert leases.inspect(KEY) is None and other.wait(timeout=2)
+    other.release()
+
+
+def test_a_body_that_raises_releases_the_key_and_a_lost_leader_leads_again_with_a_larger_fence(
+    redis_client: redis.Redis,
+) -> None:
+    leases = Leases(redis_client)
+    leader = Leader(leases, KEY, ttl=600)
+    with pytest.raises(ZeroDivisionError), leader:
+        _ = 1 / 0
+    assert leases.inspect(KEY) is None and not leader.is_leader
+    assert leases.fence_state(KEY)["released"] == leader.fence  # released, not left to expire
+    # Lost inside the body (the key deleted), then the same Leader enters again, as the README's loop does.
+    with pytest.raises(LeaderLost) as lost, leader:
+        first = leader.fence
+        redis_client.delete(leases.lease_name(KEY))
+        time.sleep(30)  # interrupted by the loss (main thread)
+    assert lost.value.reason is LostReason.GONE
+    with leader:
+        assert leader.fence > first and leader.is_leader
+    assert leases.inspect(KEY) is None
+
+
+def test_a_leader_whose_renewals_hang_is_told_by_its_deadline_before_the_key_can_go_to_another(
+    redis_server: EmbeddedRedis,
+) -> None:
+    """A socket that never answers (no socket timeout at all): the watchdog, not the renewal, tells the loss,
+    while the key still lives on the server; the standby is granted it only afterwards, with a larger fence;
+    leaving the block then asks nothing of the hung Redis."""
+    direct = redis.Redis.from_url(redis_server.url(0), socket_timeout=2)
+    told: list[tuple[float, float, int]] = []
+    with Blackhole(redis_server.port) as hole:
+        hung = Leases(redis.Redis(port=hole.port))  # no socket_timeout: a renewal blocks for ever
+
+        def on_lost(lease: Lease, reason: LostReason) -> None:
+            told.append((time.monotonic(), lease.valid_until, int(direct.pttl(lease_name("dramatiq-leases", KEY)))))
+
+        leader = Leader(hung, KEY, ttl=2_000, on_lost=on_lost)
+        standby = Leader(Leases(direct), KEY, ttl=2_000, poll=20)
+        assert leader.wait(timeout=5)
+        fence = leader.fence
+        hole.cut()
+        got: list[float] = []
+
+        def stand_by() -> None:
+            if standby.wait(timeout=10):
+                got.append(time.monotonic())
+
+        thread = threading.Thread(target=stand_by)
+        thread.start()
+        wait_for(lambda: told, timeout=5, what="the hung leader to be told")
+        told_at, deadline, pttl_then = told[0]
+        assert told_at <= deadline + LATENESS_S, f"told {told_at - deadline:.3f} s past its deadline"
+        assert pttl_then > 0, "the key was already gone on the server when the leader was told"
+        thread.join(10)
+        assert got and got[0] > told_at and standby.fence > fence
+        started = time.monotonic()
+        leader.release()  # the lease is lost: nothing is asked of the hung socket
+        assert time.monotonic() - started < 0.5
+        standby.release()
+
+
+def test_wait_with_a_timeout_returns_within_one_socket_timeout_if_redis_never_answers(
+    redis_server: EmbeddedRedis,
+) -> None:
+    """Promise (guide): wait(timeout) stands by at most the timeout plus the Redis call under way."""
+    with Blackhole(redis_server.port) as hole:
+        client = redis.Redis(port=hole.port, socket_timeout=0.5, retry=Retry(NoBackoff(), 0))
+        leader = Leader(Leases(client), KEY, ttl=1_000)
+        hole.cut()
+        done = threading.Event()
+
+        def stand_by() -> None:
+            leader.wait(timeout=0.3)
+            done.set()
+
+        threading.Thread(target=stand_by, daemon=True).start()
+        try:
+            assert done.wait(0.3 + 0.5 + 1.0), "wait(timeout=0.3) blocked past its timeout and one socket timeout"
+        finally:
+            hole.heal()  # the blocked ask fails and its thread ends
+            done.wait(5)
+
+
+def test_a_redis_restart_under_the_leader_is_told_and_the_next_grant_has_a_larger_fence(
+    redis_server: EmbeddedRedis,
+) -> None:
+    """The key vanishes with a restart (no persistence): the leader is told (gone or unreachable) in time, and
+    the fence of the grant after the restart is still larger (the counter was lost with the rest)."""
+    leases = Leases.from_url(redis_server.url(0), socket_timeout=0.5)
+    lost: list[LostReason] = []
+    leader = Leader(leases, KEY, ttl=1_500, on_lost=lambda lease, reason: lost.append(reason))
+    assert leader.wait(timeout=5)
+    before = leader.fence
+    redis_server.stop()
+    redis_server.start()
+    wait_for(lambda: lost, timeout=5, what="the leader to be told after the restart")
+    assert lost[0] in (LostReason.GONE, LostReason.UNREACHABLE) and not leader.is_leader
+    leader.release()
+    assert leader.wait(timeout=5) and leader.fence > before
+    leader.release()
+
+
+def _race_once(leases: Leases, client: redis.Redis, in_main: bool, offset: float) -> list[str]:
+    """Delete the key and release the Leader ``offset`` s later; returns where a LeaderLost landed, if anywhere
+    but inside the block (or its exit)."""
+    leader = Leader(leases, KEY, ttl=150)
+    wrong: list[str] = []
+    ready = threading.Event()
+
+    def hold() -> None:
+        try:
+            with leader:
+                ready.set()
+                while leader.lease is not None or not leader._closing.is_set():
+                    time.sleep(0.001)
+        except LeaderLost:
+            pass  # told inside the block or at its exit: that is allowed
+        try:
+            end = time.monotonic() + 0.05
+            while time.monotonic() < end:
+                time.sleep(0.001)
+        except LeaderLost:
+            wrong.append("after the block")
+
+    if in_main:
+
+        def later() -> None:
+            if ready.wait(5):
+                _delete_then_release(client, leader, offset)
+
+        timer = threading.Thread(target=later)
+        timer.start()
+        hold()
+        timer.join(5)
+    else:
+        worker = threading.Thread(target=hold)
+        worker.start()
+        assert ready.wait(5)
+        _delete_then_release(client, leader, offset)
+        worker.join(5)
+    return wrong
+
+
+def _delete_then_release(client: redis.Redis, leader: Leader, offset: float) -> None:
+    client.delete(lease_name("dramatiq-leases", KEY))
+    time.sleep(offset)
+    leader.release()
+
+
+@pytest.mark.parametrize("in_main", [True, False], ids=["main-thread", "worker-thread"])
+def test_release_racing_the_heartbeats_loss_never_raises_after_the_block(
+    redis_client: redis.Redis, in_main: bool
+) -> None:
+    leases = Leases(redis_client)
+    rng = random.Random(22)
+    for _ in range(12):
+        assert _race_once(leases, redis_client, in_main, rng.uniform(0, 0.06)) == []
+
+
+def test_exit_mode_ends_the_process_with_code_75_though_other_threads_run(redis_server: EmbeddedRedis) -> None:
+    code = f"""
+import threading, time, sys
+from dramatiq_leases import Leader, Leases
+def busy():
+    while True:
+        sum(range(1000))  # a non-daemon thread that never ends
+threading.Thread(target=busy).start()
+leader = Leader(Leases.from_url({redis_server.url(0)!r}), "scheduler", ttl=600, on_lost="exit")
+with leader:
+    print("leading", flush=True)
+    while True:
+        time.sleep(0.01)
+"""
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=clean_env())
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "leading"
+        redis.Redis.from_url(redis_server.url(0)).delete(lease_name("dramatiq-leases", KEY))
+        assert proc.wait(5) == EXIT_CODE == 75
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 # --- real processes --------------------------------------------------------------------------------------
