@@ -18,7 +18,7 @@ PYTHON3.13 ?= $(firstword $(wildcard $(PYENV_ROOT)/versions/3.13*/bin/python3.13
 # middleware, the heartbeat, the core), not the system tests (docs/compatibility.md says why these).
 COMPAT_TESTS := tests/test_core.py tests/test_line.py tests/test_middleware.py tests/test_heartbeat.py \
 	tests/test_script_arguments.py tests/test_fence_retention.py tests/test_release_if_dead_counter.py \
-	tests/test_review_promises.py tests/test_promises.py tests/test_unique.py tests/test_history.py tests/test_leader.py \
+	tests/test_unique.py tests/test_history.py tests/test_leader.py \
 	tests/test_protocol.py tests/test_releasing.py tests/test_async_cancel.py tests/test_restart_grace.py \
 	tests/test_failover_grace.py tests/test_rate.py tests/test_held_back.py tests/test_debounce.py
 COMPAT_ARGS  := $(PYTEST) -q -m "not system" $(COMPAT_TESTS)

@@ -30,6 +30,8 @@ import pytest
 import redis
 from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
 
+from dramatiq_leases import web
+from dramatiq_leases.core import Lease, Leases
 from dramatiq_leases.embedded import EmbeddedRedis, free_port
 
 from .support.browser import chromium, content_digest, publish, screenshot, until
@@ -300,3 +302,83 @@ def test_an_export_that_ends_before_the_countdown_gives_the_button_back_at_once(
     ready = in_state(driver, "ready")
     assert "is over" in ready and export_enabled(driver)
     assert shown and shown[-1] >= 1, f"the button came back early, its countdown still at {shown[-1]} s"
+
+
+@pytest.mark.system
+def test_the_export_button_comes_back_when_the_countdown_ends_even_with_redis_away(tmp_path: Path) -> None:
+    """A lock without TTL is told as one (first part). Then a lock counts down; Redis goes away meanwhile, so the status endpoint answers 503. When the countdown
+    reaches 0 the lock has run out its TTL whatever Redis says: the button must be usable again (a click then
+    says Redis is unreachable and offers a retry), not stay disabled under "retry in 0 s" until Redis is back."""
+    from .support.browser import chromium, screenshot, until
+    from .support.processes import Processes, clean_env, wait_until
+
+    server = EmbeddedRedis().start()
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    client = redis.Redis.from_url(server.url(), socket_timeout=5)
+    store = Leases(client)
+    argv = [sys.executable, "-m", "examples.export_page", "--port", str(port), "--redis-url", server.url()]
+    try:
+        with Processes(tmp_path) as procs, chromium(width=860, height=540) as driver:
+            procs.start("page", [*argv, "--lock-ttl-ms", "3000"], env=clean_env())
+
+            def up() -> bool:
+                try:
+                    return httpx.get(f"{url}/healthz", timeout=1).status_code == 200
+                except httpx.TransportError:
+                    return False
+
+            wait_until(up, timeout=30, what="the page", procs=procs)
+
+            def state(d: Any) -> str:
+                return str(d.find_element("id", "status").get_attribute("data-state"))
+
+            def click_for(user: int) -> None:
+                driver.get(url)
+                field = driver.find_element("id", "user")
+                field.clear()
+                field.send_keys(str(user))
+                driver.find_element("id", "export").click()
+                until(driver, lambda d: state(d) == "locked", what="the locked state")
+
+            # A lock without TTL (debris) never ends by itself: the page must say so, not count down to
+            # "retry in 0 s" under a dead button and promise that "the lock ends by itself"; and it must
+            # still give the button back once an operator frees the key.
+            assert isinstance(store.try_acquire("export:report:8", 30_000), Lease)
+            client.persist("dramatiq-leases:lease:{export:report:8}")
+            click_for(8)
+            until(driver, lambda d: "no TTL" in d.find_element("id", "status").text, timeout=5, what="'no TTL'")
+            text = driver.find_element("id", "status").text
+            screenshot(driver, "hostile-no-ttl")
+            assert "ends by itself" not in text and "retry in" not in text, text
+            assert not driver.find_element("id", "export").is_enabled()
+            client.delete("dramatiq-leases:lease:{export:report:8}")  # the operator's release
+            until(driver, lambda d: state(d) == "ready", what="the button back once the key is freed")
+            assert driver.find_element("id", "export").is_enabled()
+
+            # Someone else's export holds the user's key (a request's lease, 3 s): the click is answered 423.
+            assert isinstance(web.try_acquire(store, "export:report:9", 3000), Lease)
+            click_for(9)
+            server.stop()
+            try:
+                until(
+                    driver,
+                    lambda d: d.find_element("id", "countdown").text == "0",
+                    timeout=6,
+                    what="the countdown to reach 0",
+                )
+                screenshot(driver, "hostile-redis-away-countdown-over")
+                until(
+                    driver,
+                    lambda d: d.find_element("id", "export").is_enabled(),
+                    timeout=4,
+                    what="the Export button to come back after the countdown (Redis away)",
+                )
+                driver.find_element("id", "export").click()
+                until(driver, lambda d: state(d) == "unavailable", what="the unavailable state")
+                assert driver.find_element("id", "retry").is_displayed()
+            finally:
+                server.start()
+    finally:
+        client.close()
+        server.close()

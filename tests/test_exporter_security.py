@@ -43,7 +43,7 @@ from dramatiq_leases.core.keys import history_name
 from dramatiq_leases.embedded import EmbeddedRedis, free_port
 from dramatiq_leases.exporter import Exporter
 from dramatiq_leases.exporter.page import BUSY_PAGE_PATH
-from dramatiq_leases.exporter.webconfig import load_web_config
+from dramatiq_leases.exporter.webconfig import WebConfigError, load_web_config
 
 from .support.stack import MakeLeases
 from .support.waiting import wait_for
@@ -399,6 +399,24 @@ def test_no_cli_output_carries_the_redis_password(
     assert SECRET not in out + err and "AuthenticationError" in err
 
 
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://:ab/cdSECRET@127.0.0.1:{port}/0",  # base64 passwords have "/"
+        "redis://default:ab#cdSECRET@127.0.0.1:{port}/0",
+        "redis://:ab?cdSECRET@127.0.0.1:{port}/0",
+        "redis://:SECRET@127.0.0.1:{port}/0",
+        "redis://127.0.0.1:{port}/0?password=SECRET",
+    ],
+)
+def test_a_password_urlsplit_misreads_is_still_never_printed(url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["--redis-url", url.format(port=free_port()), "list"])
+    out, err = capsys.readouterr()
+    assert code != 0
+    assert "SECRET" not in out + err and "cdSECRET" not in out + err, err
+    assert "***" in err or "<unparsable URL>" in err, err
+
+
 # --- masked keys ---------------------------------------------------------------------------------------------
 
 
@@ -579,6 +597,32 @@ def test_the_busy_views_own_flags_are_refused_naming_the_one_access_system(
     assert replacement in last and "s3cr3t" not in err
     assert main(["exporter", "--help"]) == 0
     assert argv[0] not in capsys.readouterr().out, "a removed flag is not offered"
+
+
+def test_a_key_given_twice_in_the_web_config_is_refused_not_half_applied(tmp_path: Path) -> None:
+    """PyYAML keeps the last of two equal keys: a second ``basic_auth_users:`` block (an edit appended to the
+    file) silently dropped the first one's users, and a second ``tls_server_config:`` block the first's
+    certificate. exporter-toolkit (UnmarshalStrict) refuses such a file; so must this exporter."""
+    path = tmp_path / "web.yml"
+    path.write_text(f"basic_auth_users:\n  {USER}: '{HASH}'\nbasic_auth_users:\n  other: '{HASH}'\n")
+    with pytest.raises(WebConfigError, match="basic_auth_users' given twice"):
+        load_web_config(str(path))
+    path.write_text(f"basic_auth_users:\n  {USER}: '{HASH}'\n  {USER}: '{HASH}'\n")
+    with pytest.raises(WebConfigError, match="given twice"):
+        load_web_config(str(path))
+    path.write_text(f"basic_auth_users:\n  {USER}: '{HASH}'\n")
+    assert set(load_web_config(str(path)).users) == {USER}
+
+
+def test_an_unreadable_web_config_names_the_file(tmp_path: Path) -> None:
+    for target, why in ((tmp_path, "cannot read it"), (tmp_path / "missing.yml", "cannot read it")):
+        with pytest.raises(WebConfigError, match=why) as caught:
+            load_web_config(str(target))
+        assert str(target) in str(caught.value)
+    binary = tmp_path / "binary.yml"
+    binary.write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(WebConfigError, match="cannot read it"):
+        load_web_config(str(binary))
 
 
 # --- one access system: the web configuration, or the loopback, or the one flag ------------------------------

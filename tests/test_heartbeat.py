@@ -1,20 +1,32 @@
-"""The heartbeat against a real Redis: renewal, loss verdicts, batching, self-repair, fork."""
+"""The heartbeat against a real Redis: renewal, loss verdicts, batching, self-repair, fork, and a renewal hung for
+good on a socket (tests/support/freezable.py) under a real Worker."""
 
 from __future__ import annotations
 
 import os
 import queue
+import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import redis
 
-from dramatiq_leases.core import Heartbeat, Lease, Leases
+from dramatiq_leases import (
+    LeaseLost,
+    LeaseMetrics,
+    LeaseMiddleware,
+    Leases,
+    current_lease,
+)
+from dramatiq_leases.core import Heartbeat, Lease
 from dramatiq_leases.embedded import EmbeddedRedis
-from dramatiq_leases.prometheus import LeaseMetrics
 
-from .support.waiting import wait_for
+from .support.freezable import FreezableProxy
+from .support.runs import Runs
+from .support.stack import Stack
+from .support.waiting import busy_for, wait_for
 
 
 class Losses:
@@ -187,3 +199,82 @@ def test_stop_returns_what_was_still_held(leases: Leases) -> None:
     hb.untrack(a)
     assert hb.stop() == [b]
     assert not hb.running
+
+
+@pytest.mark.parametrize("new_job", ["once_the_renewer_is_replaced", "as_soon_as_the_network_is_back"])
+def test_the_heartbeat_survives_a_renewal_hung_on_a_socket(
+    redis_server: EmbeddedRedis, caplog: Any, new_job: str
+) -> None:
+    proxy = FreezableProxy(redis_server.port)
+    hanging = redis.Redis(host="127.0.0.1", port=proxy.port, db=1, socket_timeout=None)  # a renewal can hang
+    stack = Stack(
+        redis_server.url(0), "", middleware=LeaseMiddleware(client=hanging, lock_min_backoff=20, lock_max_backoff=60)
+    )
+    direct = Leases.from_url(redis_server.url(1))
+    runs = Runs()
+    started = threading.Event()
+
+    @stack.actor(lock_key="frozen:{n}", lock_ttl=1_500, max_retries=0)
+    def frozen(n: int) -> None:
+        started.set()
+        begin = time.monotonic()
+        try:
+            while time.monotonic() - begin < 10:
+                time.sleep(0.01)
+        except LeaseLost as e:
+            runs.add(kind="lost", at=time.monotonic(), error=str(e))
+            raise
+
+    @stack.actor(lock_key="after:{n}", lock_ttl=600, max_retries=0)
+    def after(n: int) -> None:
+        begin = time.monotonic()
+        try:
+            while time.monotonic() - begin < 2.0:  # more than three TTLs
+                time.sleep(0.01)
+        except LeaseLost as e:
+            runs.add(kind="after-lost", error=str(e))
+            raise
+        runs.add(kind="after-done", n=n, fence=current_lease().fence)
+
+    try:
+        stack.start()
+        frozen.send(1)
+        assert started.wait(10)
+        wait_for(
+            lambda: (i := direct.inspect("frozen:1")) is not None and i.renewed_ms > i.acquired_ms,
+            what="a first renewal",
+        )
+        proxy.freeze()
+        frozen_at = time.monotonic()
+        expires_at = frozen_at + direct.client.pttl(direct.lease_name("frozen:1")) / 1000
+        [lost] = wait_for(lambda: runs.where(kind="lost"), timeout=5, what="LeaseLost in the frozen actor")
+        assert "unreachable" in lost["error"], lost
+        assert lost["at"] < expires_at, f"LeaseLost {lost['at'] - expires_at:.3f}s after the key could expire"
+        # The network is back; the sockets that hung stay hung (no socket_timeout). Idle pooled connections died in the outage too: drop them, so that what
+        # follows depends on the heartbeat alone.
+        proxy.thaw()
+        hanging.connection_pool.disconnect(inuse_connections=False)
+        if new_job == "once_the_renewer_is_replaced":
+            wait_for(
+                lambda: any("starting a new heartbeat thread" in r.getMessage() for r in caplog.records),
+                timeout=5,
+                what="the watchdog to replace the hung renewer",
+            )
+
+        # The worker thread that ran the frozen actor kept its connection, hung for good too (no socket_timeout):
+        # a message that thread takes waits on it. One per thread, so that others are taken by threads that
+        # never connected during the outage.
+        sent = {n: after.send(n) for n in range(2, 2 + stack.threads)}
+        n = wait_for(
+            lambda: [n for n in sent if direct.inspect(f"after:{n}") is not None], what="a new message to acquire"
+        )[0]
+        assert busy_for(direct, f"after:{n}", 1.5), "the new lease was not kept (the heartbeat is stuck?)"
+        assert stack.recorder.wait_settled(sent[n].message_id) == "acked"
+        assert not runs.where(kind="after-lost") and runs.where(kind="after-done", n=n), runs.items
+    finally:
+        proxy.thaw()
+        proxy.reset_hung()  # first: whoever waits on a hung socket gets an error and moves on
+        stack.stop()
+        proxy.close()
+        hanging.close()
+        direct.client.close()

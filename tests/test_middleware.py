@@ -1,4 +1,10 @@
-"""LeaseMiddleware inside a real Dramatiq Worker, on real Redis (and RabbitMQ) brokers."""
+"""LeaseMiddleware inside a real Dramatiq Worker, on real Redis (and RabbitMQ) brokers.
+
+Options checked at declaration and send time (a message-level ``lock_key`` costs no more than its size), mutual
+exclusion and the wait line (the wait clock of retries, stray and spare copies, a re-driven dead letter), a loss
+mid-run, a lease handed over by a producer (adopted once), failing closed and releasing, a worker's stop (no
+message run twice, none lost, a still-running actor's lease kept), and Dramatiq's other parts (Results, AsyncIO).
+"""
 
 from __future__ import annotations
 
@@ -9,26 +15,37 @@ import logging
 import pathlib
 import threading
 import time
+import tracemalloc
 import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import dramatiq
 import pytest
+import redis
 from dramatiq.brokers.rabbitmq import RabbitmqBroker
 from dramatiq.brokers.redis import RedisBroker
-from dramatiq.middleware import AsyncIO
+from dramatiq.middleware import AsyncIO, Middleware
 from dramatiq.results import Results
 from dramatiq.results.backends import RedisBackend
 
-from dramatiq_leases import LeaseKeyRenderError, LeaseLost, LeaseOptionError, current_lease
-from dramatiq_leases.core import LostReason
+from dramatiq_leases import (
+    Busy,
+    LeaseKeyRenderError,
+    LeaseLost,
+    LeaseMetrics,
+    LeaseMiddleware,
+    LeaseOptionError,
+    current_lease,
+)
+from dramatiq_leases.core import Lease, LostReason
 from dramatiq_leases.embedded import EmbeddedRedis
+from dramatiq_leases.middleware.declarations import MESSAGE_TEMPLATE_CACHE
 
-from .support.brokers import RABBITMQ_URL, delete_rabbitmq_queues, rabbitmq_up
+from .support.brokers import RABBITMQ_URL, delete_rabbitmq_queues, pending, rabbitmq_up, redis_dead_letters
 from .support.runs import Runs
-from .support.stack import MakeStack, Stack
-from .support.waiting import wait_for
+from .support.stack import MakeStack, Stack, taking_over_broker
+from .support.waiting import busy_for, wait_for
 
 MIDDLEWARE = pathlib.Path(__file__).parents[1] / "dramatiq_leases" / "middleware"
 
@@ -129,7 +146,6 @@ def test_bad_options_fail_at_declaration(make_stack: MakeStack, options: dict[st
 
 
 def test_bad_middleware_defaults_fail_at_construction(lease_server: EmbeddedRedis) -> None:
-    from dramatiq_leases import LeaseMiddleware
 
     with pytest.raises(
         LeaseOptionError, match="lock_ttl must be a whole number of milliseconds from 100 to 1000000000000, got 0"
@@ -190,6 +206,133 @@ def test_keys_render_from_positional_keyword_and_callable(make_stack: MakeStack)
     for m in messages:
         assert stack.recorder.wait_settled(m.message_id) == "acked"
     assert sorted(seen) == ["inv:7:email", "inv:8:pdf", "order:3"]
+
+
+def test_lease_options_on_an_actor_without_lock_key_are_refused_at_send_time(
+    make_stack: MakeStack, redis_server: EmbeddedRedis
+) -> None:
+    stack = make_stack()
+
+    @stack.actor(actor_name="plain")
+    def plain(n: int) -> None:
+        pass
+
+    lease = stack.leases.try_acquire("plain:1", ttl=5_000)
+    assert not isinstance(lease, Busy)
+    options: dict[str, Any] = {
+        "lock_key": "x",
+        "lock_ttl": 1_000,
+        "lock_renew_interval": 100,
+        "lock_max_hold": 1_000,
+        "lock_min_backoff": 10,
+        "lock_max_backoff": 100,
+        "lock_max_wait": 1_000,
+        "lock_give_up": "drop",
+        "lease": lease,
+    }
+    for name, value in options.items():
+        with pytest.raises(LeaseOptionError) as info:
+            plain.send_with_options(args=(1,), **{name: value})
+        assert "actor 'plain'" in str(info.value), info.value
+        shown = "lease=Lease(key='plain:1'" if name == "lease" else f"{name}={value!r}"
+        assert shown in str(info.value), info.value
+    assert stack.recorder.enqueues == []
+    broker = redis.Redis.from_url(redis_server.url(0))
+    assert broker.llen("dramatiq:default") == 0 and broker.hlen("dramatiq:default.msgs") == 0
+
+
+def test_a_message_level_lock_key_is_honoured_or_refused_at_send_time(make_stack: MakeStack) -> None:
+    stack = make_stack(lock_min_backoff=20, lock_max_backoff=60)
+    runs = Runs()
+
+    @stack.actor(actor_name="keyed", lock_key="inv:{n}", max_retries=0)
+    def keyed(n: int) -> None:
+        runs.add(key=current_lease().key)
+
+    for template in ("other:{missing}", "other:{n"):
+        with pytest.raises((LeaseOptionError, LeaseKeyRenderError)) as info:
+            keyed.send_with_options(args=(5,), lock_key=template)
+        assert "actor 'keyed'" in str(info.value) and template in str(info.value), info.value
+    with pytest.raises((LeaseOptionError, LeaseKeyRenderError), match="actor 'keyed'"):
+        keyed.send_with_options(args=(5,), lock_key="other:{n.real.missing}")
+    assert stack.recorder.enqueues == []
+
+    stack.start()
+    holder = stack.leases.try_acquire("other:5", ttl=10_000)  # someone holds the message's own key
+    assert not isinstance(holder, Busy)
+    message = keyed.send_with_options(args=(5,), lock_key="other:{n}")
+    wait_for(lambda: stack.leases.inspect_line("other:5").length == 1, what="the message to wait for other:5")
+    assert runs.items == [], "ran while its message-level key was held"
+    assert stack.leases.release(holder)
+    assert stack.recorder.wait_settled(message.message_id) == "acked"
+    assert runs.items == [{"key": "other:5"}]
+
+
+@pytest.mark.parametrize("template", ["{n:>300000000}", "{n!r}", "{n.__class__}", "{n[0]}", "x" * 1025, "{n:{n}}"])
+def test_a_message_level_lock_key_may_hold_only_plain_fields(make_stack: MakeStack, template: str) -> None:
+    stack = make_stack()
+
+    @stack.actor(actor_name="charge", lock_key="invoice:{n}")
+    def charge(n: int) -> None:
+        pass
+
+    with pytest.raises(LeaseOptionError, match="actor 'charge': a message's lock_key") as info:
+        charge.send_with_options(args=(1,), lock_key=template)
+    assert template[:64] in str(info.value)
+    assert stack.recorder.enqueues == []
+
+
+@pytest.mark.parametrize(
+    ("template", "argument"),
+    [("{n:>300000000}", 1), ("{n}" * 341, "x" * 1_000_000)],
+    ids=["format-spec", "repeated-field"],
+)
+def test_a_message_level_lock_key_costs_a_worker_no_more_than_its_size(
+    make_stack: MakeStack, redis_server: EmbeddedRedis, caplog: Any, template: str, argument: Any
+) -> None:
+    """23 bytes asked a worker for 300 MB (and a 1 MB argument repeated by a 1 023-character template, for
+    341 MB): a producer without the middleware (or anyone who can write to the broker) could OOM-kill every
+    worker in turn with one message."""
+    stack = make_stack()
+    ran: list[int] = []
+
+    @stack.actor(actor_name="charge", lock_key="invoice:{n}", max_retries=0)
+    def charge(n: int) -> None:
+        ran.append(n)
+
+    stack.start()
+    producer = RedisBroker(url=redis_server.url(0), middleware=[])  # type: ignore[no-untyped-call]
+    bomb: dramatiq.Message[Any] = dramatiq.Message(
+        queue_name="default", actor_name="charge", args=(argument,), kwargs={}, options={"lock_key": template}
+    )
+    tracemalloc.start()
+    try:
+        producer.enqueue(bomb)
+        assert stack.recorder.wait_settled(bomb.message_id) == "nacked"  # dead-lettered, not run
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+        producer.close()
+    assert peak < 50 * 2**20, f"the worker allocated {peak / 2**20:.0f} MB for one message"
+    assert ran == []
+    assert any(
+        r.levelname == "ERROR" and bomb.message_id in r.getMessage() and "lock_key" in r.getMessage()
+        for r in caplog.records
+    ), "no ERROR line names the refused message"
+
+
+def test_message_level_templates_are_cached_within_bounds(make_stack: MakeStack) -> None:
+    stack = make_stack()
+
+    @stack.actor(actor_name="charge", lock_key="invoice:{n}")
+    def charge(n: int) -> None:
+        pass
+
+    declarations = stack.leases_mw.declarations
+    for i in range(5 * MESSAGE_TEMPLATE_CACHE):
+        template = declarations.template("charge", {"lock_key": f"invoice:{i}:{{n}}"})
+        assert template is not None and template.render((7,), {}) == f"invoice:{i}:7"
+    assert len(declarations._message_templates) <= MESSAGE_TEMPLATE_CACHE
 
 
 # Mutual exclusion and contention ------------------------------------------------
@@ -310,6 +453,162 @@ def test_results_never_see_none_from_a_busy_skip(make_stack: MakeStack, redis_se
     assert [w.get_result(backend=backend, block=True, timeout=20_000) for w in waiters] == [3, 4, 5]
 
 
+def test_retries_do_not_inherit_the_wait_clock(make_stack: MakeStack) -> None:
+    waits: list[float] = []
+
+    class Waits(LeaseMetrics):
+        def wait(self, meta: Any, seconds: float) -> None:
+            waits.append(seconds)
+
+    stack = make_stack(lock_min_backoff=20, lock_max_backoff=60, metrics=Waits())
+    runs = Runs()
+    running = threading.Event()
+
+    @stack.actor(
+        actor_name="flaky", lock_key="r:{n}", lock_max_wait=300, max_retries=1, min_backoff=200, max_backoff=400
+    )
+    def flaky(n: int) -> None:
+        runs.add(at=time.monotonic())
+        if len(runs.items) == 1:
+            running.set()
+            time.sleep(0.7)  # work, longer than the wait budget
+            raise RuntimeError("try again")
+
+    stack.start()
+    holder = stack.leases.try_acquire("r:1", ttl=10_000)
+    assert not isinstance(holder, Busy)
+    message = flaky.send(1)
+    wait_for(lambda: stack.leases.inspect_line("r:1").length == 1, what="the first delivery to wait in line")
+    assert stack.leases.release(holder)
+    assert running.wait(10)
+    # The moment the failed run releases, another holder takes the key (Retries waits >= 200 ms).
+    rival = wait_for(
+        lambda: stack.leases.try_acquire("r:1", ttl=10_000) or None, interval=0.005, what="the failed run to release"
+    )
+    assert isinstance(rival, Lease)  # for mypy: wait_for returns only a truthy value, and a Busy is falsy
+    # The Retries copy is a new waiter, with a wait clock of its own: on its first delivery's clock it
+    # would be given up at once (over 300 ms have passed).
+    wait_for(
+        lambda: (
+            stack.leases.inspect_line("r:1").head == f"{message.message_id}:1"
+            or message.message_id in stack.recorder.nacked
+        ),
+        what="the Retries copy to meet the busy key",
+    )
+    assert stack.leases.release(rival)
+    assert stack.recorder.wait_settled(message.message_id) == "acked", "the retry was given up on its first clock"
+    assert len(runs.items) == 2
+
+    # What dramatiq_lease_wait_duration_seconds observes: both deliveries waited, neither for the 0.7 s run.
+    assert len(waits) == 2 and all(w >= 0 for w in waits) and sum(waits) > 0, waits
+    assert max(waits) < 0.5, f"a wait of over 0.5 s was observed (the 0.7 s run counted as waiting?): {waits}"
+
+
+def test_waiting_in_place_stays_within_a_quarter_of_the_time_limit(make_stack: MakeStack) -> None:
+    """TimeLimit counts the wait in the hook: past a quarter of the limit the message parks, never times out."""
+    stack = make_stack()
+    runs = Runs()
+
+    @stack.actor(lock_key="report:{n}", time_limit=2_000, max_retries=0)
+    def report(n: int) -> None:
+        runs.add(n=n)
+
+    stack.start()
+    holder = stack.leases.try_acquire("report:1", ttl=30_000)
+    assert isinstance(holder, Lease)
+    message = report.send(1)
+    wait_for(lambda: stack.leases.inspect_line("report:1").states.get("in_place") == 1, what="it waits in place")
+    started = time.monotonic()
+    wait_for(lambda: stack.recorder.delays(message.message_id), timeout=5, what="it to park")
+    assert time.monotonic() - started < 1.5  # a quarter of 2 s, plus a round trip
+    assert stack.leases.release(holder)
+    # Never failed (max_retries=0: a TimeLimit in the hook would have dead-lettered it), run once.
+    assert stack.recorder.wait_settled(message.message_id) == "acked"
+    assert runs.items == [{"n": 1}]
+
+
+def test_a_stray_copy_of_a_message_that_waited_and_ran_never_runs(make_stack: MakeStack) -> None:
+    """A worker killed between parking a message and acknowledging it leaves two copies: one runs."""
+    stack = make_stack()
+    runs = Runs()
+
+    @stack.actor(lock_key="invoice:{n}", max_retries=0)
+    def charge(n: int) -> None:
+        runs.add(n=n, fence=current_lease().fence)
+
+    stack.start()
+    holder = stack.leases.try_acquire("invoice:1", ttl=10_000)
+    assert isinstance(holder, Lease)
+    message = charge.send(1)
+    wait_for(lambda: stack.leases.inspect_line("invoice:1").length == 1, what="the message to wait in line")
+    assert stack.leases.release(holder)
+    assert stack.recorder.wait_settled(message.message_id) == "acked"
+    assert len(runs.items) == 1
+    # The copy a crash would have left in the broker (same id, same retry count): acknowledged, not run.
+    stack.broker.enqueue(message.copy())
+    assert stack.recorder.wait_settled(message.message_id) == "acked"
+    assert len(runs.items) == 1, "a stray copy of a message that ran ran again"
+    # A retry (Retries: a new retry count) is a new waiter, and runs.
+    stack.broker.enqueue(message.copy(options={"retries": 1}))
+    wait_for(lambda: len(runs.items) == 2, what="the retry to run")
+
+
+def test_a_spare_parked_copy_of_a_message_that_ran_is_dropped_without_being_sent_on(make_stack: MakeStack) -> None:
+    stack = make_stack()
+    runs = Runs()
+
+    @stack.actor(lock_key="invoice:{n}", max_retries=0)
+    def charge(n: int) -> None:
+        runs.add(n=n)
+
+    stack.start()
+    holder = stack.leases.try_acquire("invoice:7", ttl=10_000)
+    assert isinstance(holder, Lease)
+    message = charge.send(7)
+    wait_for(lambda: stack.leases.inspect_line("invoice:7").states.get("in_place") == 1, what="it to wait in place")
+    # A spare copy, parked (as a worker killed between parking and acknowledging would leave it).
+    stack.broker.enqueue(message.copy(options={"lease_line": "invoice:7"}), delay=300_000)
+    waiting = stack.leases_mw.waiting
+    wait_for(lambda: waiting.parked == 1, what="the spare copy to be registered by this process")
+    assert stack.leases.release(holder)
+    wait_for(lambda: len(runs.items) == 1, what="the message to run")
+    # Released: the release remembers its waiter as having run (the run itself comes first, and a check in
+    # between may rightly send the spare on, to be dropped at its delivery).
+    wait_for(lambda: not stack.leases.holders("invoice:7"), what="the message's release")
+    sent = len(stack.recorder.enqueues)
+    waiting.tend()  # what the periodic check does: the spare's waiter ran, so it is dropped here
+    assert stack.recorder.wait_settled(message.message_id) == "acked"
+    assert len(stack.recorder.enqueues) == sent, "the spare was sent on instead of dropped"
+    assert len(runs.items) == 1
+
+
+def test_a_failed_message_redriven_from_the_dead_letter_queue_runs_again(
+    make_stack: MakeStack, redis_server: EmbeddedRedis
+) -> None:
+    stack = make_stack()
+    attempts = Runs()
+
+    @stack.actor(lock_key="invoice:{n}", max_retries=0)
+    def charge(n: int) -> None:
+        attempts.add(n=n)
+        if attempts.count() == 1:
+            raise RuntimeError("the billing API is down")
+
+    stack.start()
+    holder = stack.leases.try_acquire("invoice:1", ttl=10_000)
+    assert isinstance(holder, Lease)
+    message = charge.send(1)
+    wait_for(lambda: stack.leases.inspect_line("invoice:1").length == 1, what="the message to wait in line")
+    assert stack.leases.release(holder)
+    assert stack.recorder.wait_settled(message.message_id) == "nacked"
+    [dead] = redis_dead_letters(redis_server)
+    assert (dead.message_id, dead.options.get("retries", 0)) == (message.message_id, 0)
+
+    # The operator fixes the cause and moves the dead letter back to its queue: same id, same retry count.
+    stack.broker.enqueue(dead)
+    wait_for(lambda: attempts.count() == 2, what="the re-driven message to run")
+
+
 # Loss mid-run ---------------------------------------------------------------------
 
 
@@ -396,6 +695,76 @@ def test_redis_down_during_renewal_interrupts_before_expiry(make_stack: MakeStac
     [run] = runs.items
     assert "unreachable" in run["error"]
     assert run["at"] - stopped < 1.5  # before the TTL could run out on the server
+
+
+# A lease handed over by a producer ---------------------------------------------------
+
+
+def test_a_handed_over_lease_is_adopted_once(make_stack: MakeStack) -> None:
+    stack = make_stack(lock_min_backoff=20, lock_max_backoff=60)
+    runs = Runs()
+    started, go = threading.Event(), threading.Event()
+
+    @stack.actor(lock_key="export:{user_id}", lock_ttl=2_000, max_retries=0)
+    def export(user_id: int) -> None:
+        begin = time.monotonic()
+        fence = current_lease().fence
+        runs.add(started=begin)
+        started.set()
+        go.wait(10)
+        runs.add(start=begin, end=time.monotonic(), fence=fence)
+
+    stack.start()
+    lease = stack.leases.try_acquire("export:7", ttl=10_000)  # the web request
+    assert not isinstance(lease, Busy)
+    message = export.message_with_options(args=(7,), lease=lease)
+    stack.broker.enqueue(message)  # the producer sends the same message twice
+    stack.broker.enqueue(message)
+    assert started.wait(10)
+    # The worker adopted it: the producer's token no longer owns the key, and cannot end the run's hold.
+    assert stack.leases.release(lease) is False
+    info = stack.leases.inspect("export:7")
+    assert info is not None and info.token != lease.token and info.fence == lease.fence
+    # The second delivery waits in the key's line like any message, not polling with backoff for the whole hold.
+    wait_for(lambda: stack.leases.inspect_line("export:7").length == 1, what="the second delivery to join the line")
+    assert sum("started" in r for r in runs.items) == 1, "the second delivery ran while the first held the lease"
+    go.set()
+    assert stack.recorder.wait_settled(message.message_id) == "acked"
+    assert len(stack.recorder.delays(message.message_id)) <= 3, "a waiting message cost more than 3 enqueues"
+    spans = sorted((r["start"], r["end"], r["fence"]) for r in runs.items if "end" in r)
+    assert len(spans) == 2, spans
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans)), (
+        f"two runs of one handed-over lease overlapped: {spans}"
+    )
+    assert spans[0][2] == lease.fence < spans[1][2]  # the first adopted the grant; the second was granted anew
+    wait_for(lambda: list(stack.leases.scan()) == [], what="the last release (sent off the worker thread)")
+
+
+def test_an_adopted_lease_honours_lock_max_hold(make_stack: MakeStack) -> None:
+    stack = make_stack()
+    runs = Runs()
+
+    @stack.actor(lock_key="hung:{n}", lock_ttl=600, lock_max_hold=1_000, max_retries=0)
+    def hung(n: int) -> None:
+        begin, fence = time.monotonic(), current_lease().fence
+        try:
+            while time.monotonic() - begin < 8:  # hung, but bounded so that a failure ends
+                time.sleep(0.01)
+        except LeaseLost as e:
+            runs.add(after=time.monotonic() - begin, error=str(e), fence=fence)
+            raise
+        runs.add(after=time.monotonic() - begin, error=None, fence=fence)
+
+    stack.start()
+    lease = stack.leases.try_acquire("hung:1", ttl=5_000)  # no max hold of its own
+    assert not isinstance(lease, Busy)
+    message = hung.send_with_options(args=(1,), lease=lease)
+    assert stack.recorder.wait_settled(message.message_id, timeout=15) == "nacked"
+    [run] = runs.items
+    assert run["fence"] == lease.fence, "the handed-over lease was not adopted"
+    assert run["error"] is not None and "max_hold" in run["error"], f"renewed past lock_max_hold: {run}"
+    assert 0.8 <= run["after"] < 1.8, run
+    wait_for(lambda: stack.leases.inspect("hung:1") is None, timeout=2, what="the adopted lease to end")
 
 
 # Fail closed and release -------------------------------------------------------------
@@ -517,6 +886,174 @@ def test_short_time_limits_run_and_end_for_the_real_reason(make_stack: MakeStack
     assert hung["error"] == "TimeLimitExceeded" and hung["at"] >= 2.0  # not a LeaseLost, not cut early
 
 
+@pytest.mark.parametrize("error", [redis.exceptions.RedisClusterException("slot not covered"), RuntimeError("boom")])
+def test_nothing_after_a_completed_actor_fails_it(
+    make_stack: MakeStack, redis_server: EmbeddedRedis, error: Exception
+) -> None:
+    stack = make_stack()
+    backend = RedisBackend(url=redis_server.url(2))
+    stack.broker.add_middleware(Results(backend=backend))  # type: ignore[no-untyped-call]  # dramatiq leaves it unannotated
+    runs = Runs()
+    calls: list[str] = []
+
+    def failing_release(key: str, token: str, **_: Any) -> bool:
+        calls.append(key)
+        raise error
+
+    stack.leases_mw.leases.release_token = failing_release  # type: ignore[method-assign]
+
+    @stack.actor(lock_key="done:{n}", store_results=True, max_retries=3, min_backoff=10, max_backoff=20)
+    def done(n: int) -> int:
+        runs.add(n=n)
+        return n * 6
+
+    stack.start()
+    message = done.send(7)
+    assert message.get_result(backend=backend, block=True, timeout=10_000) == 42
+    assert stack.recorder.wait_settled(message.message_id) == "acked"
+    # Sent by the releaser thread, which may come to it after the ack.
+    wait_for(lambda: calls, what="the release to be attempted")
+    assert len(runs.items) == 1
+    assert [mid for mid, _, _ in stack.recorder.enqueues if mid == message.message_id] == [message.message_id]
+
+
+# A worker's stop ---------------------------------------------------------------------
+
+
+def test_shutdown_keeps_the_lease_of_an_actor_still_running(make_stack: MakeStack) -> None:
+    stack = make_stack(threads=2)
+    runs = Runs()
+    started, go = threading.Event(), threading.Event()
+
+    @stack.actor(lock_key="quick:{n}")
+    def quick(n: int) -> None:
+        runs.add(kind="quick")
+
+    @stack.actor(lock_key="stuck:{n}", lock_ttl=900, max_retries=0)
+    def stuck(n: int) -> None:
+        started.set()
+        begin = time.monotonic()
+        while not go.is_set() and time.monotonic() - begin < 15:
+            time.sleep(0.01)
+        runs.add(kind="stuck-done")
+
+    stack.start()
+    assert stack.recorder.wait_settled(quick.send(1).message_id) == "acked"
+    stuck.send(1)
+    assert started.wait(10)
+    worker, stack.worker = stack.worker, None
+    assert worker is not None
+    worker.stop(timeout=500)
+    try:
+        assert not runs.where(kind="stuck-done"), "the actor was expected to outlive the stop timeout"
+        assert [i.key for i in stack.leases.scan()] == ["stuck:1"]  # the finished actor's lease is gone
+        # Held, and renewed, for three TTLs after shutdown returned: nobody else may run stuck:1.
+        assert busy_for(stack.leases, "stuck:1", 2.7), "the lease of a still-running actor was released at shutdown"
+        assert not runs.where(kind="stuck-done")
+    finally:
+        go.set()
+    wait_for(lambda: runs.where(kind="stuck-done"), what="the actor to finish")
+    wait_for(lambda: list(stack.leases.scan()) == [], timeout=5, what="its lease to be released")
+
+
+def test_shutdown_wakes_the_threads_waiting_in_place_and_loses_no_message(
+    make_stack: MakeStack, redis_server: EmbeddedRedis
+) -> None:
+    first = make_stack()
+    runs = Runs()
+
+    def declare(stack: Stack) -> Any:
+        @stack.actor(actor_name="export", lock_key="export:{n}", max_retries=0)
+        def export(n: int, i: int) -> None:
+            runs.add(i=i)
+
+        return export
+
+    export = declare(first)
+    first.start()
+    holder = first.leases.try_acquire("export:1", ttl=30_000)
+    assert isinstance(holder, Lease)
+    messages = [export.send(1, i) for i in range(2)]
+    wait_for(
+        lambda: first.leases.inspect_line("export:1").states.get("in_place") == 2, what="two threads waiting in place"
+    )
+    started = time.monotonic()
+    first.stop()
+    assert time.monotonic() - started < 5, "the shutdown waited for the threads waiting in place"
+    assert all(first.recorder.delays(m.message_id) for m in messages), "each waiter was parked on the way out"
+
+    # Another worker on the same broker and lease store: they run once the key is free, once each.
+    second = make_stack(broker=taking_over_broker(redis_server.url(0)))
+    declare(second)
+    second.start()
+    assert second.leases.release(holder)
+    wait_for(lambda: sorted(r["i"] for r in runs.items) == [0, 1], timeout=20, what="both messages to run")
+    assert len(runs.items) == 2
+
+
+class SlowReplies(Middleware):
+    """A broker slow to answer: a delayed copy (a parked or sent-back message) is in the broker, and the
+    worker thread that sent it still waits for the reply, for ``seconds``."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.lock = threading.Lock()
+        self.waiting = 0
+
+    def after_enqueue(self, broker: dramatiq.Broker, message: Any, delay: int | None) -> None:
+        if delay is None:
+            return
+        with self.lock:
+            self.waiting += 1
+        try:
+            end = time.monotonic() + self.seconds
+            while time.monotonic() < end:  # the reply's wait; an interruption lands here, as in a socket read
+                time.sleep(0.005)
+        finally:
+            with self.lock:
+                self.waiting -= 1
+
+
+def test_a_worker_stop_while_copies_are_sent_back_runs_each_message_once(
+    make_stack: MakeStack, redis_server: EmbeddedRedis
+) -> None:
+    runs = Runs()
+
+    def declare(stack: Stack) -> Any:
+        @stack.actor(actor_name="invoice", lock_key="invoice:{n}", notify_shutdown=True, max_retries=3)
+        def invoice(n: int, i: int) -> None:
+            runs.add(i=i, fence=current_lease().fence)
+
+        return invoice
+
+    first = make_stack(threads=8)
+    slow = SlowReplies(1.5)
+    first.broker.add_middleware(slow)
+    invoice = declare(first)
+    first.start()
+    holder = first.leases.try_acquire("invoice:1", ttl=60_000)
+    assert isinstance(holder, Lease)
+    for i in range(8):
+        invoice.send(1, i)
+    # Two wait in place; the others are parked, each thread waiting for the broker's reply to its copy.
+    wait_for(lambda: slow.waiting >= 4, what="threads waiting for the broker's reply to a parked copy")
+    first.stop()  # Dramatiq raises Shutdown into every thread running a notify_shutdown message
+    assert runs.items == []
+
+    second = make_stack(threads=8, broker=taking_over_broker(redis_server.url(0)))
+    declare(second)
+    second.start()
+    assert second.leases.release(holder)
+    wait_for(lambda: len({r["i"] for r in runs.items}) == 8, timeout=30, what="every message to run")
+    # Settled: every copy left in the broker was delivered (and acknowledged), none left to run late.
+    wait_for(lambda: pending(redis_server) == 0, timeout=30, what="the broker to hold no copy")
+    ran = sorted(r["i"] for r in runs.items)
+    assert ran == list(range(8)), f"a message ran twice: {ran}"
+    assert redis_dead_letters(redis_server) == [], "a message was dead-lettered by the stop"
+    retried = [o for mid, _, o in first.recorder.enqueues if o.get("retries")]
+    assert retried == [], "an interruption before the actor reached Retries: a retry with a new place"
+
+
 # Other parts of Dramatiq ------------------------------------------------------------
 
 
@@ -635,6 +1172,39 @@ def test_a_delayed_message_its_producer_did_not_check_is_dead_lettered_not_a_con
     crashes = [r for r in caplog.records if r.levelname == "CRITICAL" and "Consumer" in r.getMessage()]
     assert crashes == [], crashes[0].getMessage()
     assert any(r.levelname == "ERROR" and message.message_id in r.getMessage() for r in caplog.records)
+
+
+def test_an_async_actor_that_outlives_its_cancellation_keeps_its_lease(make_stack: MakeStack) -> None:
+    """Dramatiq stops waiting for a coroutine 1 s after cancelling it; the coroutine may run on.
+
+    Its lease must stay held (and renewed) until the coroutine really ends, then be released.
+    """
+    stack = make_stack()
+    stack.broker.add_middleware(AsyncIO())
+    runs = Runs()
+
+    @stack.actor(lock_key="async:{n}", lock_ttl=600, lock_max_hold=20_000, time_limit=500, max_retries=0)
+    async def stubborn(n: int) -> None:
+        begin = time.monotonic()
+        while time.monotonic() - begin < 3.0:
+            try:
+                await asyncio.sleep(0.01)
+            except asyncio.CancelledError:
+                runs.add(kind="cancelled", at=time.monotonic())  # ignored: it goes on working
+        runs.add(kind="ended", at=time.monotonic())
+
+    stack.start()
+    message = stubborn.send(1)
+    wait_for(lambda: runs.where(kind="cancelled"), what="the time limit to cancel the coroutine", timeout=5)
+    assert stack.recorder.wait_settled(message.message_id) == "nacked"  # the worker gave up waiting
+    assert not runs.where(kind="ended")
+    # The coroutine still runs: its key stays busy past several TTLs, until it ends.
+    deadline = time.monotonic() + 10
+    while not runs.where(kind="ended"):
+        assert isinstance(stack.leases.try_acquire("async:1", ttl=1_000), Busy), "a second holder while it ran"
+        assert time.monotonic() < deadline, "the coroutine never ended"
+        time.sleep(0.05)  # a rival tries every 50 ms
+    wait_for(lambda: stack.leases.inspect("async:1") is None, what="the lease to be released as it ended")
 
 
 # Structure ---------------------------------------------------------------------------

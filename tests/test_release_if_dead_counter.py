@@ -1,18 +1,30 @@
-"""``release --if-dead`` and the fence counter: the release is recorded (the exporter tells a release from an
-expiry by it) and no key is left without a TTL, whatever the fleet's retention, which the CLI does not know.
-Real Redis, real expiry, the command through its ``main()``."""
+"""``release --if-dead``: it never frees a holder cut off from Redis but still running (a real Worker behind a
+proxy that hangs, tests/support/freezable.py), and the fence counter: the release is recorded (the exporter tells
+a release from an expiry by it) and no key is left without a TTL, whatever the fleet's retention, which the CLI
+does not know. Real Redis, real expiry, the command through its ``main()``."""
 
 from __future__ import annotations
+
+import threading
+import time
 
 import pytest
 import redis
 
+from dramatiq_leases import (
+    LeaseLost,
+    LeaseMiddleware,
+    Leases,
+)
 from dramatiq_leases.cli import main
-from dramatiq_leases.core import Lease, Leases, State
+from dramatiq_leases.core import Lease, State
 from dramatiq_leases.core.keys import epoch_name
 from dramatiq_leases.embedded import EmbeddedRedis
 from dramatiq_leases.exporter.observer import Ending, grant_ending
 
+from .support.freezable import FreezableProxy
+from .support.runs import Runs
+from .support.stack import Stack
 from .support.waiting import wait_for
 
 RETENTION_MS = 300
@@ -108,3 +120,65 @@ def test_a_counter_of_another_type_is_left_alone_and_the_lease_still_released(
     assert out.startswith(f"released {KEY!r}")
     assert redis_client.exists(fleet.lease_name(KEY)) == 0
     assert redis_client.get(counter) == b"written by hand"
+
+
+def test_release_if_dead_never_frees_a_holder_cut_off_but_still_running(redis_server: EmbeddedRedis) -> None:
+    """The reviewer's reproduction: a worker cut off from Redis keeps running until its own deadline.
+
+    Its heartbeat is overdue long before that; an operator polling ``release --if-dead`` must not
+    free the key until the holder has stopped trusting it, so a second run never overlaps the first.
+    """
+    proxy = FreezableProxy(redis_server.port)
+    cut_off = redis.Redis(host="127.0.0.1", port=proxy.port, db=1, socket_timeout=0.2)
+    stack = Stack(redis_server.url(0), "", middleware=LeaseMiddleware(client=cut_off))
+    operator = Leases.from_url(redis_server.url(1))
+    runs = Runs()
+    started = threading.Event()
+
+    @stack.actor(lock_key="bill:{n}", lock_ttl=3_000, lock_renew_interval=500, max_retries=0)
+    def bill(n: int) -> None:
+        started.set()
+        try:
+            while True:
+                time.sleep(0.005)
+        except LeaseLost:
+            runs.add(stopped=time.monotonic())
+            raise
+
+    try:
+        stack.start()
+        bill.send(1)
+        assert started.wait(10)
+        wait_for(
+            lambda: (i := operator.inspect("bill:1")) is not None and i.renewed_ms > i.acquired_ms,
+            what="a first renewal",
+        )
+        proxy.freeze()
+        wait_for(
+            lambda: operator.inspect("bill:1").state is State.HEARTBEAT_OVERDUE,  # type: ignore[union-attr]
+            what="the heartbeat to be overdue",
+            timeout=5,
+        )
+        refused_while_overdue = 0
+        deadline = time.monotonic() + 10
+        while True:  # the operator, following the old runbook, tries again and again
+            result = operator.release_if_dead("bill:1")
+            if result.released is not False:
+                break
+            refused_while_overdue += 1
+            assert time.monotonic() < deadline, "the key was never freed, not even by its TTL"
+            time.sleep(0.01)  # the operator's polling pace
+        freed_at = time.monotonic()
+        [run] = wait_for(lambda: runs.items, what="the holder to stop", timeout=5)
+        assert refused_while_overdue > 10
+        # Freed (or expired) only once the holder could no longer believe it held the key.
+        assert run["stopped"] <= freed_at, (
+            f"the key was freed {run['stopped'] - freed_at:.3f}s before its holder stopped"
+        )
+    finally:
+        proxy.thaw()
+        proxy.reset_hung()
+        stack.stop()
+        proxy.close()
+        cut_off.close()
+        operator.client.close()

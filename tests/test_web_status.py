@@ -13,7 +13,7 @@ import pytest
 
 from dramatiq_leases import LeaseUnavailableError, web
 from dramatiq_leases.core import Lease, Leases
-from dramatiq_leases.embedded import free_port
+from dramatiq_leases.embedded import EmbeddedRedis, free_port
 
 from .support.waiting import wait_for
 
@@ -117,3 +117,16 @@ def test_redis_away_raises_unavailable_for_a_503() -> None:
     leases = Leases.from_url(f"redis://127.0.0.1:{free_port()}/0")
     with pytest.raises(LeaseUnavailableError):
         web.status(leases, KEY)
+
+
+def test_status_of_a_key_without_ttl_never_promises_that_it_ends(redis_server: EmbeddedRedis) -> None:
+    store = Leases.from_url(redis_server.url())
+    try:
+        lease = store.try_acquire("export:report:5", 30_000)
+        assert isinstance(lease, Lease)
+        store.client.persist("dramatiq-leases:lease:{export:report:5}")
+        answer = web.status(store, "export:report:5")
+        assert answer["held"] and not answer["free"] and answer["ttl_left"] is None
+        assert answer["retry_after"] >= 1  # never "retry now" while it is held
+    finally:
+        store.client.close()

@@ -1,4 +1,5 @@
-"""Waiting on a condition with a deadline: tests never sleep and hope."""
+"""Waiting on a condition with a deadline: tests never sleep and hope (and :func:`busy_for`, a key sampled
+over a span)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from collections.abc import Callable
 from typing import TypeVar
 
 import pytest
+
+from dramatiq_leases import Busy, Leases
 
 T = TypeVar("T")
 
@@ -21,3 +24,15 @@ def wait_for(predicate: Callable[[], T], timeout: float = 10.0, interval: float 
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout}s waiting for {what}")
         time.sleep(interval)
+
+
+def busy_for(leases: Leases, key: str, seconds: float) -> bool:
+    """True if a rival asking for ``key`` every 50 ms during ``seconds`` was turned away every time."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        rival = leases.try_acquire(key, ttl=5_000)
+        if not isinstance(rival, Busy):
+            leases.release(rival)
+            return False
+        time.sleep(0.05)  # sampling the key over a span of time, not waiting for an event
+    return True
