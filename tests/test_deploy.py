@@ -335,10 +335,13 @@ def supervised(redis_server: EmbeddedRedis, tmp_path: Path) -> Iterator[Supervis
 
 def waiting(s: Supervised, predicate: Callable[[], T], timeout: float, what: str) -> T:
     """:func:`wait_for`, failing with the logs and Redis keys as they are at the deadline."""
-    try:
-        return wait_for(predicate, timeout=timeout, interval=0.05, what=what)
-    except pytest.fail.Exception:
-        pytest.fail(f"timed out after {timeout}s waiting for {what}\n{s.logs()}\nbroker keys: {s.record.keys()}")
+    return wait_for(
+        predicate,
+        timeout=timeout,
+        interval=0.05,
+        what=what,
+        details=lambda: f"{s.logs()}\nbroker keys: {s.record.keys()}",
+    )
 
 
 def start_gated_job(s: Supervised, key: str) -> dict[str, Any]:

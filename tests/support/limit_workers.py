@@ -9,12 +9,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
-import pytest
 import redis
 
 from dramatiq_leases import Leases
@@ -22,6 +20,7 @@ from dramatiq_leases.embedded import EmbeddedRedis, free_port
 
 from .brokers import RABBITMQ_URL, delete_rabbitmq_queues, redis_dead_letters, unique_queue
 from .processes import http_get
+from .waiting import wait_for
 
 ROOT = Path(__file__).parents[2]
 #: The lease TTL of every actor of tests/apps/limit_app.py (s).
@@ -117,12 +116,7 @@ class LimitWorkers:
     def wait(self, predicate: Callable[[], T | None], *, timeout: float, what: str, about: Sequence[str] = ()) -> T:
         """Poll ``predicate`` until it answers something truthy; at the deadline, fail with the logs as they are
         then and what was recorded of the messages ``about``."""
-        deadline = time.monotonic() + timeout
-        while not (value := predicate()):
-            if time.monotonic() > deadline:
-                pytest.fail(f"timed out after {timeout}s waiting for {what}\n{self.trail(about)}{self.logs()}")
-            time.sleep(0.02)
-        return value
+        return cast(T, wait_for(predicate, timeout, 0.02, what, details=lambda: f"{self.trail(about)}{self.logs()}"))
 
     def trail(self, message_ids: Sequence[str]) -> str:
         """What was recorded of each of ``message_ids``: enqueues, first delivery, acks, nacks, log lines."""

@@ -9,13 +9,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import pytest
 import redis
@@ -29,6 +28,7 @@ from dramatiq_leases.exporter import LEAK_REASONS, WAIT_REASONS
 from dramatiq_leases.prometheus import LOST_REASONS, NOT_RUN_REASONS
 
 from .promtool import require
+from .waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 APP = "tests.apps.obs_app"
@@ -128,18 +128,14 @@ def wait_until(
     procs: Processes | None = None,
     interval: float = 0.1,
 ) -> T:
-    """Poll ``predicate`` until it returns something truthy; fail at the deadline or if a process died."""
-    deadline = time.monotonic() + timeout
-    while True:
+    """:func:`wait_for`, failing also as soon as a process of ``procs`` died, and with their logs at the deadline."""
+
+    def asked() -> T | None:
         if procs is not None:
             procs.check_running()
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            logs = f"\n{procs.report()}" if procs is not None else ""
-            pytest.fail(f"timed out after {timeout}s waiting for {what}{logs}", pytrace=False)
-        time.sleep(interval)
+        return predicate()
+
+    return cast(T, wait_for(asked, timeout, interval, what, details=procs.report if procs is not None else None))
 
 
 def clean_env(**extra: str) -> dict[str, str]:

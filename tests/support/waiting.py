@@ -14,15 +14,25 @@ from dramatiq_leases import Busy, Leases
 T = TypeVar("T")
 
 
-def wait_for(predicate: Callable[[], T], timeout: float = 10.0, interval: float = 0.02, what: str = "condition") -> T:
-    """Poll ``predicate`` until it returns something truthy; fail the test at the deadline."""
+def wait_for(
+    predicate: Callable[[], T],
+    timeout: float = 10.0,
+    interval: float = 0.02,
+    what: str = "condition",
+    *,
+    details: Callable[[], str] | None = None,
+) -> T:
+    """Poll ``predicate`` until it returns something truthy; fail the test at the deadline, with what ``details``
+    tells then (logs, records). The one poll loop of the tests: the others add their checks around it."""
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
         if value:
             return value
         if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
+            if details is None:
+                pytest.fail(f"timed out after {timeout}s waiting for {what}")
+            pytest.fail(f"timed out after {timeout}s waiting for {what}\n{details()}", pytrace=False)
         time.sleep(interval)
 
 
