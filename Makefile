@@ -24,7 +24,7 @@ COMPAT_TESTS := tests/test_core.py tests/test_line.py tests/test_middleware.py t
 COMPAT_ARGS  := $(PYTEST) -q -m "not system" $(COMPAT_TESTS)
 COMPAT_LANES := compat-redis-6.2 compat-valkey compat-py3.10 compat-py3.13
 
-.PHONY: demo export-page test fast lint suite tools bench compat $(COMPAT_LANES)
+.PHONY: demo export-page test fast lint suite tools bench compat screenshots $(COMPAT_LANES)
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -80,6 +80,10 @@ lint: $(VENV)/.dev
 
 fast: lint
 	$(BIN)/python -m pytest $(PYTEST) -q -m "not system" tests
+
+# The pictures the docs show (docs/images/*.png), taken in chromium by the page tests; `make test` never writes them.
+screenshots: $(VENV)/.dev tools
+	DRAMATIQ_LEASES_SCREENSHOTS=1 $(BIN)/python -m pytest $(PYTEST) -q tests/test_busy_page.py tests/test_export_page.py
 
 # Bounds on whole runs (the suite takes about 20 min here, a lane 4): a hang past one ends the run with every
 # thread's stack (pytest's faulthandler dumps them on SIGABRT), where CI would otherwise run out its 90 minutes.

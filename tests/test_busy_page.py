@@ -8,9 +8,10 @@ leases appear without a reload, a hostile key is shown as text, and a refresh
 that fails says so and recovers by itself.
 
 The screenshot the README shows (docs/images/busy-page.png) is written by the
-test, so it stays true; it is rewritten only when what it shows changed (the
+test under ``make screenshots`` only, and only when what it shows changed (the
 page's source or its text, numbers aside: ages and clocks differ at every run),
-which a digest kept in the PNG itself tells.
+which a digest kept in the PNG itself tells; any other run warns of a picture
+that no longer shows the page, and writes nothing tracked.
 """
 
 from __future__ import annotations
@@ -116,7 +117,7 @@ def rows(driver: Any, table: str) -> list[dict[str, Any]]:
 
 
 def save_readme_image(shot: Path, digest: str) -> None:
-    """Copy the screenshot to docs/images/busy-page.png unless the one there shows the same content."""
+    """Copy the screenshot to docs/images/busy-page.png (``make screenshots``) unless it shows the same content."""
     publish(shot, README_IMAGE, digest)
 
 

@@ -8,7 +8,7 @@ The seed's chaos test ends here: the worker is SIGKILLed mid-export; a second cl
 "an export is running" with a countdown, the button must come back by itself once the lease has expired
 (not before, and with no manual step), and the next click must start an export a fresh worker completes.
 Also a normal run (queued, then done) and Redis away (503, then a retry works once it is back).
-Screenshots of each state go to build/screenshots; the locked one is the README's picture.
+Screenshots of each state go to build/screenshots; the locked one is the README's picture (``make screenshots``).
 """
 
 from __future__ import annotations

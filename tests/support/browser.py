@@ -8,9 +8,11 @@ browser tests cannot quietly stop running. Selenium is pointed at those binaries
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import shutil
 import struct
+import warnings
 import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -109,11 +111,18 @@ def with_png_text(png: bytes, keyword: bytes, value: bytes) -> bytes:
     return png[:end_of_header] + chunk + png[end_of_header:]
 
 
+#: Set by ``make screenshots``: the tests then copy their screenshots to the pictures the docs show. ``make test``
+#: never writes a tracked file: a picture that no longer shows the page is only warned of.
+PUBLISH_VARIABLE = "DRAMATIQ_LEASES_SCREENSHOTS"
+
+
 def publish(shot: Path, picture: Path, digest: str) -> None:
-    """Copy the screenshot ``shot`` to ``picture`` (a picture the docs show) unless the one there shows the same
-    content (its digest): a run changes the file only when what it shows changed, so the pictures stay true
-    without every test run rewriting them."""
+    """Copy the screenshot ``shot`` to ``picture`` (a picture the docs show) under ``make screenshots``, unless the
+    one there shows the same content (its digest); otherwise warn when it no longer does."""
     if picture.exists() and png_text(picture.read_bytes(), DIGEST_KEYWORD) == digest.encode():
+        return
+    if os.environ.get(PUBLISH_VARIABLE) != "1":
+        warnings.warn(f"{picture} no longer shows the page: run `make screenshots`", stacklevel=2)
         return
     picture.parent.mkdir(parents=True, exist_ok=True)
     picture.write_bytes(with_png_text(shot.read_bytes(), DIGEST_KEYWORD, digest.encode()))
