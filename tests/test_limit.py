@@ -555,7 +555,7 @@ def test_a_superseded_parked_waiter_is_told_on_its_holders_channel(leases: Lease
     # ready=0: nobody waits in place; both park.
     assert turn(join(leases, "old", 100, latest=True, may_wait=False, ready=0)).wait is Wait.PARK
     assert leases.line.hold("k", ["old"], "chan:x", ready=0) == ["p"]
-    pubsub = redis_client.pubsub()  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
+    pubsub = redis_client.pubsub()
     try:
         pubsub.subscribe("chan:x")
         wait_for(lambda: pubsub.get_message(timeout=0.1) is not None, what="the subscription")

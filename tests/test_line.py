@@ -105,7 +105,7 @@ def test_a_parked_waiter_is_promoted_on_its_holders_channel_when_its_turn_nears(
     for i in range(3):
         assert busy(join(leases, "k", f"w{i}", i + 1, ready=1)).wait in (Wait.PARK, Wait.SOON)
     assert leases.line.hold("k", ["w1", "w2"], "chan:x", park_ms=60_000, ready=1) == ["p", "p"]
-    pubsub = redis_client.pubsub()  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
+    pubsub = redis_client.pubsub()
     pubsub.subscribe("chan:x")
     wait_for(lambda: pubsub.get_message(timeout=0.1) is not None, what="the subscription")
     # w0 (head, asked to come soon) takes the key: w1 is next, and told so.

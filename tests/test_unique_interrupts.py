@@ -23,7 +23,7 @@ from dramatiq.middleware.time_limit import TimeLimitExceeded
 from dramatiq.threading import raise_thread_exception
 from dramatiq.worker import ConsumerThread
 
-from dramatiq_leases import Busy, DuplicateMessage
+from dramatiq_leases import Busy, DuplicateMessage, RateLimited
 from dramatiq_leases.core.unique import UniqueRecords
 
 from .support.interrupts import InterruptAfterEnqueue
@@ -330,37 +330,45 @@ def test_a_worker_stop_keeps_the_records_of_a_parked_and_a_waiting_message(worke
 
 
 class HeldMoveOn(Middleware):
-    """Holds the after-hooks of a delayed copy moving on to its queue (Dramatiq's consumer thread enqueues it):
-    added after LeaseMiddleware, its ``after_enqueue`` runs first, and the copy runs and is acknowledged meanwhile."""
+    """Holds the after-hooks of a delayed copy moving on to its queue (enqueued by Dramatiq's consumer thread, or
+    sent on by the middleware's line timer at its eta): added after LeaseMiddleware, its ``after_enqueue`` runs
+    first, and the copy runs and is acknowledged meanwhile."""
 
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
         self.done = threading.Event()
 
     def after_enqueue(self, broker: dramatiq.Broker, message: Any, delay: int | None) -> None:
-        if isinstance(threading.current_thread(), ConsumerThread) and not self.done.is_set():
+        thread = threading.current_thread()
+        moving = isinstance(thread, ConsumerThread) or thread.name == "dramatiq-leases-line-timer"
+        if moving and not self.done.is_set():
             time.sleep(self.seconds)
             self.done.set()
 
 
 @pytest.mark.parametrize("mode", ["until_done", "queued"])
+@pytest.mark.parametrize("moved_by", ["delay", "rate_limited"])
 def test_a_delayed_copy_acknowledged_before_its_move_is_heard_of_frees_the_key(
-    make_stack: MakeStack, mode: str
+    make_stack: MakeStack, mode: str, moved_by: str
 ) -> None:
-    """A delayed message leaves its delay queue; its copy runs and is acknowledged before the move's after-hooks
-    run (another consumer fetched it at once): the final ack ended the record, and the move must not take it
-    again (it would refuse the key for lock_unique_ttl, an hour)."""
+    """A delayed message leaves its delay queue (a send with ``delay``; a copy held back by RateLimited, sent on
+    by the line timer when the hold ends); its copy runs and is acknowledged before the move's after-hooks run
+    (another consumer fetched it at once): the final ack ended the record, and the move must not take it again
+    (it would refuse the key for lock_unique_ttl, an hour)."""
     stack = make_stack()
     held = HeldMoveOn(1.0)
     stack.broker.add_middleware(held)
     runs: list[int] = []
 
-    @stack.actor(lock_key="m:{n}", lock_unique=mode)
+    @stack.actor(lock_key="m:{n}", lock_unique=mode, max_retries=0)
     def job(n: int) -> None:
         runs.append(n)
+        if moved_by == "rate_limited" and len(runs) == 1:
+            raise RateLimited(retry_after=300)
 
-    first = job.send_with_options(args=(1,), delay=200)
+    first = job.send_with_options(args=(1,), delay=200 if moved_by == "delay" else None)
     stack.start()
+    wait_for(lambda: len(runs) == (1 if moved_by == "delay" else 2), what="the last run")
     assert stack.recorder.wait_settled(first.message_id) == "acked"
     assert not held.done.is_set()  # acknowledged while the move's after-hooks are held
     wait_for(held.done.is_set, what="the move's after-hooks")

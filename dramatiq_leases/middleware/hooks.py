@@ -50,8 +50,8 @@ from .options import (
 from .ordering import stamp
 from .runs import Runs
 from .stop_budget import warn_stop_budget
-from .unique import Uniqueness, moving_on
-from .waiting import LINE_OPTION, Waiting
+from .unique import Uniqueness
+from .waiting import LINE_OPTION, Waiting, moving_on
 
 __all__ = ["LeaseMiddleware"]
 

@@ -22,7 +22,6 @@ import threading
 from typing import Any, NamedTuple, cast
 
 import dramatiq
-from dramatiq.worker import ConsumerThread
 
 from ..core.errors import LeaseError, LeaseUnavailableError
 from ..core.metrics import LeaseMetrics
@@ -32,6 +31,7 @@ from ..core.unique import MODE_CODES, Mode, UniqueRecords
 from .declarations import Declarations
 from .errors import DuplicateMessage, LeaseSendUnavailableError
 from .options import LEASE_OPTION, MAX_DELAY, UNIQUE_OPTION, Options
+from .waiting import moving_on
 
 __all__ = ["GRACE_MS", "Sent", "Uniqueness", "try_send", "try_send_with_options"]
 
@@ -275,12 +275,6 @@ class Uniqueness:
                 self.records.end(found[1], message.message_id, attempt=_attempt(message))
         except Exception as e:  # an after-hook: never let it break the worker's acks
             logger.warning("Could not end the unique record of message %s: %s.", message.message_id, e)
-
-
-def moving_on() -> bool:
-    """Whether this thread's enqueue is a delayed copy moving on to its queue: Dramatiq's consumer threads enqueue
-    nothing else."""
-    return isinstance(threading.current_thread(), ConsumerThread)
 
 
 def _lives(delay: Any, ttl: int) -> int:

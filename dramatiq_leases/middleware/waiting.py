@@ -33,6 +33,7 @@ from typing import Any
 
 import dramatiq
 from dramatiq.common import current_millis, q_name
+from dramatiq.worker import ConsumerThread
 
 from ..core.lease import Busy
 from ..core.line import DEFAULT_PARK_MS
@@ -52,6 +53,16 @@ TEND_INTERVAL = 5.0
 #: quarter of the message's time limit if that is shorter (TimeLimit counts
 #: this wait).
 MAX_IN_PLACE = 60.0
+
+# Set while this module sends a parked copy on (a thread of its own, never a worker's).
+_sending_on = threading.local()
+
+
+def moving_on() -> bool:
+    """Whether this thread's enqueue is a delayed copy moving on to its queue: sent on here, or by Dramatiq's
+    consumer threads, which enqueue nothing else. The broker may hand it out, run it and acknowledge it before
+    the enqueue returns: what must hold before that is done before the enqueue."""
+    return getattr(_sending_on, "active", False) or isinstance(threading.current_thread(), ConsumerThread)
 
 
 def waiter_id(message: Any) -> str:
@@ -290,6 +301,7 @@ class Waiting:
         fresh = parked.proxy.copy(queue_name=q_name(parked.proxy.queue_name))
         fresh.options.pop("eta", None)
         try:
+            _sending_on.active = True
             self._broker.enqueue(fresh)
         except Exception as e:
             logger.warning(
@@ -300,6 +312,8 @@ class Waiting:
             delay_queue.put(item)
             delay_queue.task_done()
             return False
+        finally:
+            _sending_on.active = False
         parked.consumer.post_process_message(parked.proxy)
         delay_queue.task_done()
         return True
@@ -311,7 +325,7 @@ class Waiting:
         while not self._stop.is_set():
             pubsub = None
             try:
-                pubsub = self.leases.client.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
+                pubsub = self.leases.client.pubsub(ignore_subscribe_messages=True)
                 pubsub.subscribe(self.channel)
                 connected = True
                 self.tend()  # whatever was missed while not subscribed

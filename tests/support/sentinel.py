@@ -224,11 +224,11 @@ class Replicated:
 
     def sentinel(self, **kwargs: Any) -> Sentinel:
         """A ``redis.sentinel.Sentinel`` knowing every Sentinel of the set-up."""
-        return Sentinel([("127.0.0.1", s.port) for s in self.sentinels], **kwargs)  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
+        return Sentinel([("127.0.0.1", s.port) for s in self.sentinels], **kwargs)
 
     def master_client(self, socket_timeout: float = 2.0) -> redis.Redis:
         """``Sentinel(...).master_for(SERVICE, socket_timeout=...)``: what users pass as ``client=``."""
-        client: redis.Redis = self.sentinel(socket_timeout=socket_timeout).master_for(  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
+        client: redis.Redis = self.sentinel(socket_timeout=socket_timeout).master_for(
             SERVICE, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout
         )
         self._clients.append(client)
