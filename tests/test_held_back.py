@@ -191,6 +191,11 @@ def test_rate_limited_holds_the_key_back_and_runs_again_first_without_a_retry(
     stack.start()
     first = call_vendor.send("acme", 0)
     assert raised.wait(20)
+    # The others are sent once the hold is on: sent between the raise and the release, one could take the
+    # second slot before the hold, as it may.
+    wait_for(
+        lambda: any(e.event == "rate_limited" for e in stack.leases.history("vendor:acme")), timeout=20, what="the hold"
+    )
     others = [call_vendor.send("acme", n) for n in range(1, 4)]
     for message in [first, *others]:
         assert stack.recorder.wait_settled(message.message_id, timeout=30) == "acked"
