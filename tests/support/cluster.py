@@ -15,6 +15,9 @@ the slot half-moved while leases in it are renewed.
 from __future__ import annotations
 
 import contextlib
+import functools
+import re
+import socket
 import subprocess
 import time
 from collections.abc import Iterable
@@ -30,26 +33,49 @@ from dramatiq_leases.embedded import EmbeddedRedis, free_port
 NODE_TIMEOUT_MS = 5_000
 
 
-def _node_args(bus_port: int) -> tuple[str, ...]:
-    # The bus port is chosen too: the default (port + 10 000) may be taken, or past 65 535.
+def _node_args(bus_port: int | None) -> tuple[str, ...]:
+    # The bus port is chosen where the server lets us (Redis 7+): the default, port + 10 000, may be taken.
+    chosen_bus = ("--cluster-port", str(bus_port)) if bus_port is not None else ()
     return (
         "--cluster-enabled",
         "yes",
         "--cluster-config-file",
         "nodes.conf",
-        "--cluster-port",
-        str(bus_port),
+        *chosen_bus,
         "--cluster-node-timeout",
         str(NODE_TIMEOUT_MS),
     )
 
 
+@functools.cache
+def _bus_port_settable() -> bool:
+    """Whether the ``redis-server`` on ``PATH`` takes ``--cluster-port`` (Redis 7+, Valkey; not Redis 6.2)."""
+    line = subprocess.run(["redis-server", "--version"], capture_output=True, text=True, timeout=10, check=True).stdout
+    found = re.search(r"v=(\d+)\.", line)
+    return found is not None and int(found[1]) >= 7
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def _start_node() -> EmbeddedRedis:
     """One cluster-enabled ``redis-server`` on a free port and a free bus port (another pair if taken meanwhile)."""
-    for _ in range(5):
-        port, bus = free_port(), free_port()
-        if port == bus:
-            continue
+    for _ in range(20):
+        port = free_port()
+        if _bus_port_settable():
+            bus: int | None = free_port()
+            if port == bus:
+                continue
+        elif port + 10_000 > 65_535 or not _port_free(port + 10_000):
+            continue  # Redis 6.2 listens for its bus on port + 10 000, which must be a port and free
+        else:
+            bus = None
         node = EmbeddedRedis(port, extra_args=_node_args(bus))
         try:
             return node.start()
