@@ -8,6 +8,11 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 PYTEST := -p no:cacheprovider
+# Tests side by side (pytest-xdist): most of them wait on TTLs, deadlines and worker hand-offs, not on the CPU,
+# so 4 at once on 2 cores used about one core (docs/compatibility.md has the figures). JOBS=0 runs them in turn.
+JOBS      ?= 4
+LANE_JOBS ?= 3
+XDIST      = -n $(1) --dist worksteal
 
 # The oldest and newest Python the package promises, from pyenv (as on these machines) or PATH.
 PYENV_ROOT ?= $(HOME)/.pyenv
@@ -21,7 +26,7 @@ COMPAT_TESTS := tests/test_core.py tests/test_line.py tests/test_middleware.py t
 	tests/test_unique.py tests/test_history.py tests/test_leader.py \
 	tests/test_protocol.py tests/test_releasing.py tests/test_async_cancel.py tests/test_restart_grace.py \
 	tests/test_failover_grace.py tests/test_rate.py tests/test_held_back.py tests/test_debounce.py
-COMPAT_ARGS  := $(PYTEST) -q -m "not system" $(COMPAT_TESTS)
+COMPAT_ARGS  := $(PYTEST) -q -m "not system" $(call XDIST,$(LANE_JOBS)) $(COMPAT_TESTS)
 COMPAT_LANES := compat-redis-6.2 compat-valkey compat-py3.10 compat-py3.13
 
 .PHONY: demo export-page test fast lint suite tools bench compat screenshots $(COMPAT_LANES)
@@ -79,27 +84,29 @@ lint: $(VENV)/.dev
 	$(BIN)/mypy -p examples
 
 fast: lint
-	$(BIN)/python -m pytest $(PYTEST) -q -m "not system" tests
+	$(BIN)/python -m pytest $(PYTEST) -q -m "not system" $(call XDIST,$(JOBS)) tests
 
 # The pictures the docs show (docs/images/*.png), taken in chromium by the page tests; `make test` never writes them.
 screenshots: $(VENV)/.dev tools
 	DRAMATIQ_LEASES_SCREENSHOTS=1 $(BIN)/python -m pytest $(PYTEST) -q tests/test_busy_page.py tests/test_export_page.py
 
-# Bounds on whole runs (the suite takes about 20 min here, a lane 4): a hang past one ends the run with every
-# thread's stack (pytest's faulthandler dumps them on SIGABRT), where CI would otherwise run out its 90 minutes.
+# Bounds on whole runs (the suite takes about 8 min here, a lane 2): a hang past one ends the run with every
+# thread's stack (pytest's faulthandler dumps them on SIGABRT, sent to the whole process group: the xdist workers
+# too), where CI would otherwise run out its 90 minutes.
 BOUNDED := timeout --signal=ABRT --kill-after=30
 
 suite: $(VENV)/.dev tools
-	$(BOUNDED) 45m $(BIN)/python -m pytest tests
+	$(BOUNDED) 30m $(BIN)/python -m pytest $(PYTEST) $(call XDIST,$(JOBS)) tests
 
-test: lint suite compat
+# The venvs first (two editable installs at once would race on the checkout's egg-info), then the suite and the
+# lanes side by side, the lanes one after another: together they keep the 2 cores about busy; more at once
+# stalled tests for longer than the shortest TTLs they hold. Each target's output is printed when it ends.
+test: lint .venv-3.10/.dev .venv-3.13/.dev
+	$(MAKE) --no-print-directory -j2 -Otarget suite compat
 
-# The venvs first (two editable installs at once would race on the checkout's egg-info), then the four lanes,
-# two side by side: each is one pytest that mostly waits on TTLs and deadlines, but four at once on two cores
-# stalled a lane for longer than the shortest TTLs its tests hold (twice in three runs). `make compat-valkey`
-# runs one.
+# `make compat-valkey` runs one lane.
 compat: $(VENV)/.dev .venv-3.10/.dev .venv-3.13/.dev
-	$(MAKE) --no-print-directory -j2 -O $(COMPAT_LANES)
+	$(MAKE) --no-print-directory -j1 $(COMPAT_LANES)
 
 compat-redis-6.2: $(VENV)/.dev
 	DRAMATIQ_LEASES_TEST_SERVER=redis-6.2 $(BOUNDED) 15m $(BIN)/python -m pytest $(COMPAT_ARGS)

@@ -207,7 +207,7 @@ def test_a_django_project_runs_leased_actors_with_the_middleware_named_in_its_se
 
     store_client = redis.Redis.from_url(redis_server.url(leases_db))
     wait_until(
-        lambda: Leases(store_client).fence_state("django:7")["released"] == fence,
+        lambda: Leases(store_client).fence_state("django:7").get("released") == fence,
         timeout=10,
         what="the release of the lease, in the store it chose",
         procs=procs,

@@ -92,7 +92,7 @@ class LineWorkers:
         """Start a holder of ``key`` on its own worker process; its run."""
         self.start(threads=1, holder=True)
         self.send([(key,)], actor="hold")
-        return wait_for(lambda: self.runs("holding"), timeout=30, what=f"the holder to start\n{self.logs()}")[0]
+        return wait_for(lambda: self.runs("holding"), timeout=30, what="the holder to start", details=self.logs)[0]
 
     def runs(self, kind: str = "run") -> list[dict[str, Any]]:
         return [r for r in (json.loads(x) for x in self.record.lrange("runs", 0, -1)) if r["kind"] == kind]
@@ -126,7 +126,8 @@ def check_each_ran_once_in_order(line: LineWorkers, expected: list[int]) -> list
     runs = wait_for(
         lambda: (r := line.runs()) and len(r) >= len(expected) and r,
         timeout=120,
-        what=f"{len(expected)} jobs to run\n{line.logs()}",
+        what=f"{len(expected)} jobs to run",
+        details=line.logs,
     )
     assert runs  # for mypy: wait_for returns only a truthy value, here the runs
     runs = sorted(runs, key=lambda r: r["start"])

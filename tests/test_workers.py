@@ -97,7 +97,8 @@ class Workers:
             lambda: count() >= processes,
             timeout=30,
             interval=0.1,
-            what=f"{processes} worker processes to consume\n{self.logs()}",
+            what=f"{processes} worker processes to consume",
+            details=self.logs,
         )
 
     def send(self, actor: str, *args: Any) -> None:
@@ -154,7 +155,7 @@ def test_mutual_exclusion_across_processes_and_threads(workers: Workers) -> None
     # More keys than one process has threads: one process alone cannot take them all at once.
     keys = ["a", "b", "c", "d", "e", "f", "g", "h"]
     send_many(workers, "interval_job", [(key, 0.2) for key in keys for _ in range(3)])
-    wait_for(lambda: len(workers.runs("interval")) >= 24, timeout=60, what=f"24 jobs to finish\n{workers.logs()}")
+    wait_for(lambda: len(workers.runs("interval")) >= 24, timeout=60, what="24 jobs to finish", details=workers.logs)
     runs = workers.runs("interval")
     assert len({r["message_id"] for r in runs}) == len(runs) == 24, "a message ran twice"
     for key in keys:
@@ -188,7 +189,7 @@ def test_sigkilled_holder_lease_expires_and_the_job_runs_again(workers: Workers)
         what="the orphaned lease to expire",
     )
     done = wait_for(
-        lambda: workers.runs("crash-done"), timeout=60, what=f"the redelivered job to complete\n{workers.logs()}"
+        lambda: workers.runs("crash-done"), timeout=60, what="the redelivered job to complete", details=workers.logs
     )
     assert done[0]["fence"] > holder["fence"] and done[0]["pid"] != holder["pid"]
     assert done[0]["message_id"] == holder["message_id"], "the killed job ran again, not another"
@@ -223,18 +224,21 @@ def test_sigterm_with_waiters_releases_the_lease_and_loses_no_waiter(workers: Wo
     """
     proc = workers.start(processes=1, threads=3)
     workers.send("gated_job", "z")
-    holder = wait_for(lambda: workers.runs("gated-started"), timeout=30, what=f"the holder to start\n{workers.logs()}")[
-        0
-    ]
+    holder = wait_for(
+        lambda: workers.runs("gated-started"), timeout=30, what="the holder to start", details=workers.logs
+    )[0]
     send_many(workers, "gated_job", [("z",)] * 4)
     wait_for(
         lambda: workers.leases.inspect_line("gated:z").length == 4,
         timeout=30,
-        what=f"4 waiters in the line: {workers.leases.inspect_line('gated:z')}\n{workers.logs()}",
+        what="4 waiters in the line",
+        details=lambda: f"{workers.leases.inspect_line('gated:z')}\n{workers.logs()}",
     )
     proc.send_signal(signal.SIGTERM)
     # The holder finishes during the shutdown: once the worker process has begun it, not before.
-    wait_for(lambda: "Shutting down..." in workers.log(0), timeout=30, what=f"the shutdown to begin\n{workers.logs()}")
+    wait_for(
+        lambda: "Shutting down..." in workers.log(0), timeout=30, what="the shutdown to begin", details=workers.logs
+    )
     workers.record.set("gate:z", 1)
     assert proc.wait(timeout=60) == 0, workers.logs()
     assert holder["message_id"] in {r["message_id"] for r in workers.runs("gated-done")}, "the holder did not finish"
@@ -243,7 +247,9 @@ def test_sigterm_with_waiters_releases_the_lease_and_loses_no_waiter(workers: Wo
     assert fences["released"] == fences["fence"] >= holder["fence"], f"the last grant was not released: {fences}"
 
     workers.start(processes=1, threads=2, LEASES_TEST_SLOW_BOOT="1")
-    wait_for(lambda: len(workers.runs("gated-done")) >= 5, timeout=60, what=f"the 4 waiters to run\n{workers.logs()}")
+    wait_for(
+        lambda: len(workers.runs("gated-done")) >= 5, timeout=60, what="the 4 waiters to run", details=workers.logs
+    )
     runs = workers.runs("gated-done")
     assert len({r["message_id"] for r in runs}) == len(runs) == 5, "a waiter was lost or ran twice"
     check_one_at_a_time(runs, "z")
