@@ -777,21 +777,32 @@ def test_exit_mode_never_kills_a_process_that_took_over_a_descendants_pid(
     descendant kills that one. Forced in a private pid namespace (tests/apps/pid_reuse_harness.py): the
     victim is killed the moment the walk has stopped it, and its pid handed to a process of the harness's."""
     prefix = _private_pid_namespace()
-    events = tmp_path / "events.jsonl"
     client = redis.Redis.from_url(redis_server.url(0))
-    with Processes(tmp_path / "logs") as procs:
-        argv = [*prefix, sys.executable, "-m", "tests.apps.pid_reuse_harness", redis_server.url(0), str(events)]
-        procs.start("harness", argv, env=clean_env())
-        procs.may_exit.add("harness")
-        wait_until(lambda: _first(events, "victim"), timeout=60, what="the leader's victim child", procs=procs)
+
+    def make_the_case(events: Path) -> dict[str, Any]:
+        with Processes(events.with_suffix(".logs")) as procs:
+            argv = [*prefix, sys.executable, "-m", "tests.apps.pid_reuse_harness", redis_server.url(0), str(events)]
+            procs.start("harness", argv, env=clean_env())
+            procs.may_exit.add("harness")
+            wait_until(lambda: _first(events, "victim"), timeout=60, what="the leader's victim child", procs=procs)
+            client.delete(f"{Leases(client).lease_name(KEY)}")
+            done: dict[str, Any] = wait_until(
+                lambda: next((e for e in _events(events) if e.get("step") == "done"), None),
+                timeout=60,
+                what="the harness's verdict",
+            )
         client.delete(f"{Leases(client).lease_name(KEY)}")
-        done = wait_until(
-            lambda: next((e for e in _events(events) if e.get("step") == "done"), None),
-            timeout=60,
-            what="the harness's verdict",
-        )
+        return done
+
+    # The harness must grab the pid before the leader's exit ends; on a loaded machine the leader can win that
+    # race, and then the case was not made: it is made again, up to 3 times.
+    for attempt in range(3):
+        events = tmp_path / f"events-{attempt}.jsonl"
+        done = make_the_case(events)
+        assert done["code"] == EXIT_CODE
+        if done["grabbed"] == done["victim"] and done["while_leader_ran"]:
+            break
     client.close()
-    assert done["code"] == EXIT_CODE
     assert done["grabbed"] == done["victim"] and done["while_leader_ran"], f"the pid was not reused in time: {done}"
     assert done["survived"], f"the leader's exit SIGKILLed a process outside its tree: {_events(events)}"
 
