@@ -153,7 +153,7 @@ def make_broker_stack(request: pytest.FixtureRequest, redis_server: EmbeddedRedi
             **options,
         }
         if request.param == "rabbitmq":
-            options.setdefault("broker", RabbitmqBroker(url=RABBITMQ_URL))
+            options.setdefault("broker", RabbitmqBroker(url=RABBITMQ_URL, confirm_delivery=True))
         stack = Stack(redis_server.url(0), redis_server.url(1), queue=queue, **options)
         stacks.append(stack)
         return stack

@@ -1086,9 +1086,12 @@ def test_async_actors_hold_and_lose_leases(make_stack: MakeStack) -> None:
 
 
 @pytest.mark.skipif(not rabbitmq_up(), reason="RabbitMQ not reachable ($LEASES_TEST_RABBITMQ_URL)")
-def test_rabbitmq_broker(lease_server: EmbeddedRedis) -> None:
+@pytest.mark.parametrize("confirm_delivery", [True, False])
+def test_rabbitmq_broker(lease_server: EmbeddedRedis, caplog: pytest.LogCaptureFixture, confirm_delivery: bool) -> None:
+    """Leased runs one at a time on RabbitMQ; a broker without publisher confirms, which can lose the copies the
+    middleware sends on, is named at the worker's boot."""
     queue = f"leases-test-{uuid.uuid4().hex[:8]}"
-    broker = RabbitmqBroker(url=RABBITMQ_URL)
+    broker = RabbitmqBroker(url=RABBITMQ_URL, confirm_delivery=confirm_delivery)
     stack = Stack("", lease_server.url(0), broker=broker, lock_min_backoff=20, lock_max_backoff=100)
     runs = Runs()
 
@@ -1108,6 +1111,8 @@ def test_rabbitmq_broker(lease_server: EmbeddedRedis) -> None:
     finally:
         stack.stop()
         delete_rabbitmq_queues(queue)
+    warned = [r for r in caplog.records if "without confirm_delivery=True" in r.getMessage()]
+    assert [r.levelno for r in warned] == ([] if confirm_delivery else [logging.WARNING])
 
 
 def test_a_job_lasting_many_ttls_keeps_its_lease(make_stack: MakeStack) -> None:

@@ -29,6 +29,7 @@ from ..prometheus import LeaseMetrics, PrometheusMetrics
 from . import delivery, held_back
 from .backoff import DEFAULT_MAX_BACKOFF, DEFAULT_MIN_BACKOFF
 from .busy import RoutineSkipFilter
+from .confirms import warn_unconfirmed_sends
 from .connecting import URL_VARIABLE, NoLeaseStoreError, client_for_broker, url_from_environment
 from .context import Context
 from .debouncing import Debouncing
@@ -300,11 +301,13 @@ class LeaseMiddleware(Middleware):
 
         Then warn of each leased actor whose run may outlast the worker's shutdown timeout (its lease would
         be left to expire rather than released at a stop: docs/deployment.md); the actors are declared now.
+        And of a RabbitMQ broker without publisher confirms, which can lose the copies the middleware sends on.
         """
         self.heartbeat.start()
         self.runs.releaser.start()
         self.waiting.boot(broker, worker.worker_threads)
         warn_stop_budget(broker, default_max_hold=self.declarations.defaults["lock_max_hold"])
+        warn_unconfirmed_sends(broker)
 
     def before_worker_shutdown(self, broker: dramatiq.Broker, worker: dramatiq.Worker) -> None:
         """Wake the threads waiting in place: they park their messages instead of holding up the shutdown."""

@@ -27,8 +27,9 @@ broker: dramatiq.Broker
 if BROKER_URL.startswith("amqp"):
     from dramatiq.brokers.rabbitmq import RabbitmqBroker
 
-    # RabbitMQ redelivers a dead worker's unacknowledged messages as soon as its connection drops.
-    broker = RabbitmqBroker(url=BROKER_URL)
+    # RabbitMQ redelivers a dead worker's unacknowledged messages as soon as its connection drops. Confirmed
+    # sends: a sender's process exits right after its sends, and RabbitMQ drops what it had not yet handled.
+    broker = RabbitmqBroker(url=BROKER_URL, confirm_delivery=True)
 else:
     from dramatiq.brokers.redis import MAINTENANCE_SCALE, RedisBroker
 

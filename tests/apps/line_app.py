@@ -25,7 +25,7 @@ broker: dramatiq.Broker
 if BROKER_URL.startswith("amqp"):
     from dramatiq.brokers.rabbitmq import RabbitmqBroker
 
-    broker = RabbitmqBroker(url=BROKER_URL)
+    broker = RabbitmqBroker(url=BROKER_URL, confirm_delivery=True)  # as docs/deployment.md says
 else:
     from dramatiq.brokers.redis import MAINTENANCE_SCALE, RedisBroker
 
