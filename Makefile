@@ -100,7 +100,7 @@ suite: $(VENV)/.dev tools
 
 # The venvs first (two editable installs at once would race on the checkout's egg-info), then the suite and the
 # lanes side by side, the lanes one after another: together they keep the 2 cores about busy; more at once
-# stalled tests for longer than the shortest TTLs they hold. Each target's output is printed when it ends.
+# stalled tests for longer than the shortest TTLs they hold. The suite's output is printed when it ends.
 test: lint .venv-3.10/.dev .venv-3.13/.dev
 	$(MAKE) --no-print-directory -j2 -Otarget suite compat
 

@@ -189,7 +189,10 @@ def test_the_busy_page_shows_a_running_systems_leases_worst_first_and_keeps_itse
         shot = screenshot(driver, "busy-page")
         save_readme_image(shot, content_digest(driver, BUSY_PAGE))
 
-        # The copy button puts the command on the clipboard.
+        # The copy button puts the command on the clipboard: on a page that does not re-render its rows (and the
+        # button) while the test looks for "Copied", as every second here would on a loaded machine.
+        driver.get(f"http://127.0.0.1:{port}{BUSY_PAGE_PATH}?refresh=300")
+        until(driver, lambda d: len(rows(d, "leases")) == 3, what="the three leases again")
         driver.execute_cdp_cmd(
             "Browser.grantPermissions",
             {"origin": f"http://127.0.0.1:{port}", "permissions": ["clipboardReadWrite", "clipboardSanitizedWrite"]},
@@ -202,6 +205,8 @@ def test_the_busy_page_shows_a_running_systems_leases_worst_first_and_keeps_itse
             "navigator.clipboard.readText().then(arguments[0], e => arguments[0]('' + e))"
         )
         assert pasted == f"dramatiq-leases show '{LEAKED}'"
+        driver.get(f"http://127.0.0.1:{port}{BUSY_PAGE_PATH}?refresh=1")
+        until(driver, lambda d: len(rows(d, "leases")) == 3, what="the three leases, refreshed every second")
 
         # New leases appear by themselves (no reload: the marker set in this document stays), the hostile one
         # as text: no element is made of it, no script of it runs.

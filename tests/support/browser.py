@@ -71,11 +71,13 @@ def screenshot(driver: Any, name: str) -> Path:
 
 def until(driver: Any, condition: Callable[[Any], T], *, timeout: float = 10.0, what: str = "the page") -> T:
     """Wait until ``condition(driver)`` is truthy (polled by Selenium), failing the test at the deadline."""
-    from selenium.common.exceptions import TimeoutException
+    from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException, TimeoutException
     from selenium.webdriver.support.ui import WebDriverWait
 
+    # A page that re-renders replaces the elements a condition was reading: asked again at the next poll.
+    ignored = (NoSuchElementException, StaleElementReferenceException)
     try:
-        result: T = WebDriverWait(driver, timeout, poll_frequency=0.05).until(condition)
+        result: T = WebDriverWait(driver, timeout, poll_frequency=0.05, ignored_exceptions=ignored).until(condition)
     except TimeoutException:
         pytest.fail(
             f"timed out after {timeout}s waiting for {what}; the page says: {driver.find_element('tag name', 'body').text!r}"
