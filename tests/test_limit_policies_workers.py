@@ -138,12 +138,13 @@ def test_fail_dead_letters_at_once_without_running_or_a_retry(workers: LimitWork
 
 def test_latest_runs_only_the_newest_right_after_the_holder(workers: LimitWorkers) -> None:
     sends = 30  # every 100 ms for 3 s
+    # The holder outlasts the 3 s of sends with room for a loaded machine's slower sender.
     holder, ids = behind_a_holder(
-        workers, "latest", 5.0, [call("job", "latest", i, 0.0, lock_on_busy="latest", pause=0.1) for i in range(sends)]
+        workers, "latest", 9.0, [call("job", "latest", i, 0.0, lock_on_busy="latest", pause=0.1) for i in range(sends)]
     )
     if not holder_running(workers):
         pytest.fail("the holder ended before the last send: not behind a running holder")
-    (held,) = workers.wait_runs(1, where=lambda r: r["n"] == -1, timeout=10)
+    (held,) = workers.wait_runs(1, where=lambda r: r["n"] == -1, timeout=15)
     workers.wait(lambda: workers.settled(ids), timeout=15, what="every latest message to be settled", about=ids)
     runs = [r for r in workers.runs("start") if r["n"] >= 0]
     assert [r["n"] for r in runs] == [sends - 1], "not exactly one more run, of the newest arguments"

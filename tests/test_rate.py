@@ -232,7 +232,8 @@ class _Moves(Middleware):
         self.lock = threading.Lock()
         self.items: list[tuple[float, str, int | None, Any]] = []
 
-    def after_enqueue(self, broker: dramatiq.Broker, message: Any, delay: int | None) -> None:
+    def before_enqueue(self, broker: dramatiq.Broker, message: Any, delay: int | None) -> None:
+        # Before: a copy can run, and the test look, before the sender's after-hooks.
         with self.lock:
             self.items.append((time.time() * 1000, message.message_id, delay, message.options.get("eta")))
 

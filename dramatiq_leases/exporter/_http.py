@@ -127,6 +127,7 @@ class BoundedServer(ThreadingMixIn, WSGIServer):
         self._refused = 0
         self._warned_at = -_WARN_EVERY
         self._out_of_files = False
+        self._files_warned_at = -_WARN_EVERY
         super().__init__(*args, **kwargs)
 
     @property
@@ -147,14 +148,18 @@ class BoundedServer(ThreadingMixIn, WSGIServer):
     def _pause(self, error: OSError) -> None:
         """Out of file descriptors: the connection stays queued and the listening socket readable, so wait for
         one of ours to end (or a short pause) rather than spin on accept."""
-        if not self._out_of_files:
-            self._out_of_files = True
+        now = time.monotonic()
+        # Once per shortage, and at most once a minute: a shortage that one freed descriptor interrupts
+        # (a connection of ours ending, then the next accept failing again) is still the same shortage.
+        if not self._out_of_files and now - self._files_warned_at >= _WARN_EVERY:
+            self._files_warned_at = now
             logger.warning(
                 "Cannot accept connections: %s (%d open here); waiting for some to end. Lower "
                 "--web.max-connections below the open files limit (ulimit -n).",
                 error.strerror,
                 self._open,
             )
+        self._out_of_files = True
         with self._ended:
             self._ended.wait(_OUT_OF_FILES_PAUSE)
 
