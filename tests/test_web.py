@@ -258,8 +258,9 @@ def test_a_web_caller_that_sends_its_ticket_back_gets_its_export_while_workers_k
         return sum(1 for m in sent if "finished" in runs(client, m))
 
     def feed() -> None:
-        """Keep four jobs of this key sent and not finished: one runs, the others queue in its line."""
-        while len(sent) - finished() < 4:
+        """Keep six jobs of this key sent and not finished: one runs, the others queue in its line (some still on
+        their way there on a loaded machine: enough that one is behind the caller when its turn comes)."""
+        while len(sent) - finished() < 6:
             message: Message[Any] = Message(
                 queue_name="default", actor_name="export_report", args=(user, 0.3), kwargs={}, options={}
             )
