@@ -64,8 +64,9 @@ def test_a_killed_holder_frees_exactly_its_slot(workers: LimitWorkers) -> None:
 def test_workers_restarted_at_once_wait_for_the_old_leases(workers: LimitWorkers) -> None:
     """All workers SIGKILLed mid-run and started again with 16 idle threads, new jobs waiting for them: the old
     holders' slots stay taken until their leases expire, and at no instant do more than 2 run."""
-    # A TTL long enough for the new workers to boot and ask while the old leases still hold.
-    jobs = [call("job", "restart", i, 0.3, lock_limit=2, lock_ttl=5_000) for i in range(12)]
+    # A TTL long enough for the new workers to boot and ask while the old leases still hold; the first jobs long
+    # enough that two still run when the kill comes, however late a loaded machine sends it.
+    jobs = [call("job", "restart", i, 1.5 if i < 6 else 0.3, lock_limit=2, lock_ttl=5_000) for i in range(12)]
     first = workers.start(processes=2, threads=8)
     workers.send(jobs[:6])
     workers.wait_runs(2, "start")

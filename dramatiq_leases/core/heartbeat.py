@@ -19,6 +19,7 @@ hold-time histogram, which therefore can never be left half counted.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -212,7 +213,9 @@ class Heartbeat:
         self._watchdog_wake.put(None)
         for thread in (self._renewer, self._watchdog):
             if thread is not None and thread is not threading.current_thread():
-                thread.join(timeout)
+                # RuntimeError: a replacement the watchdog is starting right now; it sees the stop and ends at once.
+                with contextlib.suppress(RuntimeError):
+                    thread.join(timeout)
         self._sweep()
         return left
 
