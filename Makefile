@@ -8,10 +8,13 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 PYTEST := -p no:cacheprovider
-# Tests side by side (pytest-xdist): most of them wait on TTLs, deadlines and worker hand-offs, not on the CPU,
-# so 4 at once on 2 cores used about one core (docs/compatibility.md has the figures). JOBS=0 runs them in turn.
-JOBS      ?= 4
-LANE_JOBS ?= 3
+# Tests side by side (pytest-xdist): most of them wait on TTLs, deadlines and worker hand-offs, not on the CPU.
+# `make test` runs the suite (JOBS at once) beside the lanes (LANE_JOBS each): more than 2 and 2 on 2 cores
+# starved tests that hold short TTLs. `make fast` runs alone, FAST_JOBS at once. 0 runs them in turn.
+# docs/compatibility.md has the figures.
+JOBS      ?= 2
+LANE_JOBS ?= 2
+FAST_JOBS ?= 4
 XDIST      = -n $(1) --dist worksteal
 
 # The oldest and newest Python the package promises, from pyenv (as on these machines) or PATH.
@@ -84,13 +87,13 @@ lint: $(VENV)/.dev
 	$(BIN)/mypy -p examples
 
 fast: lint
-	$(BIN)/python -m pytest $(PYTEST) -q -m "not system" $(call XDIST,$(JOBS)) tests
+	$(BIN)/python -m pytest $(PYTEST) -q -m "not system" $(call XDIST,$(FAST_JOBS)) tests
 
 # The pictures the docs show (docs/images/*.png), taken in chromium by the page tests; `make test` never writes them.
 screenshots: $(VENV)/.dev tools
 	DRAMATIQ_LEASES_SCREENSHOTS=1 $(BIN)/python -m pytest $(PYTEST) -q tests/test_busy_page.py tests/test_export_page.py
 
-# Bounds on whole runs (the suite takes about 8 min here, a lane 2): a hang past one ends the run with every
+# Bounds on whole runs (the suite takes about 14 min here, a lane 3.5): a hang past one ends the run with every
 # thread's stack (pytest's faulthandler dumps them on SIGABRT, sent to the whole process group: the xdist workers
 # too), where CI would otherwise run out its 90 minutes.
 BOUNDED := timeout --signal=ABRT --kill-after=30

@@ -337,7 +337,7 @@ def test_release_if_dead_refuses_a_live_holder_and_says_why(
     assert (code, out) == (1, "")
     assert f"refused: the holder of 'invoice:1' (fence {lease.fence}, web-7:4242) is alive" in err
     assert re.search(
-        r"its last heartbeat was 0\.0s ago, and it relies on the lease until its deadline plus the safety margin its actor has to stop, in "
+        r"its last heartbeat was 0\.\ds ago, and it relies on the lease until its deadline plus the safety margin its actor has to stop, in "
         r"(29|30)\.\ds \(\S+\); nothing changed",
         err,
     ), err
