@@ -15,18 +15,16 @@ import dramatiq
 logger = logging.getLogger(__name__)
 
 
-def warn_unconfirmed_sends(broker: dramatiq.Broker) -> str | None:
-    """Log a warning if ``broker`` is a ``RabbitmqBroker`` without publisher confirms; return it."""
+def warn_unconfirmed_sends(broker: dramatiq.Broker) -> None:
+    """Log a warning if ``broker`` is a ``RabbitmqBroker`` without publisher confirms."""
     try:
         from dramatiq.brokers.rabbitmq import RabbitmqBroker
     except ImportError:  # pika is not installed: no RabbitmqBroker can exist
-        return None
+        return
     if not isinstance(broker, RabbitmqBroker) or broker.confirm_delivery:
-        return None
-    warning = (
+        return
+    logger.warning(
         "RabbitmqBroker without confirm_delivery=True: a message the lease middleware sends back or parks is "
         "acknowledged once its copy is written to the connection, and lost if the connection drops before "
         "RabbitMQ has it. Build the broker with RabbitmqBroker(..., confirm_delivery=True) (docs/deployment.md)."
     )
-    logger.warning(warning)
-    return warning
