@@ -121,15 +121,22 @@ class EmbeddedRedis:
                     if self.process.poll() is not None or time.monotonic() > deadline:
                         self.stop()
                         return False
-                    time.sleep(0.02)
+                    time.sleep(0.005)
         finally:
             client.close()
 
     def stop(self) -> None:
-        """Stop the server (SIGTERM, then SIGKILL) and wait for it to exit."""
+        """Stop the server and wait for it to exit: SIGTERM (then SIGKILL) when it persists, else SIGKILL.
+
+        Without persistence there is nothing to flush, and Redis acts on SIGTERM only at its next cron tick
+        (up to 100 ms); a snapshot taken by an explicit SAVE is kept either way.
+        """
         if self.process is None:
             return
-        self.process.terminate()
+        if self.persist:
+            self.process.terminate()
+        else:
+            self.process.kill()
         try:
             self.process.wait(5)
         except subprocess.TimeoutExpired:
