@@ -19,6 +19,7 @@ import signal
 import sys
 import threading
 import time
+import types
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -333,9 +334,13 @@ def in_pool(frame: Any) -> bool:
     An exception landing there breaks the pool's own bookkeeping (a connection neither free nor in use: "pop
     from empty list", then "Too many connections"), for the broker's client as much as ours; that is redis-py's
     hazard, not this package's. The storm waits for the thread to leave (it holds the GIL while it looks, so
-    the thread is where it was seen when the exception is set).
+    the thread is where it was seen when the exception is set). A chain that is not all frames (the GIL passed
+    to that thread mid-walk, and CPython 3.11 let the walk read a frame it had left: seen here, an ``int``) is
+    taken as in a pool: the storm looks again next round.
     """
     while frame is not None:
+        if not isinstance(frame, types.FrameType):
+            return True
         if frame.f_code.co_qualname.split(".")[0].endswith("ConnectionPool"):
             return True
         frame = frame.f_back
