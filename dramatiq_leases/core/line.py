@@ -16,8 +16,11 @@ message never runs again. Every decision is taken inside one script.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+from redis.exceptions import AskError, TryAgainError
 
 from .client import MAX_BLOCK_S, connection_kwargs, pool_connection, unavailable
 from .errors import LeaseConfigError
@@ -39,6 +42,9 @@ from .protocol import (
 from .rates import Rate
 from .runner import ScriptRunner
 from .scripts import LINE, MAX_ID_LENGTH, ORDER, WAKE_TTL_MS
+
+#: How long a wait in place ended by a Cluster redirection pauses before its waiter asks again (s).
+REDIRECTED_PAUSE_S = 0.05
 
 __all__ = ["DEFAULT_PARK_MS", "DEFAULT_READY", "PROMOTE_MS", "Line"]
 
@@ -258,7 +264,14 @@ class Line:
                 return self.runner.threads.blpop(name, block_ms)
             limit = (connection_kwargs(self.client).get("socket_timeout") or MAX_BLOCK_S + 1) - 0.5
             timeout = max(0.05, min(block_ms / 1000, limit))
-            return _blpop(self.runner.node_of(name), name, timeout)
+            try:
+                return _blpop(self.runner.node_of(name), name, timeout)
+            except (AskError, TryAgainError):  # a MovedError is an AskError
+                # The slot moved (or is moving) under the block: Redis ends it with a redirection. The wait is
+                # over: the caller asks again, through the cluster client, which follows the slot. The pause
+                # keeps a slot in mid-migration from being asked in a loop.
+                time.sleep(min(REDIRECTED_PAUSE_S, timeout))
+                return True
 
 
 def _blpop(client: Any, name: str, timeout: float) -> bool:
