@@ -341,7 +341,8 @@ def in_pool(frame: Any) -> bool:
     while frame is not None:
         if not isinstance(frame, types.FrameType):
             return True
-        if frame.f_code.co_qualname.split(".")[0].endswith("ConnectionPool"):
+        code: Any = frame.f_code  # co_qualname: Python 3.11+, as this file's storm
+        if code.co_qualname.split(".")[0].endswith("ConnectionPool"):
             return True
         frame = frame.f_back
     return False
