@@ -249,7 +249,8 @@ class Line:
             pipe.execute()
 
     def wait_turn(self, key: str, waiter: str, block_ms: int) -> bool:
-        """Block until ``waiter`` is woken (its turn may have come) or ``block_ms`` passed; ``True`` if woken.
+        """Block until ``waiter`` is woken (its turn may have come) or ``block_ms`` passed; ``True`` if woken,
+        or if a Cluster redirection ended the block (its key's slot moved: ask again).
 
         Without per-thread connections (a Redis Cluster's client, for one) the
         block is kept under the client's own socket timeout: a read that
