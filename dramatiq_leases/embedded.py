@@ -117,7 +117,7 @@ class EmbeddedRedis:
                         self.stop()
                         return False
                     return True
-                except redis.ConnectionError:
+                except (redis.ConnectionError, redis.TimeoutError):  # not listening yet; slow to answer when busy
                     if self.process.poll() is not None or time.monotonic() > deadline:
                         self.stop()
                         return False
