@@ -149,8 +149,13 @@ def test_latest_runs_only_the_newest_right_after_the_holder(workers: LimitWorker
     workers.wait(lambda: workers.settled(ids), timeout=15, what="every latest message to be settled", about=ids)
     runs = [r for r in workers.runs("start") if r["n"] >= 0]
     assert [r["n"] for r in runs] == [sends - 1], "not exactly one more run, of the newest arguments"
-    assert runs[0]["start"] - held["end"] <= 0.25, (
-        f"the newest started {runs[0]['start'] - held['end']:.3f}s after the holder"
+    # Right after: granted from the line at the holder's release (a handoff), not at its lease's expiry, and
+    # woken by the release, not by its wait in place running out at the holder's TTL (limit_app's 2 s, renewed:
+    # such a wake-up comes at a point spread over it). How soon a woken waiter runs is figure 4's measure
+    # (bench/fig4_handoff.py); half the TTL here leaves a loaded machine room.
+    assert value(workers.metrics() or "", "dramatiq_lease_handoff_duration_seconds_count", actor_name="job") == 1
+    assert runs[0]["start"] - held["end"] < 1.0, (
+        f"the newest started {runs[0]['start'] - held['end']:.3f}s after the holder: not woken by its release"
     )
     # Each other one is acknowledged within 10 s of the send that superseded it.
     sent, acked = workers.sent()[1:], last_at(workers.acks())
@@ -397,7 +402,7 @@ class StormRun:
         events += [(at, f"delivery ended in {t}") for m, t, at in self.storm.finished if m == message_id]
         events += [(end, "actor left") for (j, _), end in self.ends.items() if j == i]
         events += [
-            (r.created, f"{r.levelname} {r.threadName} {r.name}: {r.getMessage()}")
+            (r.created, f"{r.levelname} {r.threadName} {r.name}: {r.getMessage()}{naming(r, message_id)}")
             for r in self.handler.records
             if message_id in r.getMessage()
         ]
@@ -485,6 +490,12 @@ def drained(run: StormRun, server: EmbeddedRedis, timeout: float) -> None:
                 + f"\n{first_of(stuck, run)}"
             )
         time.sleep(0.05)
+
+
+def naming(record: logging.LogRecord, message_id: str) -> str:
+    """A mark on a log line that names ``message_id`` as another message's newer one, not as its subject."""
+    args = record.args if isinstance(record.args, tuple) else ()
+    return "" if not args or str(args[0]) == message_id else " [names it, not about it]"
 
 
 def first_of(indexes: list[int], run: StormRun) -> str:

@@ -41,6 +41,7 @@ from dramatiq_leases import (
 from dramatiq_leases.core import Lease, LostReason
 from dramatiq_leases.embedded import EmbeddedRedis
 from dramatiq_leases.middleware.declarations import MESSAGE_TEMPLATE_CACHE
+from dramatiq_leases.middleware.options import FIRST_ATTEMPT_OPTION
 
 from .support.brokers import RABBITMQ_URL, delete_rabbitmq_queues, pending, rabbitmq_up, redis_dead_letters
 from .support.runs import Runs
@@ -525,6 +526,41 @@ def test_waiting_in_place_stays_within_a_quarter_of_the_time_limit(make_stack: M
     # Never failed (max_retries=0: a TimeLimit in the hook would have dead-lettered it), run once.
     assert stack.recorder.wait_settled(message.message_id) == "acked"
     assert runs.items == [{"n": 1}]
+
+
+def test_the_front_of_a_line_never_takes_the_last_free_thread(make_stack: MakeStack) -> None:
+    """The front of a line with no place here may wait in place past half the threads, but not in the last free
+    one: with 3 threads, one running the key's holder and one waiting in place, it parks, and a message of
+    another key that the worker took meanwhile runs at once instead of waiting behind them."""
+    stack = make_stack(threads=3)
+    holding, release = threading.Event(), threading.Event()
+    runs = Runs()
+
+    @stack.actor(lock_key="doc:{n}", max_retries=0)
+    def edit(n: int, hold: bool) -> None:
+        runs.add(n=n, hold=hold)
+        if hold:
+            holding.set()
+            release.wait(30)
+
+    stack.start()
+    try:
+        edit.send(1, True)
+        assert holding.wait(10)
+        behind = edit.send(1, False)
+        wait_for(lambda: stack.leases.inspect_line("doc:1").states.get("in_place") == 1, what="a waiter in place")
+        # First sent before the one in place (a copy sent back keeps its first attempt): the front of the line.
+        front = edit.message(1, False).copy(options={FIRST_ATTEMPT_OPTION: int(time.time() * 1000) - 1_000})
+        stack.broker.enqueue(front)
+        wait_for(lambda: stack.recorder.delays(front.message_id), what="the front to park")
+        edit.send(2, False)
+        wait_for(lambda: {"n": 2, "hold": False} in runs.items, what="the other key's message to run meanwhile")
+        assert {"n": 1, "hold": False} not in runs.items, "a waiter ran while the key was held"
+    finally:
+        release.set()
+    for message in (behind, front):
+        assert stack.recorder.wait_settled(message.message_id) == "acked"
+    assert sorted(r["n"] for r in runs.items) == [1, 1, 1, 2]
 
 
 def test_a_stray_copy_of_a_message_that_waited_and_ran_never_runs(make_stack: MakeStack) -> None:

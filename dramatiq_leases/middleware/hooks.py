@@ -368,6 +368,7 @@ class LeaseMiddleware(Middleware):
         # land, and reach Retries. Every skip is marked where it is raised (whose skip it is, for Dramatiq's
         # Prometheus middleware and logs): a handler here that ran code after a copy was sent back would be one
         # more place too.
+        self.waiting.took_message()
         try:
             delivery.acquire_or_skip(self.context, broker, message)
         except Interrupt as e:
@@ -380,7 +381,7 @@ class LeaseMiddleware(Middleware):
         self, broker: dramatiq.Broker, message: Any, *, result: Any = None, exception: BaseException | None = None
     ) -> None:
         """Release the lease if the actor did not (a middleware failed before it ran)."""
-        self.waiting.forget_thread()  # an interruption while waiting in place may have left its place taken
+        self.waiting.done_with_message()  # an interruption while waiting in place may have left its place taken
         self.runs.forget()
         if exception is not None:
             # A failure while waiting (TimeLimit in the hook): Retries, which runs after us, must
@@ -390,7 +391,7 @@ class LeaseMiddleware(Middleware):
 
     def after_skip_message(self, broker: dramatiq.Broker, message: Any) -> None:
         """Release the lease of a message skipped after it was acquired."""
-        self.waiting.forget_thread()
+        self.waiting.done_with_message()
         self.runs.forget()
 
     def after_worker_shutdown(self, broker: dramatiq.Broker, worker: dramatiq.Worker) -> None:

@@ -103,9 +103,12 @@ class Waiting:
         self.channel = ""
         self.cap = 1
         self.front_cap = 1
+        self.threads = 1
         # Waiter -> its parked copies held here: usually one; two when an enqueue was tried again.
         self._parked: dict[str, list[_Parked]] = {}
         self._in_place: dict[int, tuple[str, str]] = {}
+        # The worker threads between taking a message and being done with it: running it or waiting.
+        self._at_work: dict[int, bool] = {}
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._broker: dramatiq.Broker | None = None
@@ -133,6 +136,7 @@ class Waiting:
     def boot(self, broker: dramatiq.Broker, worker_threads: int) -> None:
         """Start listening for promotions; at most half the worker threads may wait in place."""
         self._broker = broker
+        self.threads = worker_threads
         self.cap = max(1, worker_threads // 2)
         # The front of a line (the next to run) may take more, short of the last thread.
         self.front_cap = max(self.cap, worker_threads - 1)
@@ -175,11 +179,22 @@ class Waiting:
 
     # Worker threads ------------------------------------------------------------
 
+    def took_message(self) -> None:
+        """This worker thread took a message (any actor's): it is not free until :meth:`done_with_message`."""
+        self._at_work[threading.get_ident()] = True
+
+    def done_with_message(self) -> None:
+        """This worker thread is done with its message: free for the next one."""
+        self._at_work.pop(threading.get_ident(), None)
+        self._in_place.pop(threading.get_ident(), None)
+
     def reserve(self, key: str, waiter: str, *, front: bool = False) -> bool:
         """Take one of this process's places to wait in place for this thread; ``False`` if none is free.
 
         ``front``: the waiter is among the next to run (its line said so): it may take a place past half the
-        threads, short of the last one, rather than park and leave a slot idle until its copy comes back.
+        threads, rather than park and leave a slot idle until its copy comes back, if that leaves a thread of
+        this process free: neither running a message nor waiting (messages of other keys it has taken from
+        the broker would wait behind it otherwise).
 
         Lock-free, for worker threads: the insert and the removal are single
         operations, so an interruption leaves at worst this thread's own
@@ -190,7 +205,9 @@ class Waiting:
             return False
         thread_id = threading.get_ident()
         self._in_place[thread_id] = (key, waiter)
-        if len(self._in_place) > (self.front_cap if front else self.cap):
+        if len(self._in_place) > (self.front_cap if front else self.cap) or (
+            front and len(self._at_work) >= self.threads
+        ):
             self._in_place.pop(thread_id, None)
             return False
         return True
