@@ -136,17 +136,17 @@ def done_name(prefix: str, key: str) -> str:
     return f"{prefix}:done:{{{hash_tag(key)}}}"
 
 
-@functools.cache
-def _slot_tags() -> tuple[str, ...]:
-    """For each Redis Cluster slot, a hash tag in it (``tools/slot_tags.py`` wrote them)."""
-    return tuple(files(__package__).joinpath("slot_tags.txt").read_text(encoding="ascii").split())
+#: For each Redis Cluster slot, a hash tag in it (``tools/slot_tags.py`` wrote them). Read at import, not at the
+#: first grant: a worker thread reading it would look its codec up, an import, and an exception Dramatiq raises
+#: into the thread there (TimeLimit, Shutdown) strands the import's module lock: every thread then hangs on it.
+_SLOT_TAGS = tuple(files(__package__).joinpath("slot_tags.txt").read_bytes().decode("ascii").split())
 
 
 def epoch_name(prefix: str, key: str) -> str:
     """The Redis key of the epoch record of the Cluster slot ``key`` is in (the failover grace, in
     ``lua/acquire.lua``): one record per slot, named with that slot's tag, so a script on the key declares it."""
     slot = binascii.crc_hqx(hash_tag(key).encode(), 0) % 16_384  # Redis Cluster's CRC16 (XMODEM) of the tag
-    return f"{prefix}:epoch:{{{_slot_tags()[slot]}}}"
+    return f"{prefix}:epoch:{{{_SLOT_TAGS[slot]}}}"
 
 
 @functools.lru_cache(maxsize=1024)

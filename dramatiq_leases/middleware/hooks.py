@@ -368,8 +368,8 @@ class LeaseMiddleware(Middleware):
         # land, and reach Retries. Every skip is marked where it is raised (whose skip it is, for Dramatiq's
         # Prometheus middleware and logs): a handler here that ran code after a copy was sent back would be one
         # more place too.
-        self.waiting.took_message()
         try:
+            self.waiting.took_message()
             delivery.acquire_or_skip(self.context, broker, message)
         except Interrupt as e:
             try:
