@@ -12,8 +12,11 @@ actor that returned is failed by an interruption that landed after it.
 
 from __future__ import annotations
 
+import json
 import logging
+import pathlib
 import random
+import subprocess
 import sys
 import threading
 import time
@@ -341,3 +344,21 @@ def test_a_shutdown_at_any_call_of_the_hook_never_runs_a_message_twice(
     assert ran == list(range(total)), "a message ran twice" if len(ran) > total else "a message was lost"
     assert [r for r in runs if r[1]] == [], "an interruption in the hook reached Retries"
     assert redis_dead_letters(redis_server) == []
+
+
+def test_a_worker_thread_imports_nothing_on_the_lease_path(redis_server: EmbeddedRedis) -> None:
+    """An import on a worker thread is a hang waiting to happen: an exception Dramatiq raises into the thread
+    there (TimeLimit, Shutdown) leaves the import's module lock held, and every thread importing that module
+    next waits for it for good. A fresh interpreter's first grant, wait in place, park, handoff and skip start
+    none (a first grant once read a data file, whose codec lookup is an import)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.apps.first_imports", redis_server.url(0), redis_server.url(1)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=pathlib.Path(__file__).parents[1],
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    imports = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [i for i in imports if i[1]] == [], f"imports started on a worker thread by this package: {imports}"
