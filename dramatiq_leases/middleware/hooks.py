@@ -369,8 +369,8 @@ class LeaseMiddleware(Middleware):
         # Prometheus middleware and logs): a handler here that ran code after a copy was sent back would be one
         # more place too.
         try:
-            self.waiting.took_message()
             delivery.acquire_or_skip(self.context, broker, message)
+            self.waiting.running()
         except Interrupt as e:
             try:
                 delivery.interrupted(self.context, broker, message, e)

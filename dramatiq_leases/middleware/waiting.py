@@ -107,8 +107,8 @@ class Waiting:
         # Waiter -> its parked copies held here: usually one; two when an enqueue was tried again.
         self._parked: dict[str, list[_Parked]] = {}
         self._in_place: dict[int, tuple[str, str]] = {}
-        # The worker threads between taking a message and being done with it: running it or waiting.
-        self._at_work: dict[int, bool] = {}
+        # The worker threads whose message went on to run its actor, until they are done with it.
+        self._running: dict[int, bool] = {}
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._broker: dramatiq.Broker | None = None
@@ -179,13 +179,13 @@ class Waiting:
 
     # Worker threads ------------------------------------------------------------
 
-    def took_message(self) -> None:
-        """This worker thread took a message (any actor's): it is not free until :meth:`done_with_message`."""
-        self._at_work[threading.get_ident()] = True
+    def running(self) -> None:
+        """This worker thread goes on to run its message's actor: busy until :meth:`done_with_message`."""
+        self._running[threading.get_ident()] = True
 
     def done_with_message(self) -> None:
         """This worker thread is done with its message: free for the next one."""
-        self._at_work.pop(threading.get_ident(), None)
+        self._running.pop(threading.get_ident(), None)
         self._in_place.pop(threading.get_ident(), None)
 
     def reserve(self, key: str, waiter: str, *, front: bool = False) -> bool:
@@ -193,8 +193,8 @@ class Waiting:
 
         ``front``: the waiter is among the next to run (its line said so): it may take a place past half the
         threads, rather than park and leave a slot idle until its copy comes back, if that leaves a thread of
-        this process free: neither running a message nor waiting (messages of other keys it has taken from
-        the broker would wait behind it otherwise).
+        this process neither running an actor nor waiting in place (messages of other keys it has taken from
+        the broker would wait behind them otherwise).
 
         Lock-free, for worker threads: the insert and the removal are single
         operations, so an interruption leaves at worst this thread's own
@@ -206,7 +206,7 @@ class Waiting:
         thread_id = threading.get_ident()
         self._in_place[thread_id] = (key, waiter)
         if len(self._in_place) > (self.front_cap if front else self.cap) or (
-            front and len(self._at_work) >= self.threads
+            front and len(self._running.keys() | self._in_place.keys()) >= self.threads
         ):
             self._in_place.pop(thread_id, None)
             return False
