@@ -275,7 +275,9 @@ class Storm(Middleware):
         self.random = random.Random(seed)
         self.lock = threading.Lock()
         self.slots: dict[int, list[float]] = {}  # thread id -> [time_limit_at, shutdown_at]
+        self.delivering: dict[int, str] = {}  # thread id -> the message id of its delivery
         self.fired = {"time_limit": 0, "shutdown": 0}
+        self.fired_at: list[tuple[str, str, float]] = []  # (message id, what, when) of each interruption
         self.finished: list[tuple[str, int, float]] = []  # (message id, thread id, when) of each delivery's end
         self.running = True
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -290,6 +292,7 @@ class Storm(Middleware):
     def before_process_message(self, broker: dramatiq.Broker, message: Any) -> None:
         with self.lock:
             self.slots[threading.get_ident()] = [self._instant(), self._instant()]
+            self.delivering[threading.get_ident()] = message.message_id
 
     def after_process_message(
         self, broker: dramatiq.Broker, message: Any, *, result: Any = None, exception: BaseException | None = None
@@ -313,6 +316,7 @@ class Storm(Middleware):
                         if slot[i] <= now:
                             slot[i] = float("inf")
                             self.fired[name] += 1
+                            self.fired_at.append((self.delivering.get(thread_id, "?"), name, time.time()))
                             raise_thread_exception(thread_id, error)  # type: ignore[no-untyped-call]
             time.sleep(0.0002)
 
@@ -400,6 +404,7 @@ class StormRun:
         events = [(at, f"actor entered in {t}") for j, at, _, t in self.entries if j == i]
         events += [(granted, "lease granted") for j, _, granted, _ in self.entries if j == i]
         events += [(at, f"delivery ended in {t}") for m, t, at in self.storm.finished if m == message_id]
+        events += [(at, f"storm raised {what}") for m, what, at in self.storm.fired_at if m == message_id]
         events += [(end, "actor left") for (j, _), end in self.ends.items() if j == i]
         events += [
             (r.created, f"{r.levelname} {r.threadName} {r.name}: {r.getMessage()}{naming(r, message_id)}")

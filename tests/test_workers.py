@@ -218,8 +218,8 @@ def test_sigterm_with_waiters_releases_the_lease_and_loses_no_waiter(workers: Wo
     """SIGTERM while a job holds its lease and others wait: the holder finishes and releases (its lease does
     not expire); the waiters are not lost and run after a restart.
 
-    With 3 threads, one waiter waits in place (at most half the threads do), the next, near the head with no
-    thread to wait in place, is sent back again and again, and the last two are parked (delayed copies).
+    With 3 threads, one waiter waits in place (at most half the threads do) and the others are parked (delayed
+    copies): even the head of the line, as a place past half would take the last thread the holder left free.
     The restarted worker boots slowly (a middleware's ``after_worker_boot`` takes a second): its delay-queue
     consumer receives the parked copies before LeaseMiddleware's ``after_worker_boot`` has run.
     """
