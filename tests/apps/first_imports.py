@@ -5,6 +5,7 @@ starts meanwhile, printed as JSON: ``[[module, the first file of this package as
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 import time
@@ -12,8 +13,10 @@ from typing import Any
 
 from dramatiq.worker import WorkerThread
 
+import dramatiq_leases
 from tests.support.stack import Stack
 
+PACKAGE = os.path.dirname(dramatiq_leases.__file__) + os.sep
 imports: list[list[str]] = []
 
 
@@ -24,7 +27,7 @@ class Recording:
     def find_spec(name: str, path: Any = None, target: Any = None) -> None:
         if isinstance(threading.current_thread(), WorkerThread):
             frame = sys._getframe(1)
-            while frame is not None and "dramatiq_leases" not in frame.f_code.co_filename:
+            while frame is not None and not frame.f_code.co_filename.startswith(PACKAGE):
                 frame = frame.f_back  # type: ignore[assignment]
             imports.append([name, "" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"])
 
