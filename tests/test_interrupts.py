@@ -349,8 +349,9 @@ def test_a_shutdown_at_any_call_of_the_hook_never_runs_a_message_twice(
 def test_a_worker_thread_imports_nothing_on_the_lease_path(redis_server: EmbeddedRedis) -> None:
     """An import on a worker thread is a hang waiting to happen: an exception Dramatiq raises into the thread
     there (TimeLimit, Shutdown) leaves the import's module lock held, and every thread importing that module
-    next waits for it for good. A fresh interpreter's first grant, wait in place, park, handoff and skip start
-    none (a first grant once read a data file, whose codec lookup is an import)."""
+    next waits for it for good. In a fresh interpreter, the first messages down each path (tests/apps/
+    first_imports.py: waits, parks, policies, rates, debounce, unique, a lost lease) start none (a first grant
+    once read a data file, whose codec lookup is an import)."""
     proc = subprocess.run(
         [sys.executable, "-m", "tests.apps.first_imports", redis_server.url(0), redis_server.url(1)],
         capture_output=True,

@@ -1,6 +1,7 @@
 """Run in a fresh interpreter by tests/test_interrupts.py: a worker's first messages through the lease path
-(a grant, a wait in place, a handoff, a park and its promotion, a skip), recording every import a worker thread
-starts meanwhile, printed as JSON: ``[[module, the first file of this package asking], ...]``."""
+(a grant, a wait in place, a handoff, a park and its promotion, a skip, a superseded message, a rate, a
+debounced burst, a unique send, a lease lost mid-run), recording every import a worker thread starts
+meanwhile, printed as JSON: ``[[module, the first file of this package asking], ...]``."""
 
 from __future__ import annotations
 
@@ -11,9 +12,12 @@ import threading
 import time
 from typing import Any
 
+import redis
 from dramatiq.worker import WorkerThread
 
 import dramatiq_leases
+from dramatiq_leases import LeaseLost
+from dramatiq_leases.core.keys import DEFAULT_PREFIX, lease_name
 from tests.support.stack import Stack
 
 PACKAGE = os.path.dirname(dramatiq_leases.__file__) + os.sep
@@ -34,7 +38,7 @@ class Recording:
 
 def main(broker_url: str, leases_url: str) -> None:
     stack = Stack(broker_url, leases_url, threads=3, lock_min_backoff=1, lock_max_backoff=5)
-    started, release = threading.Event(), threading.Event()
+    started, release, lost = threading.Event(), threading.Event(), threading.Event()
 
     @stack.actor(lock_key="k:{n}", lock_ttl=2_000, max_retries=0)
     def job(n: int, hold: bool) -> None:
@@ -46,20 +50,52 @@ def main(broker_url: str, leases_url: str) -> None:
     def skipping(n: int) -> None:
         pass
 
+    @stack.actor(lock_key="k:{n}", lock_ttl=2_000, max_retries=0, lock_on_busy="latest")
+    def newest(n: int) -> None:
+        pass
+
+    @stack.actor(lock_key="r:{n}", max_retries=0, lock_rate="1/200ms")
+    def rated(n: int) -> None:
+        pass
+
+    @stack.actor(lock_key="d:{n}", max_retries=0, lock_debounce=50)
+    def debounced(n: int) -> None:
+        pass
+
+    @stack.actor(lock_key="u:{n}", max_retries=0, lock_unique="until_done")
+    def unique(n: int) -> None:
+        pass
+
+    @stack.actor(lock_key="lost:{n}", lock_ttl=1_000, max_retries=0)
+    def losing(n: int) -> None:
+        try:
+            for _ in range(1_000):  # short sleeps: an exception raised into a thread lands between two bytecodes
+                time.sleep(0.01)
+        except LeaseLost:
+            lost.set()
+            raise
+
     sys.meta_path.insert(0, Recording)
     stack.start()
     try:
         held = job.send(1, True)
         assert started.wait(10), "the holder never started"
         waiters = [job.send(1, False) for _ in range(3)]  # one waits in place, the others park
-        skipped = skipping.send(1)
-        assert stack.recorder.wait_settled(skipped.message_id) == "acked"
+        later = [newest.send(1) for _ in range(2)]  # the first is superseded by the second
+        settled = [skipping.send(1), *(rated.send(1) for _ in range(2)), *(debounced.send(1) for _ in range(2))]
+        settled.append(unique.send(1))
         deadline = time.monotonic() + 10
         while not any(stack.recorder.delays(w.message_id) for w in waiters) and time.monotonic() < deadline:
             time.sleep(0.01)
         release.set()
-        for message in [held, *waiters]:
-            assert stack.recorder.wait_settled(message.message_id) == "acked"
+        for message in [held, *waiters, *later, *settled]:
+            assert stack.recorder.wait_settled(message.message_id) in ("acked", "nacked")
+        losing.send(1)
+        client = redis.Redis.from_url(leases_url)
+        while not client.exists(lease_name(DEFAULT_PREFIX, "lost:1")) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        client.delete(lease_name(DEFAULT_PREFIX, "lost:1"))  # its heartbeat finds it gone: LeaseLost
+        assert lost.wait(10), "the lease was never lost"
     finally:
         stack.stop()
         sys.meta_path.remove(Recording)
