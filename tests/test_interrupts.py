@@ -363,3 +363,24 @@ def test_a_worker_thread_imports_nothing_on_the_lease_path(redis_server: Embedde
     assert proc.returncode == 0, proc.stderr[-4000:]
     imports = json.loads(proc.stdout.strip().splitlines()[-1])
     assert [i for i in imports if i[1]] == [], f"imports started on a worker thread by this package: {imports}"
+
+
+FIRST_CONNECTION = """
+import sys, dramatiq_leases, dramatiq_leases.middleware
+before = set(sys.modules)
+leases = dramatiq_leases.Leases.from_url(sys.argv[1])
+leases.release(leases.try_acquire("k", ttl=1000))
+print(sorted(set(sys.modules) - before))
+"""
+
+
+def test_a_first_connection_by_host_name_imports_nothing(redis_server: EmbeddedRedis) -> None:
+    """A worker thread's first connection may be its process's first: it must import nothing either (see the test
+    above). Once the package is imported, a first grant and release over a new connection to a host name import
+    no module (a name lookup imports the idna codec, and redis-py reads its version with importlib.metadata)."""
+    url = redis_server.url(1).replace("127.0.0.1", "localhost")
+    proc = subprocess.run(
+        [sys.executable, "-c", FIRST_CONNECTION, url], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.strip() == "[]", f"imported by a first connection: {proc.stdout.strip()}"

@@ -13,11 +13,12 @@ import asyncio
 import itertools
 import logging
 import pathlib
+import queue
 import threading
 import time
 import tracemalloc
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import dramatiq
@@ -25,6 +26,7 @@ import pytest
 import redis
 from dramatiq.brokers.rabbitmq import RabbitmqBroker
 from dramatiq.brokers.redis import RedisBroker
+from dramatiq.brokers.stub import StubBroker
 from dramatiq.middleware import AsyncIO, Middleware
 from dramatiq.results import Results
 from dramatiq.results.backends import RedisBackend
@@ -36,12 +38,14 @@ from dramatiq_leases import (
     LeaseMetrics,
     LeaseMiddleware,
     LeaseOptionError,
+    Leases,
     current_lease,
 )
 from dramatiq_leases.core import Lease, LostReason
 from dramatiq_leases.embedded import EmbeddedRedis
 from dramatiq_leases.middleware.declarations import MESSAGE_TEMPLATE_CACHE
 from dramatiq_leases.middleware.options import FIRST_ATTEMPT_OPTION
+from dramatiq_leases.middleware.waiting import Waiting
 
 from .support.brokers import RABBITMQ_URL, delete_rabbitmq_queues, pending, rabbitmq_up, redis_dead_letters
 from .support.runs import Runs
@@ -561,6 +565,54 @@ def test_the_front_of_a_line_never_takes_the_last_free_thread(make_stack: MakeSt
     for message in (behind, front):
         assert stack.recorder.wait_settled(message.message_id) == "acked"
     assert sorted(r["n"] for r in runs.items) == [1, 1, 1, 2]
+
+
+class Lane:
+    """A live thread that runs what it is given, in turn: a thread id of its own, as each worker thread has."""
+
+    def __init__(self) -> None:
+        self.jobs: queue.Queue[Callable[[], Any] | None] = queue.Queue()
+        self.results: queue.Queue[Any] = queue.Queue()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            self.results.put(job())
+
+    def do(self, job: Callable[[], Any]) -> Any:
+        self.jobs.put(job)
+        return self.results.get(timeout=10)
+
+    def end(self) -> None:
+        self.jobs.put(None)
+        self.thread.join(10)
+
+
+def test_a_front_place_past_half_the_threads_needs_a_thread_left_free(leases: Leases) -> None:
+    """Up to half a process's threads, the front of a line waits in place as any waiter does, however many threads
+    run actors; past half, only while a thread is left neither running an actor nor waiting in place."""
+    waiting = Waiting(leases)
+    waiting.boot(StubBroker(), worker_threads=4)  # half: 2
+    lanes = {name: Lane() for name in ("r1", "r2", "r3", "b", "c", "d", "e")}
+
+    def reserve(name: str, *, front: bool = True) -> bool:
+        return bool(lanes[name].do(lambda: waiting.reserve("k", name, front=front)))
+
+    try:
+        for name in ("r1", "r2", "r3"):
+            lanes[name].do(waiting.running)
+        assert reserve("b"), "a front waiter within half the threads was refused"
+        assert reserve("c"), "a front waiter within half the threads was refused"
+        assert not reserve("d"), "a front waiter past half took a place with no thread left free"
+        for name in ("r1", "r2", "r3"):
+            lanes[name].do(waiting.done_with_message)
+        assert reserve("d"), "a front waiter past half was refused with a thread left free"
+        assert not reserve("e", front=False), "a waiter not at the front took a place past half"
+    finally:
+        for lane in lanes.values():
+            lane.end()
+        waiting.shutdown()
 
 
 def test_a_stray_copy_of_a_message_that_waited_and_ran_never_runs(make_stack: MakeStack) -> None:

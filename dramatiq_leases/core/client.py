@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import encodings.idna  # noqa: F401  # see below
+import importlib.metadata
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -17,6 +20,12 @@ from redis.sentinel import Sentinel
 from .errors import LeaseUnavailableError, LeaseURLError
 from .scripts import MAX_BLOCK_MS
 from .tracing import DB_NAMESPACE, SERVER_ADDRESS, SERVER_PORT
+
+# Done at import, not by a worker thread's first connection, where an exception raised into the thread mid-import
+# would strand the import lock (see keys._SLOT_TAGS): a host name's first lookup imports the idna codec (above),
+# and redis-py reads its version with importlib.metadata for each new connection, whose first read imports more.
+with contextlib.suppress(importlib.metadata.PackageNotFoundError):  # as redis-py does
+    importlib.metadata.version("redis")
 
 T = TypeVar("T")
 

@@ -198,15 +198,16 @@ class Waiting:
 
         Lock-free, for worker threads: the insert and the removal are single
         operations, so an interruption leaves at worst this thread's own
-        entry, which :meth:`forget_thread` drops at its next message. Two
+        entry, which :meth:`done_with_message` drops. Two
         threads racing may both back off, never both exceed the cap.
         """
         if self._stop.is_set():
             return False
         thread_id = threading.get_ident()
         self._in_place[thread_id] = (key, waiter)
-        if len(self._in_place) > (self.front_cap if front else self.cap) or (
-            front and len(self._running.keys() | self._in_place.keys()) >= self.threads
+        taken = len(self._in_place)
+        if taken > (self.front_cap if front else self.cap) or (
+            taken > self.cap and len(self._running.keys() | self._in_place.keys()) >= self.threads
         ):
             self._in_place.pop(thread_id, None)
             return False
