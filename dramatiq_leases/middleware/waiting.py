@@ -2,7 +2,8 @@
 
 See :mod:`dramatiq_leases.core.line` for the line itself. A worker process
 keeps here what only it can know: which of its threads wait in place (at most
-half of them), and which parked copies its delay-queue consumers hold. A
+half of them; more for the heads of lines while a thread is left free), which
+run actors, and which parked copies its delay-queue consumers hold. A
 parked copy is an ordinary delayed message, so the broker stays its home: if
 the process dies, the broker hands the copy to another, which registers it.
 Asked back (a promotion on this process's channel, or found so by the check
@@ -134,11 +135,11 @@ class Waiting:
         self.channel = "".join(f"{self.leases.prefix}:promote:{uuid.uuid4().hex}".split())
 
     def boot(self, broker: dramatiq.Broker, worker_threads: int) -> None:
-        """Start listening for promotions; at most half the worker threads may wait in place."""
+        """Start listening for promotions; at most half the worker threads may wait in place (see :meth:`reserve`)."""
         self._broker = broker
         self.threads = worker_threads
         self.cap = max(1, worker_threads // 2)
-        # The front of a line (the next to run) may take more, short of the last thread.
+        # The front of a line (the next to run) may take more, short of the last free thread (see reserve).
         self.front_cap = max(self.cap, worker_threads - 1)
         if not self.channel:
             self.prepare()
